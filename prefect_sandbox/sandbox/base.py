@@ -1,0 +1,199 @@
+"""The seam every backend implements: `Sandbox`, and the values that cross it."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "CellError",
+    "CellResult",
+    "OutputCallback",
+    "RemoteFile",
+    "Sandbox",
+    "SandboxHandle",
+]
+
+OutputCallback = Callable[[dict[str, Any]], None]
+"""Called with each nbformat output dict as it arrives from the kernel, before coalescing."""
+
+
+class SandboxHandle(BaseModel):
+    """A small, picklable, JSON-able address of a live sandbox.
+
+    Tasks pass handles, never live objects, so retries, thread pools and process-based task
+    runners all work; ``Backend.attach(handle)`` returns a live `Sandbox` again. A handle never
+    holds a backend's API key.
+
+    Attributes:
+        backend: the backend's slug (``"local"``, ``"e2b"``, ``"daytona"``).
+        sandbox_id: the backend's id for the sandbox.
+        workdir: the sandbox's working directory, as a path inside the sandbox.
+        labels: labels the sandbox was created with (flow run id and name, our marker).
+        connection: backend-specific details needed to reach the sandbox again.
+    """
+
+    backend: str
+    sandbox_id: str
+    workdir: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    connection: dict[str, Any] = Field(default_factory=dict)
+
+
+class CellError(BaseModel):
+    """The exception user code raised in a cell, as the kernel reported it."""
+
+    ename: str
+    evalue: str
+    traceback: list[str] = Field(default_factory=list)
+
+
+class CellResult(BaseModel):
+    """What running one cell produced.
+
+    Attributes:
+        status: ``"ok"``; ``"error"`` when user code raised; ``"timeout"`` when the deadline
+            passed and the cell was interrupted.
+        execution_count: the kernel's execution counter for the cell, when it reported one.
+        outputs: nbformat v4 output dicts (``stream``, ``display_data``, ``execute_result``,
+            ``error``) in the order they were produced, consecutive streams coalesced.
+        error: the exception, when ``status`` is not ``"ok"``.
+        started_at: when the cell was sent (UTC).
+        duration_s: seconds from sending the cell to its reply.
+        interrupted: True when an interrupt stopped the cell after its deadline.
+        state_lost: True when the kernel was restarted, losing variables and imports.
+    """
+
+    status: Literal["ok", "error", "timeout"]
+    execution_count: int | None = None
+    outputs: list[dict[str, Any]] = Field(default_factory=list)
+    error: CellError | None = None
+    started_at: datetime
+    duration_s: float
+    interrupted: bool = False
+    state_lost: bool = False
+
+
+class RemoteFile(BaseModel):
+    """A file inside a sandbox.
+
+    Attributes:
+        path: POSIX path relative to the sandbox's working directory.
+        size_bytes: its size in bytes.
+    """
+
+    path: str
+    size_bytes: int
+
+
+class Sandbox(abc.ABC):
+    """One live execution environment whose state persists between cells.
+
+    Made by a backend's ``create(labels)`` or reached again with ``attach(handle)``. Every path
+    inside the sandbox is relative to its working directory; paths that leave it raise
+    `UnsafePathError`. User code that raises is data, not an exception: `run_cell` returns a
+    `CellResult` with ``error`` set, and the caller decides what to do.
+
+    ``async with sandbox:`` kills it on exit.
+    """
+
+    @property
+    @abc.abstractmethod
+    def handle(self) -> SandboxHandle:
+        """The address of this sandbox, to pass between tasks, threads and processes."""
+
+    @abc.abstractmethod
+    async def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> CellResult:
+        """Run one cell of code and wait for it to finish.
+
+        Args:
+            code: the cell's source.
+            timeout_s: seconds before the cell is interrupted; None for no deadline.
+            on_output: called with each output as it arrives.
+
+        Returns:
+            The cell's result; ``status`` is ``"timeout"`` when the deadline passed.
+
+        Raises:
+            ValueError: ``timeout_s`` is zero or negative.
+            SandboxDiedError: the sandbox's process ended before or during the cell.
+            SandboxNotFoundError: the sandbox was killed or expired.
+        """
+
+    @abc.abstractmethod
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy the local file ``src`` to ``dest`` inside the sandbox, making folders as needed.
+
+        Raises:
+            UnsafePathError: ``dest`` leaves the working directory.
+            FileTransferError: the copy failed.
+        """
+
+    @abc.abstractmethod
+    async def download(self, src: str, dest: Path) -> int:
+        """Copy ``src`` from inside the sandbox to the local file ``dest``.
+
+        Returns:
+            The number of bytes copied.
+
+        Raises:
+            UnsafePathError: ``src`` leaves the working directory (a symlink included).
+            FileTransferError: the file is missing or the copy failed.
+        """
+
+    @abc.abstractmethod
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """List regular files under the working directory that match a glob pattern.
+
+        Args:
+            pattern: a glob relative to the working directory (``**`` crosses folders).
+
+        Returns:
+            Matching files, sorted by path.
+
+        Raises:
+            UnsafePathError: the pattern is absolute or climbs out with ``..``.
+        """
+
+    @abc.abstractmethod
+    async def interrupt(self) -> None:
+        """Interrupt the running cell, as Jupyter's stop button does."""
+
+    @abc.abstractmethod
+    async def restart(self) -> None:
+        """Restart the kernel in place: same handle, files kept, variables and imports lost."""
+
+    @abc.abstractmethod
+    async def kill(self) -> bool:
+        """End the sandbox and free what it holds. Idempotent.
+
+        Returns:
+            True if this call ended it, False if it was already gone.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Drop this process's connection to the sandbox without ending the sandbox."""
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.kill()

@@ -1,0 +1,232 @@
+"""The error hierarchy of prefect-sandbox.
+
+::
+
+    SandboxError
+    ├── CellExecutionError        user code raised (ename, evalue, traceback, stage, cell_index)
+    ├── CellTimeoutError          a cell ran past its deadline (also a TimeoutError)
+    ├── SandboxDiedError          the sandbox process ended; its state is lost
+    ├── SandboxNotFoundError      the sandbox expired or was killed
+    ├── SandboxUnavailableError   transient backend trouble; retried with backoff
+    ├── SandboxAuthError          credentials refused
+    ├── UnsafePathError           a path that leaves the working directory (also a ValueError)
+    ├── FileTransferError         an upload or download failed
+    ├── NotebookError             a notebook or stage list that cannot be run (also a ValueError)
+    └── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
+
+Every error keeps its structured fields through pickling, since Prefect's task runners pickle
+exceptions between threads and processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CellExecutionError",
+    "CellTimeoutError",
+    "FileTransferError",
+    "NotebookError",
+    "PipelineFailedError",
+    "SandboxAuthError",
+    "SandboxDiedError",
+    "SandboxError",
+    "SandboxNotFoundError",
+    "SandboxUnavailableError",
+    "UnsafePathError",
+]
+
+
+def _rebuild(cls: type[SandboxError], message: str, fields: dict[str, Any]) -> SandboxError:
+    return cls(message, **fields)
+
+
+class SandboxError(Exception):
+    """Root of every error this package raises.
+
+    Args:
+        message: a sentence for people.
+        sandbox_id: the sandbox concerned, when known.
+    """
+
+    def __init__(self, message: str, *, sandbox_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {key: value for key, value in vars(self).items() if key != "message"}
+        return (_rebuild, (type(self), self.message, fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CellExecutionError(SandboxError):
+    """User code in a cell raised an exception.
+
+    Args:
+        message: a sentence naming the stage, the cell and the exception.
+        ename: the exception's class name, as the kernel reported it (e.g. ``"ValueError"``).
+        evalue: the exception's message.
+        traceback: the traceback lines as the kernel sent them (may hold ANSI colour codes).
+        stage: the stage the cell belongs to, when run as part of a pipeline.
+        cell_index: 0-based index of the cell in its notebook's ``cells`` list.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ename: str = "",
+        evalue: str = "",
+        traceback: list[str] | None = None,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = traceback or []
+        self.stage = stage
+        self.cell_index = cell_index
+
+
+class CellTimeoutError(SandboxError, TimeoutError):
+    """A cell ran past its deadline.
+
+    Args:
+        message: a sentence naming the cell, the timeout and what was done about it.
+        timeout_s: the deadline that passed, in seconds.
+        stage: the stage the cell belongs to.
+        cell_index: 0-based index of the cell in its notebook's ``cells`` list.
+        interrupted: True when an interrupt stopped the cell and the kernel went idle.
+        state_lost: True when the kernel had to be restarted, losing variables and imports.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        timeout_s: float | None = None,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        interrupted: bool = False,
+        state_lost: bool = False,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.timeout_s = timeout_s
+        self.stage = stage
+        self.cell_index = cell_index
+        self.interrupted = interrupted
+        self.state_lost = state_lost
+
+
+class SandboxDiedError(SandboxError):
+    """The sandbox's process ended while in use; its state is lost.
+
+    Args:
+        message: a sentence naming the sandbox and, when known, the cell.
+        exit_code: the process's exit status, when it exited.
+        signal: the number of the signal that ended it, when one did.
+        stage: the stage that was running.
+        cell_index: 0-based index of the cell that was running.
+    """
+
+    state_lost = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.exit_code = exit_code
+        self.signal = signal
+        self.stage = stage
+        self.cell_index = cell_index
+
+
+class SandboxNotFoundError(SandboxError):
+    """The sandbox expired or was killed; a new one is never made silently in its place."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The backend is briefly unable to serve a call (429, 5xx, a dropped connection)."""
+
+
+class SandboxAuthError(SandboxError):
+    """The backend refused the credentials."""
+
+
+class UnsafePathError(SandboxError, ValueError):
+    """A path leaves the sandbox's working directory.
+
+    Args:
+        message: a sentence naming the path.
+        path: the path as it was given.
+    """
+
+    def __init__(self, message: str, *, path: str = "", sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.path = path
+
+
+class FileTransferError(SandboxError):
+    """An upload to or a download from the sandbox failed.
+
+    Args:
+        message: a sentence naming the file.
+        path: the file's path inside the sandbox.
+    """
+
+    def __init__(self, message: str, *, path: str = "", sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.path = path
+
+
+class NotebookError(SandboxError, ValueError):
+    """A notebook, stage list or parameter that cannot be run.
+
+    Args:
+        message: a sentence naming the notebook, cell or parameter at fault.
+        cell_index: 0-based index of the offending cell, when one is at fault.
+    """
+
+    def __init__(
+        self, message: str, *, cell_index: int | None = None, sandbox_id: str | None = None
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.cell_index = cell_index
+
+
+class PipelineFailedError(SandboxError):
+    """A pipeline stopped at a failing stage; what it produced before was stored.
+
+    Args:
+        message: one line: stage, cell index and the exception.
+        stage: the stage that failed.
+        cell_index: 0-based index of the failing cell in the notebook.
+        output_dir: where the partial notebook, artifacts and summary were stored.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        output_dir: str | None = None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.stage = stage
+        self.cell_index = cell_index
+        self.output_dir = output_dir

@@ -1,0 +1,527 @@
+"""`LocalKernelSandbox`: an ipykernel on this machine, driven through jupyter_client.
+
+The kernel is launched with jupyter_client's launcher in a new process session, talks over IPC
+sockets (unique per kernel, so many kernels never clash on TCP ports), starts in the sandbox's
+working directory with no stdin and only an allow-list of the host's environment, and exits on
+its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``).
+
+Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
+labels), so ``attach(handle)`` works from another thread or another process on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.connect import write_connection_file
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_client.launcher import launch_kernel
+
+from prefect_sandbox.sandbox.base import (
+    CellError,
+    CellResult,
+    OutputCallback,
+    RemoteFile,
+    Sandbox,
+    SandboxHandle,
+)
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+)
+from prefect_sandbox.sandbox.outputs import OutputCollector, error_output
+from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+
+__all__ = ["HOST_ENV_ALLOW_LIST", "LocalKernelConfig", "LocalKernelSandbox"]
+
+BACKEND_SLUG = "local"
+
+HOST_ENV_ALLOW_LIST = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+"""Host variables a kernel inherits; everything else it gets only from the user's settings."""
+
+_LIVENESS_POLL_S = 0.5
+_HANDSHAKE_POLL_S = 0.2
+_REPLY_WAIT_S = 5.0
+_REAP_WAIT_S = 10.0
+
+# Kernels this process launched, so that it can reap them (no zombies) and read exit codes.
+_launched: dict[str, subprocess.Popen[bytes]] = {}
+
+
+@dataclass(frozen=True)
+class LocalKernelConfig:
+    """Settings of local kernel sandboxes.
+
+    Attributes:
+        kernel_name: the Jupyter kernelspec to launch (``python3`` is this Python's ipykernel).
+        workdir_root: a folder under which each sandbox gets its own working directory; None
+            for a fresh temporary directory.
+        env: variables the kernel gets besides `HOST_ENV_ALLOW_LIST`.
+        startup_timeout_s: seconds a kernel may take to start and answer.
+        interrupt_grace_s: seconds a timed-out cell gets to stop after the interrupt before the
+            kernel is restarted.
+    """
+
+    kernel_name: str = "python3"
+    workdir_root: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 60.0
+    interrupt_grace_s: float = 5.0
+
+
+def _runtime_base() -> Path:
+    # Short, so IPC socket paths stay under the 107-byte limit of Unix sockets.
+    base = Path(tempfile.gettempdir()) / f"prefect-sandbox-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    return base
+
+
+def _process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (``Z`` for a zombie), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+class LocalKernelSandbox(Sandbox):
+    """A sandbox that is an ipykernel process on this machine.
+
+    Make one with `create`, reach it again with `attach`. Not safe to share one instance
+    between event loops; attach once per loop instead.
+    """
+
+    def __init__(
+        self, handle: SandboxHandle, config: LocalKernelConfig, client: AsyncKernelClient
+    ) -> None:
+        self._handle = handle
+        self._config = config
+        self._client = client
+        self._runtime_dir = Path(handle.connection["runtime_dir"])
+        self._workdir = Path(handle.workdir)
+        self._pid = self._read_pid()
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The address of this sandbox (see `SandboxHandle`)."""
+        return self._handle
+
+    @classmethod
+    async def create(
+        cls, config: LocalKernelConfig, labels: Mapping[str, str] | None = None
+    ) -> LocalKernelSandbox:
+        """Start a kernel in a new working directory and wait until it answers.
+
+        Args:
+            config: the sandbox settings.
+            labels: labels to find the sandbox by later (flow run id and name, ...).
+
+        Returns:
+            The live sandbox.
+
+        Raises:
+            SandboxError: the kernelspec is unknown.
+            SandboxDiedError: the kernel exited during start-up.
+            SandboxUnavailableError: it did not answer within ``startup_timeout_s``.
+        """
+        sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
+        runtime_dir = _runtime_base() / sandbox_id
+        runtime_dir.mkdir(mode=0o700)
+        if config.workdir_root is not None:
+            config.workdir_root.mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=config.workdir_root))
+        else:
+            workdir = Path(tempfile.mkdtemp(prefix=f"prefect-sandbox-{sandbox_id}-"))
+        handle = SandboxHandle(
+            backend=BACKEND_SLUG,
+            sandbox_id=sandbox_id,
+            workdir=str(workdir),
+            labels=dict(labels or {}),
+            connection={
+                "runtime_dir": str(runtime_dir),
+                "owns_workdir": True,
+                "kernel_name": config.kernel_name,
+            },
+        )
+        (runtime_dir / "handle.json").write_text(handle.model_dump_json())
+        write_connection_file(
+            fname=str(runtime_dir / "connection.json"),
+            ip=str(runtime_dir / "k"),
+            key=secrets.token_hex(16).encode(),
+            transport="ipc",
+            kernel_name=config.kernel_name,
+        )
+        try:
+            _launch(handle, config)
+            sandbox = cls(handle, config, _new_client(runtime_dir))
+            await sandbox._handshake()
+        except BaseException:
+            await asyncio.to_thread(_destroy, handle)
+            raise
+        return sandbox
+
+    @classmethod
+    async def attach(cls, handle: SandboxHandle, config: LocalKernelConfig) -> LocalKernelSandbox:
+        """Reach a running sandbox again, from this or another thread or process.
+
+        Args:
+            handle: the sandbox's handle.
+            config: the sandbox settings (used if the kernel must be restarted).
+
+        Returns:
+            A live sandbox with the kernel's state intact.
+
+        Raises:
+            SandboxNotFoundError: the sandbox was killed.
+            SandboxDiedError: its kernel process has ended.
+        """
+        runtime_dir = Path(handle.connection["runtime_dir"])
+        if not (runtime_dir / "connection.json").exists():
+            raise SandboxNotFoundError(
+                f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
+                sandbox_id=handle.sandbox_id,
+            )
+        sandbox = cls(handle, config, _new_client(runtime_dir))
+        try:
+            await sandbox._handshake()
+        except BaseException:
+            await sandbox.close()
+            raise
+        return sandbox
+
+    @staticmethod
+    def list_handles(labels: Mapping[str, str] | None = None) -> list[SandboxHandle]:
+        """Handles of this machine's live local sandboxes whose labels include ``labels``.
+
+        Args:
+            labels: labels every returned sandbox carries; None or empty for all.
+
+        Returns:
+            Handles sorted by sandbox id.
+        """
+        wanted = dict(labels or {})
+        handles = []
+        for handle_file in sorted(_runtime_base().glob("*/handle.json")):
+            handle = SandboxHandle.model_validate_json(handle_file.read_text())
+            if wanted.items() <= handle.labels.items():
+                handles.append(handle)
+        return handles
+
+    async def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> CellResult:
+        """Run one cell (see `Sandbox.run_cell`).
+
+        On the deadline the kernel gets SIGINT; if it is not idle ``interrupt_grace_s`` later it
+        is restarted and the result says ``state_lost``.
+        """
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        self._check_alive()
+        started_at = datetime.now(UTC)
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        msg_id = self._client.execute(
+            code, store_history=True, allow_stdin=False, stop_on_error=False
+        )
+        collector = OutputCollector()
+        timed_out = state_lost = False
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                if timed_out:
+                    await self.restart()
+                    state_lost = True
+                    break
+                timed_out = True
+                await self.interrupt()
+                deadline = time.monotonic() + self._config.interrupt_grace_s
+            wait_s = _LIVENESS_POLL_S
+            if deadline is not None:
+                wait_s = min(wait_s, max(deadline - time.monotonic(), 0.0))
+            try:
+                msg = await self._client.get_iopub_msg(timeout=wait_s)
+            except Empty:
+                self._check_alive()
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            msg_type = msg["header"]["msg_type"]
+            content = msg["content"]
+            if msg_type == "status" and content["execution_state"] == "idle":
+                break
+            output = collector.add(msg_type, content)
+            if output is not None and on_output is not None:
+                on_output(output)
+        reply = None if state_lost else await self._execute_reply(msg_id)
+        duration_s = time.monotonic() - start
+        content = reply["content"] if reply else {}
+        if timed_out:
+            if not collector.has_error() or state_lost:
+                verb = "restarted the kernel" if state_lost else "interrupted"
+                collector.outputs.append(
+                    error_output(
+                        "CellTimeoutError",
+                        f"cell exceeded its {timeout_s} s timeout and was {verb}",
+                        [],
+                    )
+                )
+            status = "timeout"
+        elif content.get("status") == "ok":
+            status = "ok"
+        else:
+            status = "error"
+            if not collector.has_error():
+                collector.outputs.append(
+                    error_output(
+                        content.get("ename", "UnknownError"),
+                        content.get("evalue", f"execute_reply status {content.get('status')!r}"),
+                        content.get("traceback", []),
+                    )
+                )
+        error = None
+        if status != "ok":
+            last = [o for o in collector.outputs if o["output_type"] == "error"][-1]
+            error = CellError(ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"])
+            if status == "timeout":
+                error = CellError(
+                    ename="CellTimeoutError",
+                    evalue=f"cell exceeded its {timeout_s} s timeout",
+                    traceback=last["traceback"],
+                )
+        return CellResult(
+            status=status,
+            execution_count=content.get("execution_count"),
+            outputs=collector.outputs,
+            error=error,
+            started_at=started_at,
+            duration_s=duration_s,
+            interrupted=timed_out and not state_lost,
+            state_lost=state_lost,
+        )
+
+    async def _execute_reply(self, msg_id: str) -> dict[str, Any]:
+        deadline = time.monotonic() + _REPLY_WAIT_S
+        while True:
+            try:
+                reply: dict[str, Any] = await self._client.get_shell_msg(timeout=_LIVENESS_POLL_S)
+            except Empty:
+                self._check_alive()
+                if time.monotonic() >= deadline:
+                    raise SandboxError(
+                        f"sandbox {self._handle.sandbox_id}: kernel went idle but sent no "
+                        "execute_reply",
+                        sandbox_id=self._handle.sandbox_id,
+                    ) from None
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a local file into the working directory (see `Sandbox.upload`)."""
+        target = resolve_inside(self._workdir, dest)
+        if not src.is_file():
+            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, src, target)
+
+    async def download(self, src: str, dest: Path) -> int:
+        """Copy a file out of the working directory (see `Sandbox.download`)."""
+        source = resolve_inside(self._workdir, src)
+        if not source.is_file():
+            raise FileTransferError(
+                f"file {src!r} is not in sandbox {self._handle.sandbox_id}",
+                path=src,
+                sandbox_id=self._handle.sandbox_id,
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, source, dest)
+        return dest.stat().st_size
+
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """List files matching a glob (see `Sandbox.list_files`).
+
+        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        """
+        checked_relative_path(pattern)
+        files = []
+        for path in self._workdir.glob(pattern):
+            if path.is_file():
+                relative = path.relative_to(self._workdir).as_posix()
+                files.append(RemoteFile(path=relative, size_bytes=path.lstat().st_size))
+        return sorted(files, key=lambda remote: remote.path)
+
+    async def interrupt(self) -> None:
+        """Send SIGINT to the kernel's process group, as Jupyter does for ``signal`` mode."""
+        try:
+            os.killpg(self._pid, signal.SIGINT)
+        except ProcessLookupError:
+            self._check_alive()
+
+    async def restart(self) -> None:
+        """Kill the kernel and start a new one on the same sockets and working directory."""
+        await self.close()
+        _kill_process_group(self._handle.sandbox_id, self._pid)
+        _launch(self._handle, self._config)
+        self._pid = self._read_pid()
+        self._client = _new_client(self._runtime_dir)
+        await self._handshake()
+
+    async def kill(self) -> bool:
+        """Kill the kernel and its children, and remove its files. Idempotent.
+
+        Returns:
+            True if this call ended the sandbox, False if it was already gone.
+        """
+        await self.close()
+        return await asyncio.to_thread(_destroy, self._handle)
+
+    async def close(self) -> None:
+        """Close this process's sockets to the kernel; the kernel keeps running."""
+        if self._client.channels_running:
+            self._client.stop_channels()
+
+    def _read_pid(self) -> int:
+        try:
+            return int((self._runtime_dir / "kernel.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            raise SandboxNotFoundError(
+                f"sandbox {self._handle.sandbox_id} is gone (killed)",
+                sandbox_id=self._handle.sandbox_id,
+            ) from None
+
+    def _check_alive(self) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended."""
+        process = _launched.get(self._handle.sandbox_id)
+        if process is not None:
+            returncode = process.poll()
+            if returncode is None:
+                return
+            exit_code = returncode if returncode >= 0 else None
+            signum = -returncode if returncode < 0 else None
+        elif _process_state(self._pid) not in (None, "Z"):
+            return
+        else:
+            exit_code = signum = None
+        how = f"signal {signum}" if signum else f"exit code {exit_code}"
+        raise SandboxDiedError(
+            f"kernel of sandbox {self._handle.sandbox_id} died ({how}); its state is lost",
+            exit_code=exit_code,
+            signal=signum,
+            sandbox_id=self._handle.sandbox_id,
+        )
+
+    async def _handshake(self) -> None:
+        """Wait until the kernel answers and our iopub subscription receives its messages."""
+        deadline = time.monotonic() + self._config.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            msg_id = self._client.kernel_info()
+            try:
+                while True:
+                    msg = await self._client.get_iopub_msg(timeout=_HANDSHAKE_POLL_S)
+                    if msg["parent_header"].get("msg_id") == msg_id:
+                        return
+            except Empty:
+                continue
+        raise SandboxDiedError(
+            f"kernel of sandbox {self._handle.sandbox_id} did not answer within "
+            f"{self._config.startup_timeout_s} s",
+            sandbox_id=self._handle.sandbox_id,
+        )
+
+
+def _new_client(runtime_dir: Path) -> AsyncKernelClient:
+    client = AsyncKernelClient()
+    client.load_connection_file(str(runtime_dir / "connection.json"))
+    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    return client
+
+
+def _kernel_env(spec_env: Mapping[str, str], config: LocalKernelConfig) -> dict[str, str]:
+    env = {name: os.environ[name] for name in HOST_ENV_ALLOW_LIST if name in os.environ}
+    env.update(spec_env)
+    env.update(config.env)
+    return env
+
+
+def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
+    """Start the kernel process for ``handle`` and record its pid."""
+    runtime_dir = Path(handle.connection["runtime_dir"])
+    try:
+        spec = KernelSpecManager().get_kernel_spec(config.kernel_name)
+    except NoSuchKernel:
+        raise SandboxError(
+            f"no Jupyter kernel named {config.kernel_name!r} (setting kernel_name)"
+        ) from None
+    connection_file = str(runtime_dir / "connection.json")
+    cmd = [arg.replace("{connection_file}", connection_file) for arg in spec.argv]
+    # As jupyter_client's KernelManager does: a bare "python" means this interpreter.
+    if cmd and cmd[0] in {"python", f"python{sys.version_info[0]}"}:
+        cmd[0] = sys.executable
+    with open(runtime_dir / "kernel.log", "ab") as log:
+        process = launch_kernel(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=_kernel_env(spec.env, config),
+            cwd=handle.workdir,
+        )
+    _launched[handle.sandbox_id] = process
+    (runtime_dir / "kernel.pid").write_text(str(process.pid))
+
+
+def _destroy(handle: SandboxHandle) -> bool:
+    """Kill the sandbox's kernel, if any, and remove its folders; False if already gone."""
+    runtime_dir = Path(handle.connection["runtime_dir"])
+    if not runtime_dir.exists():
+        return False
+    try:
+        pid = int((runtime_dir / "kernel.pid").read_text())
+    except FileNotFoundError:
+        pass
+    else:
+        _kill_process_group(handle.sandbox_id, pid)
+    shutil.rmtree(runtime_dir, ignore_errors=True)
+    if handle.connection.get("owns_workdir"):
+        shutil.rmtree(handle.workdir, ignore_errors=True)
+    return True
+
+
+def _kill_process_group(sandbox_id: str, pid: int) -> None:
+    """SIGKILL the kernel's process group and wait until the kernel is gone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process = _launched.pop(sandbox_id, None)
+    if process is not None:
+        process.wait(timeout=_REAP_WAIT_S)
+        return
+    deadline = time.monotonic() + _REAP_WAIT_S
+    while _process_state(pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.01)
