@@ -38,7 +38,10 @@ __all__ = [
 
 
 def _rebuild(cls: type[SandboxError], message: str, fields: dict[str, Any]) -> SandboxError:
-    return cls(message, **fields)
+    stage_result = fields.pop("stage_result", None)
+    error = cls(message, **fields)
+    error.stage_result = stage_result
+    return error
 
 
 class SandboxError(Exception):
@@ -48,6 +51,9 @@ class SandboxError(Exception):
         message: a sentence for people.
         sandbox_id: the sandbox concerned, when known.
     """
+
+    stage_result: Any = None
+    """What the failing stage produced before the error (a ``StageResult``), when known."""
 
     def __init__(self, message: str, *, sandbox_id: str | None = None) -> None:
         super().__init__(message)

@@ -120,6 +120,7 @@ class LocalKernelSandbox(Sandbox):
         self._runtime_dir = Path(handle.connection["runtime_dir"])
         self._workdir = Path(handle.workdir)
         self._pid = self._read_pid()
+        self._ready = False
 
     @property
     def handle(self) -> SandboxHandle:
@@ -189,11 +190,11 @@ class LocalKernelSandbox(Sandbox):
             config: the sandbox settings (used if the kernel must be restarted).
 
         Returns:
-            A live sandbox with the kernel's state intact.
+            A live sandbox with the kernel's state intact. File calls work even if the kernel
+            has died; the first `run_cell` waits for the kernel to answer.
 
         Raises:
             SandboxNotFoundError: the sandbox was killed.
-            SandboxDiedError: its kernel process has ended.
         """
         runtime_dir = Path(handle.connection["runtime_dir"])
         if not (runtime_dir / "connection.json").exists():
@@ -201,13 +202,7 @@ class LocalKernelSandbox(Sandbox):
                 f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
                 sandbox_id=handle.sandbox_id,
             )
-        sandbox = cls(handle, config, _new_client(runtime_dir))
-        try:
-            await sandbox._handshake()
-        except BaseException:
-            await sandbox.close()
-            raise
-        return sandbox
+        return cls(handle, config, _new_client(runtime_dir))
 
     @staticmethod
     def list_handles(labels: Mapping[str, str] | None = None) -> list[SandboxHandle]:
@@ -242,6 +237,8 @@ class LocalKernelSandbox(Sandbox):
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
         self._check_alive()
+        if not self._ready:
+            await self._handshake()
         started_at = datetime.now(UTC)
         start = time.monotonic()
         deadline = None if timeout_s is None else start + timeout_s
@@ -388,6 +385,7 @@ class LocalKernelSandbox(Sandbox):
         _launch(self._handle, self._config)
         self._pid = self._read_pid()
         self._client = _new_client(self._runtime_dir)
+        self._ready = False
         await self._handshake()
 
     async def kill(self) -> bool:
@@ -444,6 +442,7 @@ class LocalKernelSandbox(Sandbox):
                 while True:
                     msg = await self._client.get_iopub_msg(timeout=_HANDSHAKE_POLL_S)
                     if msg["parent_header"].get("msg_id") == msg_id:
+                        self._ready = True
                         return
             except Empty:
                 continue

@@ -1,0 +1,271 @@
+"""The pipeline flows: `arun_notebook` / `run_notebook` and `amodeling_pipeline` /
+`modeling_pipeline`.
+
+Each makes one sandbox for the flow run, uploads the inputs, runs the stages in order, downloads
+the artifacts, stores them with the executed notebook and ``summary.json``, and kills the sandbox
+in a ``finally``. A failed stage stops the pipeline; what came before is still stored and the
+flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
+
+The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
+sync twins run them from plain Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from nbformat import NotebookNode
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from prefect.flows import Flow
+from prefect.utilities.asyncutils import run_coro_as_sync
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.results import PipelineResult, StageResult, StageSummary
+from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
+from prefect_sandbox.sandbox.labels import flow_run_labels
+from prefect_sandbox.sandbox.notebook import (
+    ExecutedNotebook,
+    StageSpec,
+    inject_parameters,
+    notebook_from_stages,
+    read_notebook,
+    split_stages,
+)
+from prefect_sandbox.tasks.sandbox import (
+    create_sandbox,
+    download_artifacts,
+    kill_sandbox,
+    run_stage,
+    store_artifacts,
+    upload_inputs,
+)
+
+__all__ = [
+    "DEFAULT_OUTPUT_DIR",
+    "EXECUTED_NOTEBOOK_NAME",
+    "SUMMARY_NAME",
+    "amodeling_pipeline",
+    "arun_notebook",
+    "modeling_pipeline",
+    "run_notebook",
+]
+
+DEFAULT_OUTPUT_DIR = "prefect-sandbox-output"
+EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
+SUMMARY_NAME = "summary.json"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[StageSummary]:
+    by_name = {result.name: result for result in results}
+    summaries = []
+    for stage in stages:
+        result = by_name.get(stage.name)
+        if result is None:
+            summaries.append(
+                StageSummary(name=stage.name, status="not_run", cell_count=len(stage.cells), duration_s=0.0)
+            )
+            continue
+        summaries.append(
+            StageSummary(
+                name=stage.name,
+                status=result.status,
+                cell_count=len(stage.cells),
+                duration_s=round(result.duration_s, 6),
+                failed_cell_index=result.failed_cell_index,
+                ename=result.error.ename if result.error else None,
+                evalue=result.error.evalue if result.error else None,
+            )
+        )
+    return summaries
+
+
+async def _run_pipeline(
+    source: NotebookNode,
+    stages: list[StageSpec],
+    *,
+    inputs: list[str],
+    artifacts: list[str],
+    backend: SandboxBackend,
+    output_dir: str,
+    cell_timeout_s: float | None,
+) -> PipelineResult:
+    context = FlowRunContext.get()
+    assert context is not None and context.flow_run is not None, "must run inside a flow"
+    flow_run = context.flow_run
+    logger = get_run_logger()
+    start = time.monotonic()
+    executed = ExecutedNotebook(source)
+    executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
+    stage_results: list[StageResult] = []
+    failure: SandboxError | None = None
+    downloaded: list[str] = []
+    staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
+    destination = str(Path(output_dir) / flow_run.name)
+    try:
+        handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
+        executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
+        try:
+            try:
+                await upload_inputs(backend, handle, inputs)
+                for stage in stages:
+                    try:
+                        stage_results.append(
+                            await run_stage(backend, handle, stage, cell_timeout_s)
+                        )
+                    except SandboxError as exc:
+                        if exc.stage_result is not None:
+                            stage_results.append(exc.stage_result)
+                        raise
+            except SandboxError as exc:
+                failure = exc
+            downloaded = await download_artifacts(backend, handle, artifacts, str(staging))
+        finally:
+            await kill_sandbox(backend, handle)
+    finally:
+        for stage_result in stage_results:
+            for record in stage_result.cells:
+                executed.record(record.index, stage_result.name, record.result)
+        executed.write(staging / EXECUTED_NOTEBOOK_NAME)
+        stored = store_artifacts(str(staging), [*downloaded, EXECUTED_NOTEBOOK_NAME], destination)
+        shutil.rmtree(staging, ignore_errors=True)
+    error = str(failure) if failure else None
+    result = PipelineResult(
+        flow_run_id=str(flow_run.id),
+        flow_run_name=flow_run.name,
+        status="failed" if failure else "completed",
+        stages=_summaries(stages, stage_results),
+        artifacts=stored,
+        output_dir=destination,
+        duration_s=round(time.monotonic() - start, 6),
+        error=error,
+    )
+    (Path(destination) / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
+    logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, destination)
+    if failure is not None:
+        raise PipelineFailedError(
+            error or "pipeline failed",
+            stage=getattr(failure, "stage", None),
+            cell_index=getattr(failure, "cell_index", None),
+            output_dir=destination,
+            sandbox_id=handle.sandbox_id,
+        ) from failure
+    return result
+
+
+@flow(name="run-notebook")
+async def arun_notebook(
+    notebook: str,
+    inputs: list[str] | None = None,
+    artifacts: list[str] | None = None,
+    parameters: dict[str, Any] | None = None,
+    backend: SandboxBackend | None = None,
+    output_dir: str = DEFAULT_OUTPUT_DIR,
+    cell_timeout_s: float | None = None,
+) -> PipelineResult:
+    """Run a notebook stage by stage in one sandbox and store what it made.
+
+    Stages are the cells tagged ``stage:<name>`` or, untagged, one per top-level markdown
+    heading. Files land in ``<output_dir>/<flow-run-name>/``: the artifacts at their relative
+    paths, ``executed.ipynb`` and ``summary.json``.
+
+    Args:
+        notebook: Path of the .ipynb to run, on the machine that runs the flow.
+        inputs: Local files or folders to upload into the sandbox first; a file lands under
+            its name, a folder under its name with its tree.
+        artifacts: Glob patterns, relative to the sandbox's working directory, of files to
+            collect and store afterwards, e.g. figures/*.png.
+        parameters: Values injected, papermill-style, after the cell tagged 'parameters'.
+        backend: The sandbox backend block; a local Jupyter kernel when empty.
+        output_dir: Folder under which the run's own folder, named after the flow run, is made.
+        cell_timeout_s: Seconds each cell may run; the backend's default when empty.
+
+    Returns:
+        The run's `PipelineResult`.
+
+    Raises:
+        NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
+        PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+    """
+    source = inject_parameters(read_notebook(Path(notebook)), parameters or {})
+    return await _run_pipeline(
+        source,
+        split_stages(source),
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        backend=backend or LocalKernelBackend(),
+        output_dir=output_dir,
+        cell_timeout_s=cell_timeout_s,
+    )
+
+
+@flow(name="modeling-pipeline")
+async def amodeling_pipeline(
+    stages: dict[str, list[str]],
+    inputs: list[str] | None = None,
+    artifacts: list[str] | None = None,
+    backend: SandboxBackend | None = None,
+    output_dir: str = DEFAULT_OUTPUT_DIR,
+    cell_timeout_s: float | None = None,
+) -> PipelineResult:
+    """Run stages of code cells in one sandbox and store what they made.
+
+    Like `arun_notebook`, for cells given as strings; the executed notebook holds one code cell
+    per source, tagged with its stage.
+
+    Args:
+        stages: Stage name to the source of each of its cells, in running order.
+        inputs: Local files or folders to upload into the sandbox first; a file lands under
+            its name, a folder under its name with its tree.
+        artifacts: Glob patterns, relative to the sandbox's working directory, of files to
+            collect and store afterwards, e.g. figures/*.png.
+        backend: The sandbox backend block; a local Jupyter kernel when empty.
+        output_dir: Folder under which the run's own folder, named after the flow run, is made.
+        cell_timeout_s: Seconds each cell may run; the backend's default when empty.
+
+    Returns:
+        The run's `PipelineResult`.
+
+    Raises:
+        NotebookError: a stage is empty or unnamed.
+        PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+    """
+    source = notebook_from_stages(stages)
+    return await _run_pipeline(
+        source,
+        split_stages(source),
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        backend=backend or LocalKernelBackend(),
+        output_dir=output_dir,
+        cell_timeout_s=cell_timeout_s,
+    )
+
+
+def sync_twin(async_flow: Flow[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
+    """Derive the blocking twin of an async flow, for plain Python callers.
+
+    Returns:
+        A function with the flow's signature that runs the flow and returns its result.
+    """
+
+    @functools.wraps(async_flow.fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return run_coro_as_sync(async_flow(*args, **kwargs))  # type: ignore[return-value]
+
+    return run
+
+
+run_notebook = sync_twin(arun_notebook)
+modeling_pipeline = sync_twin(amodeling_pipeline)

@@ -1,0 +1,90 @@
+"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from prefect_sandbox.sandbox.base import CellError, CellResult
+
+__all__ = ["CellRecord", "PipelineResult", "StageResult", "StageSummary", "StoredArtifact"]
+
+
+class CellRecord(BaseModel):
+    """One executed cell: where it sits in the notebook and what it produced."""
+
+    index: int
+    result: CellResult
+
+
+class StageResult(BaseModel):
+    """What running one stage produced.
+
+    Attributes:
+        name: the stage's name.
+        status: ``"ok"``, or ``"failed"`` when a cell failed (the cells after it did not run).
+        cells: the cells that ran, in order, the failing one included.
+        duration_s: seconds the stage took.
+        failed_cell_index: 0-based notebook index of the failing cell.
+        error: the failing cell's exception.
+    """
+
+    name: str
+    status: Literal["ok", "failed"]
+    cells: list[CellRecord] = Field(default_factory=list)
+    duration_s: float = 0.0
+    failed_cell_index: int | None = None
+    error: CellError | None = None
+
+
+class StoredArtifact(BaseModel):
+    """A file stored by a flow.
+
+    Attributes:
+        path: POSIX path relative to the sandbox's working directory (or the notebook's name).
+        bytes: its size in bytes.
+        sha256: hex SHA-256 of its content.
+        location: where it was stored (a local path, or later an ``s3://`` URI).
+    """
+
+    path: str
+    bytes: int
+    sha256: str
+    location: str
+
+
+class StageSummary(BaseModel):
+    """A stage's line in ``summary.json``."""
+
+    name: str
+    status: Literal["ok", "failed", "not_run"]
+    cell_count: int
+    duration_s: float
+    failed_cell_index: int | None = None
+    ename: str | None = None
+    evalue: str | None = None
+
+
+class PipelineResult(BaseModel):
+    """What a pipeline flow returns, and what it writes as ``summary.json``.
+
+    Attributes:
+        flow_run_id: the flow run's id.
+        flow_run_name: the flow run's name; also the folder its files are stored in.
+        status: ``"completed"`` or ``"failed"``.
+        stages: one summary per stage, in order, including stages that never ran.
+        artifacts: the stored files, the executed notebook included.
+        output_dir: the folder (or URI) they were stored under.
+        duration_s: seconds the pipeline took, sandbox start and kill included.
+        error: one line naming the failing stage, cell and exception, when it failed.
+    """
+
+    flow_run_id: str
+    flow_run_name: str
+    status: Literal["completed", "failed"]
+    stages: list[StageSummary]
+    artifacts: list[StoredArtifact]
+    output_dir: str
+    duration_s: float
+    error: str | None = None

@@ -1,0 +1,283 @@
+"""Notebooks in and out: stages from a notebook, injected parameters, the executed notebook.
+
+Pure functions over nbformat nodes; only `read_notebook` and `ExecutedNotebook.write` touch disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbformat import NotebookNode
+from pydantic import BaseModel, Field
+
+from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.sandbox.errors import NotebookError
+
+__all__ = [
+    "CellSpec",
+    "ExecutedNotebook",
+    "StageSpec",
+    "inject_parameters",
+    "notebook_from_stages",
+    "parse_parameter",
+    "read_notebook",
+    "split_stages",
+]
+
+STAGE_TAG_PREFIX = "stage:"
+PARAMETERS_TAG = "parameters"
+INJECTED_TAG = "injected-parameters"
+LEADING_STAGE = "setup"
+METADATA_KEY = "prefect_sandbox"
+
+
+class CellSpec(BaseModel):
+    """One code cell to run.
+
+    Attributes:
+        index: 0-based index of the cell in its notebook's ``cells`` list.
+        source: the cell's code.
+        tags: the cell's metadata tags (``raises-exception`` lets it fail).
+    """
+
+    index: int
+    source: str
+    tags: list[str] = Field(default_factory=list)
+
+
+class StageSpec(BaseModel):
+    """A named run of consecutive code cells; one Prefect task runs one stage."""
+
+    name: str
+    cells: list[CellSpec]
+
+
+def read_notebook(path: Path) -> NotebookNode:
+    """Read and validate a notebook file as nbformat v4.
+
+    Raises:
+        NotebookError: the file is missing, not JSON, or not a valid notebook (names the file).
+    """
+    try:
+        notebook = nbformat.read(path, as_version=4)
+        nbformat.validate(notebook)
+    except FileNotFoundError:
+        raise NotebookError(f"notebook {str(path)!r} does not exist") from None
+    except (json.JSONDecodeError, nbformat.ValidationError, nbformat.reader.NotJSONError) as exc:
+        raise NotebookError(f"notebook {str(path)!r} is not a valid notebook: {exc}") from exc
+    return notebook
+
+
+def notebook_from_stages(stages: Mapping[str, Sequence[str]]) -> NotebookNode:
+    """Build a notebook with one code cell per source, each tagged ``stage:<name>``.
+
+    Args:
+        stages: stage name to its cells' sources, in running order.
+
+    Raises:
+        NotebookError: a stage has an empty name or no cells.
+    """
+    notebook = nbformat.v4.new_notebook()
+    for name, sources in stages.items():
+        _check_stage_name(name, None)
+        if not sources:
+            raise NotebookError(f"stage {name!r} has no cells")
+        for source in sources:
+            cell = nbformat.v4.new_code_cell(source)
+            cell.metadata["tags"] = [f"{STAGE_TAG_PREFIX}{name}"]
+            notebook.cells.append(cell)
+    return notebook
+
+
+def parse_parameter(assignment: str) -> tuple[str, Any]:
+    """Parse ``NAME=VALUE`` as papermill's ``-p`` does.
+
+    ``True``/``False``/``None``, integers and floats become those types; anything else is a
+    string.
+
+    Raises:
+        NotebookError: no ``=``, or NAME is not a Python identifier.
+    """
+    name, sep, raw = assignment.partition("=")
+    if not sep or not name.isidentifier():
+        raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
+    value: Any
+    if raw in ("True", "False"):
+        value = raw == "True"
+    elif raw == "None":
+        value = None
+    else:
+        for kind in (int, float):
+            try:
+                value = kind(raw)
+                break
+            except ValueError:
+                continue
+        else:
+            value = raw
+    return name, value
+
+
+def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> NotebookNode:
+    """Return a copy of ``notebook`` with a papermill-style injected parameters cell.
+
+    The new cell, tagged ``injected-parameters``, follows the cell tagged ``parameters`` (or
+    opens the notebook if none is) and replaces an earlier injected cell. It joins the stage of
+    the parameters cell.
+
+    Raises:
+        NotebookError: a name is not an identifier, or a value has no Python literal form.
+    """
+    result = copy.deepcopy(notebook)
+    if not parameters:
+        return result
+    lines = ["# Parameters"]
+    for name, value in parameters.items():
+        if not name.isidentifier():
+            raise NotebookError(f"parameter name {name!r} is not a Python identifier")
+        literal = repr(value)
+        try:
+            compile(literal, "<parameter>", "eval")
+        except SyntaxError:
+            raise NotebookError(f"parameter {name!r} has no Python literal form") from None
+        lines.append(f"{name} = {literal}")
+    cells = [cell for cell in result.cells if INJECTED_TAG not in _tags(cell)]
+    position = 0
+    stage_tags: list[str] = []
+    for index, cell in enumerate(cells):
+        if PARAMETERS_TAG in _tags(cell):
+            position = index + 1
+            stage_tags = [tag for tag in _tags(cell) if tag.startswith(STAGE_TAG_PREFIX)]
+            break
+    injected = nbformat.v4.new_code_cell("\n".join(lines))
+    injected.metadata["tags"] = [INJECTED_TAG, *stage_tags]
+    cells.insert(position, injected)
+    result.cells = cells
+    return result
+
+
+def split_stages(notebook: NotebookNode) -> list[StageSpec]:
+    """Split a notebook's code cells into stages.
+
+    If any cell carries a ``stage:<name>`` tag, a cell's stage is its tag, else that of the cell
+    before it. Otherwise each top-level markdown heading (``# Title``) opens a stage named by
+    its slug. Code cells before the first stage form a stage named ``setup``.
+
+    Returns:
+        The stages in notebook order, empty stages left out.
+
+    Raises:
+        NotebookError: a cell has two stage tags, or a stage's cells are not consecutive
+            (names the cell).
+    """
+    tagged = any(_stage_tag(cell, index) for index, cell in enumerate(notebook.cells))
+    stages: list[StageSpec] = []
+    current = LEADING_STAGE
+    seen_headings: dict[str, int] = {}
+    for index, cell in enumerate(notebook.cells):
+        if tagged:
+            current = _stage_tag(cell, index) or current
+        elif cell.cell_type == "markdown":
+            heading = _top_heading(cell.source)
+            if heading is not None:
+                count = seen_headings[heading] = seen_headings.get(heading, 0) + 1
+                current = heading if count == 1 else f"{heading}-{count}"
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        spec = CellSpec(index=index, source=cell.source, tags=_tags(cell))
+        if stages and stages[-1].name == current:
+            stages[-1].cells.append(spec)
+            continue
+        if any(stage.name == current for stage in stages):
+            raise NotebookError(
+                f"cell {index} is in stage {current!r}, whose cells are not consecutive",
+                cell_index=index,
+            )
+        stages.append(StageSpec(name=current, cells=[spec]))
+    return stages
+
+
+def _tags(cell: NotebookNode) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def _stage_tag(cell: NotebookNode, index: int) -> str | None:
+    names = [tag[len(STAGE_TAG_PREFIX) :] for tag in _tags(cell) if tag.startswith(STAGE_TAG_PREFIX)]
+    if len(names) > 1:
+        raise NotebookError(f"cell {index} has more than one stage tag: {names}", cell_index=index)
+    if names:
+        _check_stage_name(names[0], index)
+        return names[0]
+    return None
+
+
+def _check_stage_name(name: str, index: int | None) -> None:
+    if not name.strip():
+        where = f"cell {index}" if index is not None else "a stage"
+        raise NotebookError(f"{where} has an empty stage name", cell_index=index)
+
+
+def _top_heading(markdown: str) -> str | None:
+    for line in markdown.splitlines():
+        if line.startswith("# "):
+            slug = re.sub(r"[^a-z0-9]+", "-", line[2:].strip().lower()).strip("-")
+            return slug or None
+    return None
+
+
+class ExecutedNotebook:
+    """The executed notebook, built up cell by cell as results arrive.
+
+    Starts from the source notebook with code cells' outputs cleared, so markdown stays in place
+    and cells that never ran show no stale outputs.
+    """
+
+    def __init__(self, source: NotebookNode) -> None:
+        self.notebook = copy.deepcopy(source)
+        for cell in self.notebook.cells:
+            if cell.cell_type == "code":
+                cell.outputs = []
+                cell.execution_count = None
+                cell.metadata.pop(METADATA_KEY, None)
+
+    def record(self, cell_index: int, stage: str, result: CellResult) -> None:
+        """Put one cell's result into the notebook.
+
+        Args:
+            cell_index: 0-based index of the cell in the notebook.
+            stage: the stage it ran in.
+            result: what it produced.
+        """
+        cell = self.notebook.cells[cell_index]
+        cell.outputs = [nbformat.from_dict(output) for output in result.outputs]
+        cell.execution_count = result.execution_count
+        cell.metadata[METADATA_KEY] = {
+            "stage": stage,
+            "status": result.status,
+            "started_at": result.started_at.isoformat(),
+            "duration_s": round(result.duration_s, 6),
+        }
+
+    def set_metadata(self, **fields: Any) -> None:
+        """Record run facts (flow run, backend, sandbox id) in the notebook's metadata."""
+        self.notebook.metadata.setdefault(METADATA_KEY, {}).update(fields)
+
+    def write(self, path: Path) -> int:
+        """Validate and write the notebook.
+
+        Returns:
+            Bytes written.
+
+        Raises:
+            nbformat.ValidationError: the notebook is not valid nbformat v4 (a bug of ours).
+        """
+        nbformat.validate(self.notebook)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(self.notebook, path)
+        return path.stat().st_size

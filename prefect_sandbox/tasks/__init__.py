@@ -1,0 +1,19 @@
+"""Prefect tasks: create, upload, run a stage, download, store, kill."""
+
+from prefect_sandbox.tasks.sandbox import (
+    create_sandbox,
+    download_artifacts,
+    kill_sandbox,
+    run_stage,
+    store_artifacts,
+)
+from prefect_sandbox.tasks.sandbox import upload_inputs as upload_inputs
+
+__all__ = [
+    "create_sandbox",
+    "download_artifacts",
+    "kill_sandbox",
+    "run_stage",
+    "store_artifacts",
+    "upload_inputs",
+]

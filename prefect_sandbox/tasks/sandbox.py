@@ -1,0 +1,310 @@
+"""Prefect tasks over a sandbox. Each takes a backend block and a `SandboxHandle`, never a live
+sandbox, so retries and any task runner work; each attaches, does its work and detaches."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.results import CellRecord, StageResult, StoredArtifact
+from prefect_sandbox.sandbox.base import CellResult, SandboxHandle
+from prefect_sandbox.sandbox.errors import (
+    CellExecutionError,
+    CellTimeoutError,
+    FileTransferError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    UnsafePathError,
+)
+from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.sandbox.paths import resolve_inside
+
+__all__ = [
+    "create_sandbox",
+    "download_artifacts",
+    "kill_sandbox",
+    "run_stage",
+    "store_artifacts",
+    "upload_inputs",
+]
+
+RAISES_EXCEPTION_TAG = "raises-exception"
+_LOG_TEXT_LIMIT = 4000
+_COPY_CHUNK_BYTES = 1 << 20
+
+
+@task(name="create-sandbox", cache_policy=NO_CACHE)
+async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> SandboxHandle:
+    """Make a sandbox and return its handle.
+
+    Args:
+        backend: the backend block.
+        labels: labels for the sandbox (see `flow_run_labels`).
+
+    Returns:
+        The new sandbox's handle.
+
+    Raises:
+        SandboxError: the backend could not make it.
+    """
+    sandbox = await backend.create(labels)
+    await sandbox.close()
+    get_run_logger().info("Sandbox %s started", sandbox.handle.sandbox_id)
+    return sandbox.handle
+
+
+@task(name="upload-inputs", cache_policy=NO_CACHE)
+async def upload_inputs(
+    backend: SandboxBackend, handle: SandboxHandle, inputs: list[str]
+) -> list[str]:
+    """Copy local files and folders into the sandbox's working directory.
+
+    A file lands under its own name; a folder lands under its name with its tree.
+
+    Args:
+        backend: the backend block.
+        handle: the sandbox.
+        inputs: local paths of files or folders.
+
+    Returns:
+        The uploaded files' paths inside the sandbox.
+
+    Raises:
+        FileTransferError: an input does not exist (names it).
+    """
+    logger = get_run_logger()
+    pairs: list[tuple[Path, str]] = []
+    for item in inputs:
+        source = Path(item)
+        if source.is_dir():
+            pairs.extend(
+                (path, (Path(source.name) / path.relative_to(source)).as_posix())
+                for path in sorted(source.rglob("*"))
+                if path.is_file()
+            )
+        elif source.is_file():
+            pairs.append((source, source.name))
+        else:
+            raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+    sandbox = await backend.attach(handle)
+    try:
+        for source, dest in pairs:
+            await sandbox.upload(source, dest)
+    finally:
+        await sandbox.close()
+    logger.info("Uploaded %d input file(s)", len(pairs))
+    return [dest for _, dest in pairs]
+
+
+def _output_logger(stage: str, cell: CellSpec) -> Any:
+    """A callback that sends a cell's outputs to the run logger as they arrive."""
+    logger = get_run_logger()
+    prefix = f"[{stage} cell {cell.index}]"
+
+    def log(output: dict[str, Any]) -> None:
+        kind = output["output_type"]
+        if kind == "stream":
+            text = output["text"]
+        elif kind == "error":
+            logger.error("%s %s: %s", prefix, output["ename"], output["evalue"])
+            return
+        else:
+            text = output.get("data", {}).get("text/plain", f"<{kind}>")
+        if len(text) > _LOG_TEXT_LIMIT:
+            text = f"{text[:_LOG_TEXT_LIMIT]}... [{len(text) - _LOG_TEXT_LIMIT} more characters]"
+        logger.info("%s %s", prefix, text.rstrip("\n"))
+
+    return log
+
+
+def _cell_failure(stage: str, cell: CellSpec, result: CellResult, timeout_s: float | None) -> SandboxError:
+    assert result.error is not None
+    where = f"stage {stage!r}, cell {cell.index}"
+    if result.status == "timeout":
+        what = "restarted the kernel, state lost" if result.state_lost else "interrupted"
+        return CellTimeoutError(
+            f"{where}: timed out after {timeout_s} s ({what})",
+            timeout_s=timeout_s,
+            stage=stage,
+            cell_index=cell.index,
+            interrupted=result.interrupted,
+            state_lost=result.state_lost,
+        )
+    return CellExecutionError(
+        f"{where}: {result.error.ename}: {result.error.evalue}",
+        ename=result.error.ename,
+        evalue=result.error.evalue,
+        traceback=result.error.traceback,
+        stage=stage,
+        cell_index=cell.index,
+    )
+
+
+@task(name="run-stage", task_run_name="run-stage-{stage.name}", cache_policy=NO_CACHE)
+async def run_stage(
+    backend: SandboxBackend,
+    handle: SandboxHandle,
+    stage: StageSpec,
+    cell_timeout_s: float | None = None,
+    allow_errors: bool = False,
+) -> StageResult:
+    """Run a stage's cells in order in the sandbox; state carries over to later stages.
+
+    A cell that raises stops the stage, unless ``allow_errors`` or the cell is tagged
+    ``raises-exception`` (nbclient's rules). Cell output goes to the run logger as it arrives.
+
+    Args:
+        backend: the backend block.
+        handle: the sandbox.
+        stage: the stage's cells.
+        cell_timeout_s: seconds per cell; None takes the backend's ``cell_timeout_s``.
+        allow_errors: record failing cells and go on.
+
+    Returns:
+        The stage's cells and their results.
+
+    Raises:
+        CellExecutionError, CellTimeoutError, SandboxDiedError: a cell failed; the error names
+            the stage and cell and carries the partial `StageResult` as ``stage_result``.
+    """
+    timeout_s = cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s
+    start = time.monotonic()
+    records: list[CellRecord] = []
+
+    def stage_result(failed: CellSpec | None, result: CellResult | None) -> StageResult:
+        return StageResult(
+            name=stage.name,
+            status="failed" if failed else "ok",
+            cells=records,
+            duration_s=time.monotonic() - start,
+            failed_cell_index=failed.index if failed else None,
+            error=result.error if result else None,
+        )
+
+    sandbox = await backend.attach(handle)
+    try:
+        for cell in stage.cells:
+            try:
+                result = await sandbox.run_cell(
+                    cell.source, timeout_s=timeout_s, on_output=_output_logger(stage.name, cell)
+                )
+            except SandboxDiedError as exc:
+                exc.stage, exc.cell_index = stage.name, cell.index
+                exc.message = f"stage {stage.name!r}, cell {cell.index}: {exc.message}"
+                exc.args = (exc.message,)
+                exc.stage_result = stage_result(cell, None)
+                raise
+            records.append(CellRecord(index=cell.index, result=result))
+            tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
+            if result.status == "ok" or (result.status == "error" and tolerated):
+                continue
+            error = _cell_failure(stage.name, cell, result, timeout_s)
+            error.stage_result = stage_result(cell, result)
+            raise error
+    finally:
+        await sandbox.close()
+    return stage_result(None, None)
+
+
+@task(name="download-artifacts", cache_policy=NO_CACHE)
+async def download_artifacts(
+    backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
+) -> list[str]:
+    """Copy the sandbox's files that match glob patterns into a local staging folder.
+
+    Patterns or files that leave the working directory (``..``, absolute paths, symlinks that
+    point outside) are refused with a warning naming them; the rest are still downloaded.
+
+    Args:
+        backend: the backend block.
+        handle: the sandbox.
+        patterns: globs relative to the working directory, e.g. ``figures/*.png``.
+        staging_dir: local folder to copy into, keeping relative paths.
+
+    Returns:
+        Relative paths of the files downloaded.
+    """
+    logger = get_run_logger()
+    staging = Path(staging_dir)
+    downloaded: list[str] = []
+    sandbox = await backend.attach(handle)
+    try:
+        for pattern in patterns:
+            try:
+                matches = await sandbox.list_files(pattern)
+            except UnsafePathError as exc:
+                logger.warning("Artifact pattern refused: %s", exc)
+                continue
+            if not matches:
+                logger.warning("Artifact pattern %r matched no file", pattern)
+            for remote in matches:
+                if remote.path in downloaded:
+                    continue
+                try:
+                    await sandbox.download(remote.path, resolve_inside(staging, remote.path))
+                except UnsafePathError as exc:
+                    logger.warning("Artifact refused: %s", exc)
+                    continue
+                downloaded.append(remote.path)
+    finally:
+        await sandbox.close()
+    logger.info("Downloaded %d artifact(s)", len(downloaded))
+    return downloaded
+
+
+def _copy_with_sha256(source: Path, target: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as reader, target.open("wb") as writer:
+        while chunk := reader.read(_COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            writer.write(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+@task(name="store-artifacts", cache_policy=NO_CACHE)
+def store_artifacts(staging_dir: str, paths: list[str], output_dir: str) -> list[StoredArtifact]:
+    """Store staged files in a local output folder, keeping relative paths.
+
+    Args:
+        staging_dir: the local folder holding the files.
+        paths: their relative paths.
+        output_dir: the folder to store them in (made if missing).
+
+    Returns:
+        One record per file: path, bytes, sha256 and where it was stored.
+    """
+    staging, output = Path(staging_dir), Path(output_dir)
+    stored = []
+    for path in paths:
+        target = resolve_inside(output, path)
+        size, sha256 = _copy_with_sha256(resolve_inside(staging, path), target)
+        stored.append(StoredArtifact(path=path, bytes=size, sha256=sha256, location=str(target)))
+    return stored
+
+
+@task(name="kill-sandbox", cache_policy=NO_CACHE)
+async def kill_sandbox(backend: SandboxBackend, handle: SandboxHandle) -> bool:
+    """Kill the sandbox. Idempotent.
+
+    Returns:
+        True if this call ended it, False if it was already gone.
+    """
+    try:
+        sandbox = await backend.attach(handle)
+    except SandboxNotFoundError:
+        killed = False
+    else:
+        killed = await sandbox.kill()
+    get_run_logger().info("Sandbox %s %s", handle.sandbox_id, "killed" if killed else "already gone")
+    return killed
