@@ -13,7 +13,6 @@ sync twins run them from plain Python.
 from __future__ import annotations
 
 import functools
-import json
 import shutil
 import tempfile
 import time
@@ -36,6 +35,7 @@ from prefect_sandbox.sandbox.notebook import (
     ExecutedNotebook,
     StageSpec,
     inject_parameters,
+    inline_figures,
     notebook_from_stages,
     read_notebook,
     split_stages,
@@ -74,7 +74,9 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
         result = by_name.get(stage.name)
         if result is None:
             summaries.append(
-                StageSummary(name=stage.name, status="not_run", cell_count=len(stage.cells), duration_s=0.0)
+                StageSummary(
+                    name=stage.name, status="not_run", cell_count=len(stage.cells), duration_s=0.0
+                )
             )
             continue
         summaries.append(
@@ -138,7 +140,14 @@ async def _run_pipeline(
             for record in stage_result.cells:
                 executed.record(record.index, stage_result.name, record.result)
         executed.write(staging / EXECUTED_NOTEBOOK_NAME)
-        stored = store_artifacts(str(staging), [*downloaded, EXECUTED_NOTEBOOK_NAME], destination)
+        figures = []
+        for path, image in inline_figures(executed.notebook):
+            (staging / path).parent.mkdir(parents=True, exist_ok=True)
+            (staging / path).write_bytes(image)
+            figures.append(path)
+        stored = store_artifacts(
+            str(staging), [*downloaded, *figures, EXECUTED_NOTEBOOK_NAME], destination
+        )
         shutil.rmtree(staging, ignore_errors=True)
     error = str(failure) if failure else None
     result = PipelineResult(
@@ -262,7 +271,7 @@ def sync_twin(async_flow: Flow[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
 
     @functools.wraps(async_flow.fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        return run_coro_as_sync(async_flow(*args, **kwargs))  # type: ignore[return-value]
+        return run_coro_as_sync(async_flow(*args, **kwargs))
 
     return run
 

@@ -19,4 +19,8 @@ def flow_run_labels(flow_run_id: str, flow_run_name: str) -> dict[str, str]:
     Returns:
         Label name to value.
     """
-    return {MARKER_LABEL: "true", FLOW_RUN_ID_LABEL: flow_run_id, FLOW_RUN_NAME_LABEL: flow_run_name}
+    return {
+        MARKER_LABEL: "true",
+        FLOW_RUN_ID_LABEL: flow_run_id,
+        FLOW_RUN_NAME_LABEL: flow_run_name,
+    }

@@ -12,7 +12,7 @@ labels), so ``attach(handle)`` works from another thread or another process on t
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
 import secrets
 import shutil
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from queue import Empty
-from typing import Any
+from typing import Any, Literal
 
-from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_client.launcher import launch_kernel
@@ -276,6 +276,7 @@ class LocalKernelSandbox(Sandbox):
         reply = None if state_lost else await self._execute_reply(msg_id)
         duration_s = time.monotonic() - start
         content = reply["content"] if reply else {}
+        status: Literal["ok", "error", "timeout"]
         if timed_out:
             if not collector.has_error() or state_lost:
                 verb = "restarted the kernel" if state_lost else "interrupted"
@@ -302,7 +303,9 @@ class LocalKernelSandbox(Sandbox):
         error = None
         if status != "ok":
             last = [o for o in collector.outputs if o["output_type"] == "error"][-1]
-            error = CellError(ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"])
+            error = CellError(
+                ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
+            )
             if status == "timeout":
                 error = CellError(
                     ename="CellTimeoutError",
@@ -485,8 +488,8 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
         process = launch_kernel(
             cmd,
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
+            stdout=log.fileno(),
+            stderr=log.fileno(),
             env=_kernel_env(spec.env, config),
             cwd=handle.workdir,
         )
@@ -513,10 +516,8 @@ def _destroy(handle: SandboxHandle) -> bool:
 
 def _kill_process_group(sandbox_id: str, pid: int) -> None:
     """SIGKILL the kernel's process group and wait until the kernel is gone."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process = _launched.pop(sandbox_id, None)
     if process is not None:
         process.wait(timeout=_REAP_WAIT_S)

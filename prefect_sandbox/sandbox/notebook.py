@@ -5,12 +5,13 @@ Pure functions over nbformat nodes; only `read_notebook` and `ExecutedNotebook.w
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import nbformat
 from nbformat import NotebookNode
@@ -24,6 +25,7 @@ __all__ = [
     "ExecutedNotebook",
     "StageSpec",
     "inject_parameters",
+    "inline_figures",
     "notebook_from_stages",
     "parse_parameter",
     "read_notebook",
@@ -65,7 +67,7 @@ def read_notebook(path: Path) -> NotebookNode:
         NotebookError: the file is missing, not JSON, or not a valid notebook (names the file).
     """
     try:
-        notebook = nbformat.read(path, as_version=4)
+        notebook = cast(NotebookNode, nbformat.read(path, as_version=4))
         nbformat.validate(notebook)
     except FileNotFoundError:
         raise NotebookError(f"notebook {str(path)!r} does not exist") from None
@@ -83,7 +85,7 @@ def notebook_from_stages(stages: Mapping[str, Sequence[str]]) -> NotebookNode:
     Raises:
         NotebookError: a stage has an empty name or no cells.
     """
-    notebook = nbformat.v4.new_notebook()
+    notebook = cast(NotebookNode, nbformat.v4.new_notebook())
     for name, sources in stages.items():
         _check_stage_name(name, None)
         if not sources:
@@ -208,7 +210,9 @@ def _tags(cell: NotebookNode) -> list[str]:
 
 
 def _stage_tag(cell: NotebookNode, index: int) -> str | None:
-    names = [tag[len(STAGE_TAG_PREFIX) :] for tag in _tags(cell) if tag.startswith(STAGE_TAG_PREFIX)]
+    names = [
+        tag[len(STAGE_TAG_PREFIX) :] for tag in _tags(cell) if tag.startswith(STAGE_TAG_PREFIX)
+    ]
     if len(names) > 1:
         raise NotebookError(f"cell {index} has more than one stage tag: {names}", cell_index=index)
     if names:
@@ -229,6 +233,29 @@ def _top_heading(markdown: str) -> str | None:
             slug = re.sub(r"[^a-z0-9]+", "-", line[2:].strip().lower()).strip("-")
             return slug or None
     return None
+
+
+INLINE_FIGURES_DIR = "inline-figures"
+
+
+def inline_figures(notebook: NotebookNode) -> Iterator[tuple[str, bytes]]:
+    """The PNG images that code cells displayed, as files to store beside the notebook.
+
+    Yields:
+        ``(relative path, PNG bytes)``; the path is ``inline-figures/cell-<index>-<n>.png``
+        with the cell's 0-based notebook index and the image's 1-based number in that cell.
+    """
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        images = [
+            output["data"]["image/png"]
+            for output in cell.outputs
+            if output.output_type in ("display_data", "execute_result")
+            and "image/png" in output.get("data", {})
+        ]
+        for number, image in enumerate(images, start=1):
+            yield f"{INLINE_FIGURES_DIR}/cell-{index:03d}-{number}.png", base64.b64decode(image)
 
 
 class ExecutedNotebook:

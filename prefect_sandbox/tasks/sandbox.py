@@ -4,7 +4,6 @@ sandbox, so retries and any task runner work; each attaches, does its work and d
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +124,9 @@ def _output_logger(stage: str, cell: CellSpec) -> Any:
     return log
 
 
-def _cell_failure(stage: str, cell: CellSpec, result: CellResult, timeout_s: float | None) -> SandboxError:
+def _cell_failure(
+    stage: str, cell: CellSpec, result: CellResult, timeout_s: float | None
+) -> SandboxError:
     assert result.error is not None
     where = f"stage {stage!r}, cell {cell.index}"
     if result.status == "timeout":
@@ -306,5 +307,7 @@ async def kill_sandbox(backend: SandboxBackend, handle: SandboxHandle) -> bool:
         killed = False
     else:
         killed = await sandbox.kill()
-    get_run_logger().info("Sandbox %s %s", handle.sandbox_id, "killed" if killed else "already gone")
+    get_run_logger().info(
+        "Sandbox %s %s", handle.sandbox_id, "killed" if killed else "already gone"
+    )
     return killed

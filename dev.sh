@@ -1,0 +1,58 @@
+#!/bin/sh
+# Set-up and everyday commands. Needs only Python 3.11+ with venv and pip.
+#   ./dev.sh main    run the main job: the CO2 forecast notebook on a local kernel
+#   ./dev.sh test    run the test suite
+#   ./dev.sh lint    mypy and ruff
+#   ./dev.sh bench   benchmarks (bench/README.md)
+set -eu
+cd "$(dirname "$0")"
+
+venv="${PREFECT_SANDBOX_VENV:-.venv}"
+python="${PYTHON:-python3}"
+
+setup() {
+    if [ ! -x "$venv/bin/python" ]; then
+        "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+            echo "dev.sh: Python 3.11 or newer is needed (set PYTHON=...)" >&2
+            exit 2
+        }
+        "$python" -m venv "$venv"
+    fi
+    # Reinstall only when the project's requirements changed since the last install.
+    stamp="$venv/.prefect-sandbox-installed"
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        "$venv/bin/python" -m pip install --quiet --upgrade pip
+        "$venv/bin/python" -m pip install --quiet -e '.[dev]'
+        touch "$stamp"
+    fi
+}
+
+command="${1:-}"
+[ $# -gt 0 ] && shift
+case "$command" in
+    main)
+        setup
+        exec "$venv/bin/prefect-sandbox" run examples/co2/forecast.ipynb \
+            --input examples/co2/co2.csv \
+            --artifact 'figures/*.png' --artifact forecast.csv --artifact metrics.json \
+            --out out "$@"
+        ;;
+    test)
+        setup
+        exec "$venv/bin/python" -m pytest "$@"
+        ;;
+    lint)
+        setup
+        "$venv/bin/python" -m mypy
+        "$venv/bin/python" -m ruff check .
+        "$venv/bin/python" -m ruff format --check .
+        ;;
+    bench)
+        setup
+        exec "$venv/bin/python" bench/bench_local.py "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh main|test|lint|bench [args...]" >&2
+        exit 2
+        ;;
+esac

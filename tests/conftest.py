@@ -1,0 +1,65 @@
+"""Shared fixtures: one Prefect test harness per session, real kernels, clean-up checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+# jupyter_core warns about its coming path change unless told which to use.
+os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+
+from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """Prefect's real ephemeral API, started once for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+def kernel_processes() -> list[psutil.Process]:
+    """Live (non-zombie) ipykernel processes started by this test process."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "ipykernel" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+@pytest.fixture
+async def sandbox() -> AsyncIterator[LocalKernelSandbox]:
+    """A fresh local kernel sandbox, killed afterwards."""
+    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=3.0))
+    try:
+        yield box
+    finally:
+        await box.kill()
+
+
+@pytest.fixture(scope="module")
+async def shared_sandbox() -> AsyncIterator[LocalKernelSandbox]:
+    """One kernel for a module's tests that leave no state another test reads."""
+    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=3.0))
+    try:
+        yield box
+    finally:
+        await box.kill()
+
+
+def stream_text(outputs: list[dict[str, object]], name: str = "stdout") -> str:
+    """All text a cell wrote to one stream."""
+    return "".join(
+        str(o["text"]) for o in outputs if o["output_type"] == "stream" and o["name"] == name
+    )

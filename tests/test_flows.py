@@ -1,0 +1,329 @@
+"""The pipeline flows, tasks, blocks and CLI on Prefect's real ephemeral API and real kernels."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from prefect_sandbox import LocalKernelBackend
+from prefect_sandbox.flows import amodeling_pipeline, arun_notebook, modeling_pipeline, run_notebook
+from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, PipelineFailedError
+from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from tests.conftest import ROOT, kernel_processes
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def _api_env() -> dict[str, str]:
+    """This process's environment pointed at the session's Prefect API."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ)
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
+    return env
+
+
+def _cells(notebook_path: Path) -> list[nbformat.NotebookNode]:
+    notebook = nbformat.read(notebook_path, as_version=4)
+    nbformat.validate(notebook)
+    return list(notebook.cells)
+
+
+async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
+    result = await amodeling_pipeline(
+        stages={
+            "define": ["import statistics\nvalues = [3, 1, 2]"],
+            "use": ["print(statistics.median(values))", "values.append(10)"],
+            "check": ["print(len(values))"],
+        },
+        output_dir=str(tmp_path),
+    )
+    assert result.status == "completed"
+    assert [(s.name, s.status, s.cell_count) for s in result.stages] == [
+        ("define", "ok", 1),
+        ("use", "ok", 2),
+        ("check", "ok", 1),
+    ]
+    cells = _cells(Path(result.output_dir) / "executed.ipynb")
+    assert cells[1].outputs[0]["text"] == "2\n"
+    assert cells[3].outputs[0]["text"] == "4\n"
+    assert [c.metadata["prefect_sandbox"]["stage"] for c in cells] == [
+        "define",
+        "use",
+        "use",
+        "check",
+    ]
+    assert all(c.metadata["prefect_sandbox"]["duration_s"] >= 0 for c in cells)
+    assert [c.execution_count for c in cells] == [1, 2, 3, 4]
+    summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert LocalKernelSandbox.list_handles({"prefect-flow-run-id": result.flow_run_id}) == []
+
+
+def _staged_notebook(path: Path) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# Prepare"),
+        nbformat.v4.new_code_cell("rows = 5"),
+        nbformat.v4.new_code_cell(
+            "open('early.txt', 'w').write('made before')\nprint('prepared', rows)"
+        ),
+        nbformat.v4.new_markdown_cell("# Fit"),
+        nbformat.v4.new_code_cell(
+            "print('fitting')\nraise RuntimeError(f'no convergence after {rows} rows')"
+        ),
+        nbformat.v4.new_code_cell("print('never runs')"),
+        nbformat.v4.new_markdown_cell("# Report"),
+        nbformat.v4.new_code_cell("print('report')"),
+    ]
+    notebook.cells[1].metadata["tags"] = ["parameters"]
+    nbformat.write(notebook, path)
+    return path
+
+
+async def test_failing_stage_stores_partial_notebook_and_artifacts(tmp_path: Path) -> None:
+    source = _staged_notebook(tmp_path / "staged.ipynb")
+    before = {p.pid for p in kernel_processes()}
+    with pytest.raises(PipelineFailedError) as info:
+        await arun_notebook(
+            notebook=str(source),
+            artifacts=["*.txt"],
+            parameters={"rows": 12},
+            output_dir=str(tmp_path / "out"),
+        )
+    error = info.value
+    # The injected parameters cell sits at index 2, so the failing cell is index 5.
+    assert (error.stage, error.cell_index) == ("fit", 5)
+    assert "RuntimeError: no convergence after 12 rows" in str(error)
+    assert "'fit'" in str(error) and "cell 5" in str(error)
+    out = Path(error.output_dir or "")
+    assert (out / "early.txt").read_text() == "made before"
+    cells = _cells(out / "executed.ipynb")
+    assert [c.cell_type for c in cells].count("markdown") == 3
+    assert "injected-parameters" in cells[2].metadata["tags"]
+    assert cells[3].outputs[0]["text"] == "prepared 12\n"
+    assert [o["output_type"] for o in cells[5].outputs] == ["stream", "error"]
+    assert cells[5].outputs[1]["ename"] == "RuntimeError"
+    assert cells[6].outputs == [] and cells[6].execution_count is None
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert [(s["name"], s["status"]) for s in summary["stages"]] == [
+        ("prepare", "ok"),
+        ("fit", "failed"),
+        ("report", "not_run"),
+    ]
+    assert summary["stages"][1]["failed_cell_index"] == 5
+    assert summary["stages"][1]["ename"] == "RuntimeError"
+    stored = {a["path"]: a for a in summary["artifacts"]}
+    assert set(stored) == {"early.txt", "executed.ipynb"}
+    assert stored["early.txt"]["sha256"] == hashlib.sha256(b"made before").hexdigest()
+    assert stored["early.txt"]["bytes"] == len(b"made before")
+    assert {p.pid for p in kernel_processes()} == before
+
+
+async def test_h01_timeout_in_a_pipeline_names_the_cell(tmp_path: Path) -> None:
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"loop": ["x = 41", "while True: pass", "print(x + 1)"]},
+            output_dir=str(tmp_path),
+            cell_timeout_s=1.0,
+            backend=LocalKernelBackend(interrupt_grace_s=3.0),
+        )
+    cause = info.value.__cause__
+    assert isinstance(cause, CellTimeoutError)
+    assert (cause.cell_index, cause.timeout_s, cause.interrupted, cause.state_lost) == (
+        1,
+        1.0,
+        True,
+        False,
+    )
+    cells = _cells(Path(info.value.output_dir or "") / "executed.ipynb")
+    assert cells[1].outputs[-1]["output_type"] == "error"
+    assert {o.get("ename") for o in cells[1].outputs} & {"KeyboardInterrupt", "CellTimeoutError"}
+    assert cells[1].metadata["prefect_sandbox"]["status"] == "timeout"
+
+
+async def test_h10_inline_figure_is_stored_once_as_png(tmp_path: Path) -> None:
+    result = await amodeling_pipeline(
+        stages={
+            "plot": [
+                "import matplotlib.pyplot as plt; fig, ax = plt.subplots(); "
+                "ax.plot([1, 2, 3], [3, 1, 2]); ax.set_title('no-show')",
+                "print('x')",
+            ]
+        },
+        output_dir=str(tmp_path),
+    )
+    pngs = [a for a in result.artifacts if a.path.endswith(".png")]
+    assert [a.path for a in pngs] == ["inline-figures/cell-000-1.png"]
+    assert Path(pngs[0].location).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) -> None:
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    names = ["my data (v2).csv", "données_年.csv"]
+    for name in names:
+        (inputs / name).write_text(f"a,b\n1,{name}\n", encoding="utf-8")
+    home = tmp_path / "home"
+    result = await amodeling_pipeline(
+        stages={
+            "write": [
+                "open('résumé plot.png', 'wb').write(b'\\x89PNG\\r\\n\\x1a\\n' + bytes(100)); "
+                "open('../escape.txt', 'w').write('x'); "
+                "import os; os.symlink('/etc/passwd', 'link.txt')",
+                "import os; print(sorted(os.listdir('.')))",
+            ]
+        },
+        inputs=[str(inputs / name) for name in names],
+        artifacts=["*", "../../evil.txt", "../escape.txt"],
+        backend=LocalKernelBackend(workdir_root=str(home)),
+        output_dir=str(tmp_path / "out"),
+    )
+    stored = {a.path: a for a in result.artifacts}
+    assert set(stored) == {*names, "résumé plot.png", "executed.ipynb"}
+    for name in names:
+        assert stored[name].sha256 == hashlib.sha256((inputs / name).read_bytes()).hexdigest()
+    assert stored["résumé plot.png"].bytes == 108
+    listing = _cells(Path(result.output_dir) / "executed.ipynb")[1].outputs[0]["text"]
+    assert all(repr(name) in listing for name in [*names, "résumé plot.png", "link.txt"])
+    out_files = {
+        p.relative_to(tmp_path / "out").as_posix()
+        for p in (tmp_path / "out").rglob("*")
+        if p.is_file()
+    }
+    run = result.flow_run_name
+    assert out_files == {
+        f"{run}/{p}" for p in [*names, "résumé plot.png", "executed.ipynb", "summary.json"]
+    }
+    assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "escape.txt").exists()
+
+
+async def test_bad_notebook_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{not json")
+    with pytest.raises(NotebookError, match=r"bad\.ipynb"):
+        await arun_notebook(notebook=str(bad), output_dir=str(tmp_path))
+    with pytest.raises(NotebookError, match="parameter"):
+        await arun_notebook(
+            notebook=str(_staged_notebook(tmp_path / "ok.ipynb")),
+            parameters={"not an identifier": 1},
+            output_dir=str(tmp_path),
+        )
+
+
+def test_sync_twins_match_and_run_from_plain_python(tmp_path: Path) -> None:
+    assert inspect.signature(run_notebook) == inspect.signature(arun_notebook.fn)
+    assert inspect.signature(modeling_pipeline) == inspect.signature(amodeling_pipeline.fn)
+    result = modeling_pipeline(stages={"only": ["print(6 * 7)"]}, output_dir=str(tmp_path))
+    assert result.status == "completed"
+    cells = _cells(Path(result.output_dir) / "executed.ipynb")
+    assert cells[0].outputs[0]["text"] == "42\n"
+
+
+def test_blocks_register_through_the_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    assert [
+        e.value for e in entry_points(group="prefect.collections") if e.name == "prefect_sandbox"
+    ] == ["prefect_sandbox"]
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_sandbox"],
+        env=_api_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Successfully registered 1 block" in done.stdout
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        block_type = client.read_block_type_by_slug("local-kernel-sandbox")
+    assert block_type.name == "Local Kernel Sandbox"
+
+
+async def test_backend_block_saves_and_loads(tmp_path: Path) -> None:
+    backend = LocalKernelBackend(env={"SEED": "1"}, cell_timeout_s=30)
+    await backend.save("test-local", overwrite=True)
+    loaded = await LocalKernelBackend.load("test-local")
+    assert (loaded.env, loaded.cell_timeout_s) == ({"SEED": "1"}, 30)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", *args],
+        env=_api_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_main_job_co2_forecast_through_the_cli(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "co2"
+    before = {p.pid for p in kernel_processes()}
+    done = _cli(
+        "run",
+        str(example / "forecast.ipynb"),
+        "--input",
+        str(example / "co2.csv"),
+        "--artifact",
+        "figures/*.png",
+        "--artifact",
+        "forecast.csv",
+        "--artifact",
+        "metrics.json",
+        "--out",
+        "OUT",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "OUT").iterdir()
+    cells = _cells(run_dir / "executed.ipynb")
+    assert all(c.execution_count for c in cells if c.cell_type == "code")
+    assert len(list((run_dir / "figures").glob("*.png"))) >= 2
+    assert (run_dir / "forecast.csv").read_text().startswith("date,co2_ppm,lower_95,upper_95")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert 0 < metrics["mae_ppm"] < 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["name"] for s in summary["stages"]] == [
+        "load",
+        "explore",
+        "model",
+        "evaluate",
+        "forecast",
+    ]
+    assert all(s["status"] == "ok" for s in summary["stages"])
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (
+            artifact["bytes"],
+            artifact["sha256"],
+        )
+    assert {p.pid for p in kernel_processes()} == before
+
+
+def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
+    source = _staged_notebook(tmp_path / "staged.ipynb")
+    done = _cli("run", str(source), "-p", "rows=3", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
+    assert str(tmp_path / "out") in last
+    usage = _cli("run", str(source), "-p", "bad", cwd=tmp_path)
+    assert usage.returncode == 1
+    assert (
+        usage.stderr.strip().splitlines()[-1]
+        == "prefect-sandbox: parameter 'bad' must look like NAME=VALUE"
+    )

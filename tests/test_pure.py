@@ -1,0 +1,216 @@
+"""Unit tests of the pure pieces: paths, outputs, notebooks, errors, labels."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from prefect_sandbox.sandbox.errors import (
+    CellExecutionError,
+    CellTimeoutError,
+    NotebookError,
+    PipelineFailedError,
+    SandboxDiedError,
+    SandboxError,
+    UnsafePathError,
+)
+from prefect_sandbox.sandbox.labels import flow_run_labels
+from prefect_sandbox.sandbox.notebook import (
+    inject_parameters,
+    notebook_from_stages,
+    parse_parameter,
+    split_stages,
+)
+from prefect_sandbox.sandbox.outputs import OutputCollector
+from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+
+
+@pytest.mark.parametrize("bad", ["", "/etc/passwd", "../x", "a/../../x", "~/x", ".", "a/.."])
+def test_paths_that_leave_the_workdir_are_refused(bad: str) -> None:
+    with pytest.raises(UnsafePathError):
+        checked_relative_path(bad)
+
+
+def test_symlink_out_of_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link").symlink_to("/etc")
+    (root / "inner").symlink_to(root)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        resolve_inside(root, "link/passwd")
+    assert resolve_inside(root, "inner/données 年.csv") == root / "données 年.csv"
+
+
+def test_streams_coalesce_and_clear_output_waits() -> None:
+    collector = OutputCollector()
+    collector.add("stream", {"name": "stdout", "text": "a"})
+    collector.add("stream", {"name": "stdout", "text": "b\n"})
+    collector.add("stream", {"name": "stderr", "text": "e"})
+    collector.add("stream", {"name": "stdout", "text": "c"})
+    assert [(o["name"], o["text"]) for o in collector.outputs] == [
+        ("stdout", "ab\n"),
+        ("stderr", "e"),
+        ("stdout", "c"),
+    ]
+    collector.add("clear_output", {"wait": True})
+    assert len(collector.outputs) == 3
+    collector.add("display_data", {"data": {"text/plain": "1"}, "metadata": {}})
+    assert [o["output_type"] for o in collector.outputs] == ["display_data"]
+
+
+def test_update_display_data_replaces_the_shown_output() -> None:
+    collector = OutputCollector()
+    transient = {"display_id": "d1"}
+    collector.add(
+        "display_data", {"data": {"text/plain": "old"}, "metadata": {}, "transient": transient}
+    )
+    collector.add(
+        "update_display_data",
+        {"data": {"text/plain": "new"}, "metadata": {}, "transient": transient},
+    )
+    assert collector.outputs[0]["data"] == {"text/plain": "new"}
+
+
+def _notebook(*cells: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = list(cells)
+    return notebook
+
+
+def _code(source: str, *tags: str) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(source)
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None:
+    notebook = _notebook(
+        _code("a = 1", "stage:load"),
+        nbformat.v4.new_markdown_cell("# Ignored heading"),
+        _code("b = 2"),
+        _code("c = 3", "stage:model"),
+    )
+    stages = split_stages(notebook)
+    assert [(s.name, [c.index for c in s.cells]) for s in stages] == [
+        ("load", [0, 2]),
+        ("model", [3]),
+    ]
+
+
+def test_untagged_notebook_splits_by_top_level_heading() -> None:
+    notebook = _notebook(
+        _code("import os"),
+        nbformat.v4.new_markdown_cell("# Load the data\ntext"),
+        _code("x = 1"),
+        nbformat.v4.new_markdown_cell("## Not a stage"),
+        _code("y = 2"),
+        nbformat.v4.new_markdown_cell("# Fit!"),
+        _code("z = 3"),
+    )
+    assert [(s.name, len(s.cells)) for s in split_stages(notebook)] == [
+        ("setup", 1),
+        ("load-the-data", 2),
+        ("fit", 1),
+    ]
+
+
+def test_non_consecutive_stage_names_the_cell() -> None:
+    notebook = _notebook(_code("1", "stage:a"), _code("2", "stage:b"), _code("3", "stage:a"))
+    with pytest.raises(NotebookError, match="cell 2") as info:
+        split_stages(notebook)
+    assert info.value.cell_index == 2
+
+
+def test_two_stage_tags_on_one_cell_are_refused() -> None:
+    with pytest.raises(NotebookError, match="cell 0"):
+        split_stages(_notebook(_code("1", "stage:a", "stage:b")))
+
+
+def test_parameters_are_injected_after_the_parameters_cell_in_its_stage() -> None:
+    notebook = _notebook(
+        _code("import math", "stage:setup"),
+        _code("n = 1\nname = 'x'", "parameters", "stage:load"),
+        _code("print(n)", "stage:load"),
+    )
+    injected = inject_parameters(notebook, {"n": 5, "name": "it's", "flag": None})
+    cell = injected.cells[2]
+    assert cell.metadata["tags"] == ["injected-parameters", "stage:load"]
+    namespace: dict[str, object] = {}
+    exec(cell.source, namespace)
+    assert (namespace["n"], namespace["name"], namespace["flag"]) == (5, "it's", None)
+    assert [s.name for s in split_stages(injected)] == ["setup", "load"]
+    again = inject_parameters(injected, {"n": 6})
+    assert sum("injected-parameters" in c.metadata.get("tags", []) for c in again.cells) == 1
+    assert len(notebook.cells) == 3
+
+
+def test_parameters_without_a_parameters_cell_open_the_notebook() -> None:
+    injected = inject_parameters(_notebook(_code("print(n)")), {"n": 1})
+    assert injected.cells[0].source.endswith("n = 1")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a=1", ("a", 1)),
+        ("a=1.5", ("a", 1.5)),
+        ("a=True", ("a", True)),
+        ("a=None", ("a", None)),
+        ("a=1996-12-31", ("a", "1996-12-31")),
+        ("a=x=y", ("a", "x=y")),
+    ],
+)
+def test_parse_parameter_types_values_like_papermill(
+    text: str, expected: tuple[str, object]
+) -> None:
+    assert parse_parameter(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["novalue", "1a=2", "=3"])
+def test_parse_parameter_names_the_bad_parameter(bad: str) -> None:
+    with pytest.raises(NotebookError, match=bad):
+        parse_parameter(bad)
+
+
+def test_notebook_from_stages_tags_each_cell() -> None:
+    notebook = notebook_from_stages({"a": ["x = 1", "x"], "b": ["y = 2"]})
+    nbformat.validate(notebook)
+    assert [c.metadata["tags"] for c in notebook.cells] == [["stage:a"], ["stage:a"], ["stage:b"]]
+    with pytest.raises(NotebookError, match="'empty'"):
+        notebook_from_stages({"empty": []})
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CellExecutionError("m", ename="E", evalue="v", traceback=["t"], stage="s", cell_index=3),
+        CellTimeoutError("m", timeout_s=0.5, stage="s", cell_index=1, interrupted=True),
+        SandboxDiedError("m", exit_code=1, signal=None, cell_index=2, sandbox_id="x"),
+        UnsafePathError("m", path="../x"),
+        PipelineFailedError("m", stage="s", cell_index=4, output_dir="/o"),
+    ],
+)
+def test_errors_keep_their_fields_through_pickling(error: SandboxError) -> None:
+    error.stage_result = {"partial": True}
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert vars(copy) == vars(error)
+    assert str(copy) == "m"
+
+
+def test_error_families_mix_in_the_stdlib_types() -> None:
+    assert issubclass(CellTimeoutError, TimeoutError)
+    assert issubclass(UnsafePathError, ValueError)
+    assert SandboxDiedError("m").state_lost is True
+
+
+def test_flow_run_labels_carry_id_name_and_marker() -> None:
+    assert flow_run_labels("id-1", "happy-cat") == {
+        "prefect-sandbox": "true",
+        "prefect-flow-run-id": "id-1",
+        "prefect-flow-run-name": "happy-cat",
+    }
