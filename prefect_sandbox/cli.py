@@ -3,12 +3,14 @@
 ``prefect-sandbox run NOTEBOOK [--backend local] [--input PATH]... [--artifact GLOB]...
 [--out DIR] [-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and
 writes ``DIR/<flow-run-name>/``: ``executed.ipynb``, the artifacts and ``summary.json``. Exit
-status 0 on success, 1 on a failed pipeline (with a one-line reason on stderr), 2 on bad usage.
+status 0 on success; 1 on a failed pipeline, with a one-line reason as the last line on stderr;
+2 on bad usage, found before any flow starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 from collections.abc import Sequence
@@ -59,19 +61,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 1 failed pipeline, 2 bad usage.
     """
     args = _parser().parse_args(argv)
-    if args.cell_timeout is not None and args.cell_timeout <= 0:
-        print("prefect-sandbox: --cell-timeout must be positive", file=sys.stderr)
-        return 2
-    os.environ.setdefault(
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", _EPHEMERAL_STARTUP_TIMEOUT_S
-    )
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
-    from prefect_sandbox.flows import run_notebook
-    from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
+    from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import parse_parameter
 
     try:
         parameters = dict(parse_parameter(item) for item in args.parameter)
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    problem = _usage_problem(args)
+    if problem:
+        return _usage_error(problem)
+    os.environ.setdefault(
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", _EPHEMERAL_STARTUP_TIMEOUT_S
+    )
+    from prefect_sandbox.flows import run_notebook
+    from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
+
+    try:
         result = run_notebook(
             notebook=args.notebook,
             inputs=args.input,
@@ -81,19 +88,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             cell_timeout_s=args.cell_timeout,
         )
     except PipelineFailedError as exc:
-        print(
-            f"prefect-sandbox: pipeline failed: {exc} (partial results in {exc.output_dir})",
-            file=sys.stderr,
-        )
+        _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
         return 1
     except SandboxError as exc:
-        print(f"prefect-sandbox: {exc}", file=sys.stderr)
+        _say_last(str(exc))
         return 1
     print(f"Stored {len(result.artifacts)} file(s) and summary.json in {result.output_dir}")
     for stage in result.stages:
         cells = f"{stage.cell_count:>3} cell(s)"
         print(f"  {stage.name:<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s")
     return 0
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, found before any flow starts; None if nothing."""
+    if args.cell_timeout is not None and args.cell_timeout <= 0:
+        return "--cell-timeout must be positive"
+    if not os.path.isfile(args.notebook):
+        return f"notebook {args.notebook!r} is not a file"
+    for item in args.input:
+        if not os.path.exists(item):
+            return f"--input {item!r} does not exist"
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out!r} is not a folder"
+    return None
+
+
+def _usage_error(message: str) -> int:
+    print(f"prefect-sandbox: {message}", file=sys.stderr)
+    return 2
+
+
+def _say_last(message: str) -> None:
+    """Print ``message`` to stderr at exit, after Prefect's own shutdown lines.
+
+    Prefect stops its ephemeral API server in an ``atexit`` handler registered when the flow
+    started; handlers run last-in first-out, so one registered now runs after it.
+    """
+    atexit.register(print, f"prefect-sandbox: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +28,8 @@ class StageResult(BaseModel):
         duration_s: seconds the stage took.
         failed_cell_index: 0-based notebook index of the failing cell.
         error: the failing cell's exception.
+        late_outputs: output printed by background threads of earlier cells (this stage's or
+            an earlier one's) after those cells ended, by the cell's ``CellResult.msg_id``.
     """
 
     name: str
@@ -36,6 +38,7 @@ class StageResult(BaseModel):
     duration_s: float = 0.0
     failed_cell_index: int | None = None
     error: CellError | None = None
+    late_outputs: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
 
 
 class StoredArtifact(BaseModel):

@@ -321,9 +321,76 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
     assert str(tmp_path / "out") in last
-    usage = _cli("run", str(source), "-p", "bad", cwd=tmp_path)
-    assert usage.returncode == 1
-    assert (
-        usage.stderr.strip().splitlines()[-1]
-        == "prefect-sandbox: parameter 'bad' must look like NAME=VALUE"
+    usage_cases = [
+        (["-p", "bad"], "parameter 'bad' must look like NAME=VALUE"),
+        (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
+        (["--input", "no/such.csv"], "--input 'no/such.csv' does not exist"),
+        (["--out", str(source)], f"--out {str(source)!r} is not a folder"),
+        (["--cell-timeout", "0"], "--cell-timeout must be positive"),
+    ]
+    for extra, message in usage_cases:
+        usage = _cli("run", str(source), *extra, cwd=tmp_path)
+        assert (usage.returncode, usage.stderr.strip()) == (2, f"prefect-sandbox: {message}")
+    missing = _cli("run", "missing.ipynb", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+
+
+async def test_timeout_in_a_task_on_the_thread_pool_runner(tmp_path: Path) -> None:
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+    from prefect_sandbox.tasks import create_sandbox, kill_sandbox, run_stage
+
+    backend = LocalKernelBackend(interrupt_grace_s=2.0)
+    stage = StageSpec(name="spin", cells=[CellSpec(index=0, source="while True: pass")])
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def threaded() -> tuple[BaseException | None, float]:
+        import time
+
+        # Async tasks submitted from a sync flow run on the runner's worker threads.
+        handle = create_sandbox.submit(backend, {"suite": "thread-pool"}).result()
+        try:
+            start = time.monotonic()
+            future = run_stage.submit(backend, handle, stage, cell_timeout_s=0.5)
+            try:
+                future.result()
+            except CellTimeoutError as exc:
+                return exc, time.monotonic() - start
+            return None, time.monotonic() - start
+        finally:
+            kill_sandbox.submit(backend, handle).result()
+
+    error, elapsed = threaded()
+    assert isinstance(error, CellTimeoutError)
+    assert (error.stage, error.cell_index, error.timeout_s) == ("spin", 0, 0.5)
+    assert error.interrupted and not error.state_lost
+    assert elapsed < 0.5 + 2.0 + 5.0
+
+
+async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    cap = 64 * 1024
+    result = await amodeling_pipeline(
+        stages={"flood": ["for i in range(2000): print(f'line {i} ' + 'y' * 1000)"]},
+        backend=LocalKernelBackend(max_output_bytes=cap),
+        output_dir=str(tmp_path),
     )
+    cell = _cells(Path(result.output_dir) / "executed.ipynb")[0]
+    text = "".join(o["text"] for o in cell.outputs if o["output_type"] == "stream")
+    assert len(text) < cap + 200
+    assert "output truncated" in text and text.endswith("line 1999 " + "y" * 1000 + "\n")
+    from prefect.logging.handlers import APILogHandler
+
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        logs = await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[result.flow_run_id]))
+        )
+    cell_logs = [log.message for log in logs if log.message.startswith("[flood cell 0]")]
+    assert sum(len(message) for message in cell_logs) < 2 * cap
+    assert any("is not logged" in message for message in cell_logs)

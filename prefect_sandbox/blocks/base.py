@@ -9,6 +9,7 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = ["SandboxBackend"]
 
@@ -25,6 +26,13 @@ class SandboxBackend(Block, ABC):
         gt=0,
         title="Default cell timeout (s)",
         description="Seconds a cell may run before it is interrupted; empty for no limit.",
+    )
+
+    max_output_bytes: int | None = Field(
+        default=DEFAULT_MAX_OUTPUT_BYTES,
+        gt=0,
+        title="Max output bytes per cell",
+        description="Cap on each cell's stored and logged output; start and end are kept.",
     )
 
     @abstractmethod

@@ -66,6 +66,19 @@ class LocalKernelBackend(SandboxBackend):
         description="Seconds a timed-out cell gets to stop after an interrupt before a restart.",
     )
 
+    memory_limit_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        title="Memory limit (bytes)",
+        description="Address-space limit of the kernel and its children; empty for none.",
+    )
+    cpu_time_limit_s: int | None = Field(
+        default=None,
+        gt=0,
+        title="CPU-time limit (s)",
+        description="CPU seconds the kernel may use in all; past it the kernel dies.",
+    )
+
     def _config(self) -> LocalKernelConfig:
         return LocalKernelConfig(
             kernel_name=self.kernel_name,
@@ -73,6 +86,9 @@ class LocalKernelBackend(SandboxBackend):
             env=self.env,
             startup_timeout_s=self.startup_timeout_s,
             interrupt_grace_s=self.interrupt_grace_s,
+            max_output_bytes=self.max_output_bytes,
+            memory_limit_bytes=self.memory_limit_bytes,
+            cpu_time_limit_s=self.cpu_time_limit_s,
         )
 
     async def create(self, labels: Mapping[str, str]) -> LocalKernelSandbox:

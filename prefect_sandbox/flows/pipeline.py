@@ -29,7 +29,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary
-from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
+from prefect_sandbox.sandbox.errors import FileTransferError, PipelineFailedError, SandboxError
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
     ExecutedNotebook,
@@ -113,8 +113,14 @@ async def _run_pipeline(
     stage_results: list[StageResult] = []
     failure: SandboxError | None = None
     downloaded: list[str] = []
-    staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
     destination = str(Path(output_dir) / flow_run.name)
+    try:
+        Path(destination).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FileTransferError(
+            f"output folder {destination!r} cannot be made: {exc.strerror}", path=destination
+        ) from exc
+    staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
     try:
         handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
         executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
@@ -136,9 +142,15 @@ async def _run_pipeline(
         finally:
             await kill_sandbox(backend, handle)
     finally:
+        cell_of_msg: dict[str | None, int] = {}
         for stage_result in stage_results:
             for record in stage_result.cells:
                 executed.record(record.index, stage_result.name, record.result)
+                cell_of_msg[record.result.msg_id] = record.index
+        for stage_result in stage_results:
+            for msg_id, outputs in stage_result.late_outputs.items():
+                if msg_id in cell_of_msg:
+                    executed.add_outputs(cell_of_msg[msg_id], outputs)
         executed.write(staging / EXECUTED_NOTEBOOK_NAME)
         figures = []
         for path, image in inline_figures(executed.notebook):

@@ -68,6 +68,9 @@ class CellResult(BaseModel):
         duration_s: seconds from sending the cell to its reply.
         interrupted: True when an interrupt stopped the cell after its deadline.
         state_lost: True when the kernel was restarted, losing variables and imports.
+        msg_id: the Jupyter ``execute_request`` id, to match output that arrives later.
+        output_bytes: size of all output the cell produced (characters of text).
+        omitted_bytes: how much of it was dropped from ``outputs`` by the output cap.
     """
 
     status: Literal["ok", "error", "timeout"]
@@ -78,6 +81,9 @@ class CellResult(BaseModel):
     duration_s: float
     interrupted: bool = False
     state_lost: bool = False
+    msg_id: str | None = None
+    output_bytes: int = 0
+    omitted_bytes: int = 0
 
 
 class RemoteFile(BaseModel):
@@ -130,6 +136,18 @@ class Sandbox(abc.ABC):
             ValueError: ``timeout_s`` is zero or negative.
             SandboxDiedError: the sandbox's process ended before or during the cell.
             SandboxNotFoundError: the sandbox was killed or expired.
+        """
+
+    @abc.abstractmethod
+    async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """Output that earlier cells' background threads printed after those cells ended.
+
+        Output a kernel attributes to the cell running when it was printed stays in that
+        cell's result; this returns only what arrived between cells or for cells already done.
+
+        Returns:
+            The earlier cell's ``CellResult.msg_id`` to its late nbformat outputs; each output
+            is returned once.
         """
 
     @abc.abstractmethod

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -48,7 +50,11 @@ from prefect_sandbox.sandbox.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from prefect_sandbox.sandbox.outputs import OutputCollector, error_output
+from prefect_sandbox.sandbox.outputs import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    OUTPUT_MSG_TYPES,
+    OutputCollector,
+)
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
 
 __all__ = ["HOST_ENV_ALLOW_LIST", "LocalKernelConfig", "LocalKernelSandbox"]
@@ -59,12 +65,38 @@ HOST_ENV_ALLOW_LIST = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPD
 """Host variables a kernel inherits; everything else it gets only from the user's settings."""
 
 _LIVENESS_POLL_S = 0.5
+_SECOND_INTERRUPT_S = 1.0
+_EXIT_WAIT_S = 5.0
 _HANDSHAKE_POLL_S = 0.2
 _REPLY_WAIT_S = 5.0
 _REAP_WAIT_S = 10.0
 
+logger = logging.getLogger(__name__)
+
 # Kernels this process launched, so that it can reap them (no zombies) and read exit codes.
 _launched: dict[str, subprocess.Popen[bytes]] = {}
+# One guard per kernel: it kills the kernel's whole process group if this process dies.
+_guards: dict[str, subprocess.Popen[bytes]] = {}
+
+# ipykernel's parent poller ends the kernel when its parent dies, but not the kernel's own
+# children; this guard, in a session of its own, kills the whole group. Exits once it is gone.
+_GUARD_CODE = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        break
+    if os.getppid() != parent:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+    time.sleep(0.5)
+"""
+_CPU_HARD_MARGIN_S = 5
 
 
 @dataclass(frozen=True)
@@ -77,8 +109,13 @@ class LocalKernelConfig:
             for a fresh temporary directory.
         env: variables the kernel gets besides `HOST_ENV_ALLOW_LIST`.
         startup_timeout_s: seconds a kernel may take to start and answer.
-        interrupt_grace_s: seconds a timed-out cell gets to stop after the interrupt before the
-            kernel is restarted.
+        interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt;
+            then a second interrupt, and a restart if that fails too.
+        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
+        memory_limit_bytes: address-space limit (``RLIMIT_AS``) of the kernel and its children;
+            None for none. Past it allocations fail with ``MemoryError``.
+        cpu_time_limit_s: CPU-time limit (``RLIMIT_CPU``) of the kernel process, in seconds
+            since its start; past it the kernel gets ``SIGXCPU`` and dies. None for none.
     """
 
     kernel_name: str = "python3"
@@ -86,6 +123,29 @@ class LocalKernelConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 60.0
     interrupt_grace_s: float = 5.0
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    memory_limit_bytes: int | None = None
+    cpu_time_limit_s: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "startup_timeout_s",
+            "interrupt_grace_s",
+            "max_output_bytes",
+            "memory_limit_bytes",
+            "cpu_time_limit_s",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, not {value}")
+
+
+def _asked_to_exit(reply: dict[str, Any]) -> bool:
+    """Whether IPython's ``exit()`` ran: ipykernel adds an ``ask_exit`` payload to the reply."""
+    return any(
+        item.get("source") == "ask_exit" and not item.get("keepkernel")
+        for item in reply.get("payload", [])
+    )
 
 
 def _runtime_base() -> Path:
@@ -121,6 +181,7 @@ class LocalKernelSandbox(Sandbox):
         self._workdir = Path(handle.workdir)
         self._pid = self._read_pid()
         self._ready = False
+        self._late: dict[str, OutputCollector] = {}
 
     @property
     def handle(self) -> SandboxHandle:
@@ -231,8 +292,10 @@ class LocalKernelSandbox(Sandbox):
     ) -> CellResult:
         """Run one cell (see `Sandbox.run_cell`).
 
-        On the deadline the kernel gets SIGINT; if it is not idle ``interrupt_grace_s`` later it
-        is restarted and the result says ``state_lost``.
+        On the deadline the kernel gets SIGINT; if it is still busy ``interrupt_grace_s``
+        later, a second SIGINT; if that fails too, the kernel is restarted and the result says
+        ``state_lost``. A cell that ends the kernel (``exit()``, ``os._exit``, a crash, the OOM
+        killer) raises `SandboxDiedError` as soon as the process is seen gone.
         """
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
@@ -245,17 +308,23 @@ class LocalKernelSandbox(Sandbox):
         msg_id = self._client.execute(
             code, store_history=True, allow_stdin=False, stop_on_error=False
         )
-        collector = OutputCollector()
-        timed_out = state_lost = False
+        collector = OutputCollector(self._config.max_output_bytes)
+        interrupts = 0
+        state_lost = False
         while True:
             if deadline is not None and time.monotonic() >= deadline:
-                if timed_out:
+                if interrupts == 2:
+                    logger.warning(
+                        "Sandbox %s: cell still busy after two interrupts; restarting the kernel",
+                        self._handle.sandbox_id,
+                    )
                     await self.restart()
                     state_lost = True
                     break
-                timed_out = True
+                interrupts += 1
                 await self.interrupt()
-                deadline = time.monotonic() + self._config.interrupt_grace_s
+                wait_s = self._config.interrupt_grace_s if interrupts == 1 else _SECOND_INTERRUPT_S
+                deadline = time.monotonic() + wait_s
             wait_s = _LIVENESS_POLL_S
             if deadline is not None:
                 wait_s = min(wait_s, max(deadline - time.monotonic(), 0.0))
@@ -265,6 +334,7 @@ class LocalKernelSandbox(Sandbox):
                 self._check_alive()
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
+                self._keep_late_output(msg)
                 continue
             msg_type = msg["header"]["msg_type"]
             content = msg["content"]
@@ -273,55 +343,88 @@ class LocalKernelSandbox(Sandbox):
             output = collector.add(msg_type, content)
             if output is not None and on_output is not None:
                 on_output(output)
-        reply = None if state_lost else await self._execute_reply(msg_id)
+        reply = {} if state_lost else (await self._execute_reply(msg_id))["content"]
         duration_s = time.monotonic() - start
-        content = reply["content"] if reply else {}
+        if _asked_to_exit(reply):
+            await self._wait_for_exit()
         status: Literal["ok", "error", "timeout"]
-        if timed_out:
-            if not collector.has_error() or state_lost:
-                verb = "restarted the kernel" if state_lost else "interrupted"
-                collector.outputs.append(
-                    error_output(
-                        "CellTimeoutError",
-                        f"cell exceeded its {timeout_s} s timeout and was {verb}",
-                        [],
-                    )
-                )
+        error = None
+        if interrupts:
             status = "timeout"
-        elif content.get("status") == "ok":
+            how = (
+                "the kernel was restarted, state lost"
+                if state_lost
+                else f"interrupted{' on the second try' if interrupts == 2 else ''}"
+            )
+            evalue = f"cell exceeded its {timeout_s} s timeout; {how}"
+            if state_lost or not collector.has_error():
+                collector.append_error("CellTimeoutError", evalue, [])
+            error = CellError(ename="CellTimeoutError", evalue=evalue)
+        elif reply.get("status") == "ok":
             status = "ok"
         else:
             status = "error"
             if not collector.has_error():
-                collector.outputs.append(
-                    error_output(
-                        content.get("ename", "UnknownError"),
-                        content.get("evalue", f"execute_reply status {content.get('status')!r}"),
-                        content.get("traceback", []),
-                    )
+                collector.append_error(
+                    reply.get("ename", "UnknownError"),
+                    reply.get("evalue", f"execute_reply status {reply.get('status')!r}"),
+                    reply.get("traceback", []),
                 )
-        error = None
-        if status != "ok":
-            last = [o for o in collector.outputs if o["output_type"] == "error"][-1]
+        outputs = collector.outputs
+        if status == "error":
+            last = [o for o in outputs if o["output_type"] == "error"][-1]
             error = CellError(
                 ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
             )
-            if status == "timeout":
-                error = CellError(
-                    ename="CellTimeoutError",
-                    evalue=f"cell exceeded its {timeout_s} s timeout",
-                    traceback=last["traceback"],
-                )
         return CellResult(
             status=status,
-            execution_count=content.get("execution_count"),
-            outputs=collector.outputs,
+            execution_count=reply.get("execution_count"),
+            outputs=outputs,
             error=error,
             started_at=started_at,
             duration_s=duration_s,
-            interrupted=timed_out and not state_lost,
+            interrupted=bool(interrupts) and not state_lost,
             state_lost=state_lost,
+            msg_id=msg_id,
+            output_bytes=collector.total_bytes,
+            omitted_bytes=collector.omitted_bytes,
         )
+
+    def _keep_late_output(self, msg: dict[str, Any]) -> None:
+        """Keep output that an earlier cell's background thread printed after that cell ended."""
+        parent_id = msg["parent_header"].get("msg_id")
+        msg_type = msg["header"]["msg_type"]
+        if parent_id and msg_type in OUTPUT_MSG_TYPES:
+            collector = self._late.setdefault(
+                parent_id, OutputCollector(self._config.max_output_bytes)
+            )
+            collector.add(msg_type, msg["content"])
+
+    async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """Output printed by earlier cells' background threads after those cells ended.
+
+        Drains what the kernel has sent so far without waiting.
+
+        Returns:
+            The earlier cell's ``CellResult.msg_id`` to its late outputs, in order; each id
+            appears once, so every late output is reported exactly once.
+        """
+        while True:
+            try:
+                msg = await self._client.get_iopub_msg(timeout=0)
+            except Empty:
+                break
+            self._keep_late_output(msg)
+        late = {msg_id: collector.outputs for msg_id, collector in self._late.items()}
+        self._late.clear()
+        return late
+
+    async def _wait_for_exit(self) -> None:
+        """The cell called ``exit()``: wait for the kernel to end, then report it."""
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            self._check_alive("the cell called exit()")
+            await asyncio.sleep(0.02)
 
     async def _execute_reply(self, msg_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + _REPLY_WAIT_S
@@ -414,8 +517,8 @@ class LocalKernelSandbox(Sandbox):
                 sandbox_id=self._handle.sandbox_id,
             ) from None
 
-    def _check_alive(self) -> None:
-        """Raise `SandboxDiedError` if the kernel process has ended."""
+    def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
         process = _launched.get(self._handle.sandbox_id)
         if process is not None:
             returncode = process.poll()
@@ -428,6 +531,8 @@ class LocalKernelSandbox(Sandbox):
         else:
             exit_code = signum = None
         how = f"signal {signum}" if signum else f"exit code {exit_code}"
+        if reason:
+            how = f"{reason}, {how}"
         raise SandboxDiedError(
             f"kernel of sandbox {self._handle.sandbox_id} died ({how}); its state is lost",
             exit_code=exit_code,
@@ -495,6 +600,25 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
         )
     _launched[handle.sandbox_id] = process
     (runtime_dir / "kernel.pid").write_text(str(process.pid))
+    _apply_limits(process.pid, config)
+    _guards[handle.sandbox_id] = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(os.getpid()), str(process.pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _apply_limits(pid: int, config: LocalKernelConfig) -> None:
+    """Set the kernel's rlimits; its children inherit them."""
+    if config.memory_limit_bytes is not None:
+        limit = config.memory_limit_bytes
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+    if config.cpu_time_limit_s is not None:
+        # The soft limit sends SIGXCPU; the hard one, a little later, SIGKILL.
+        soft = config.cpu_time_limit_s
+        resource.prlimit(pid, resource.RLIMIT_CPU, (soft, soft + _CPU_HARD_MARGIN_S))
 
 
 def _destroy(handle: SandboxHandle) -> bool:
@@ -518,6 +642,10 @@ def _kill_process_group(sandbox_id: str, pid: int) -> None:
     """SIGKILL the kernel's process group and wait until the kernel is gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    guard = _guards.pop(sandbox_id, None)
+    if guard is not None:
+        guard.kill()
+        guard.wait(timeout=_REAP_WAIT_S)
     process = _launched.pop(sandbox_id, None)
     if process is not None:
         process.wait(timeout=_REAP_WAIT_S)

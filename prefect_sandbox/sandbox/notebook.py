@@ -107,8 +107,12 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
         NotebookError: no ``=``, or NAME is not a Python identifier.
     """
     name, sep, raw = assignment.partition("=")
-    if not sep or not name.isidentifier():
+    if not sep:
         raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
+    if not name.isidentifier():
+        raise NotebookError(
+            f"parameter name {name!r} (in {assignment!r}) is not a Python identifier"
+        )
     value: Any
     if raw in ("True", "False"):
         value = raw == "True"
@@ -290,6 +294,11 @@ class ExecutedNotebook:
             "started_at": result.started_at.isoformat(),
             "duration_s": round(result.duration_s, 6),
         }
+
+    def add_outputs(self, cell_index: int, outputs: list[dict[str, Any]]) -> None:
+        """Append outputs that arrived after the cell ended (printed by its threads)."""
+        cell = self.notebook.cells[cell_index]
+        cell.outputs.extend(nbformat.from_dict(output) for output in outputs)
 
     def set_metadata(self, **fields: Any) -> None:
         """Record run facts (flow run, backend, sandbox id) in the notebook's metadata."""

@@ -1,14 +1,67 @@
-"""Turning Jupyter iopub messages into a cell's nbformat outputs. Pure logic, no I/O."""
+"""Turning Jupyter iopub messages into a cell's nbformat outputs. Pure logic, no I/O.
+
+Front ends show a cell's output as a terminal would; so do the outputs we store: consecutive
+stream text is coalesced per stream, ``\\r`` overwrites the current line, ``clear_output`` and
+``update_display_data`` are honoured. Stored outputs are capped per cell (head and tail kept,
+with a marker giving the original size), so a cell that prints 100 MB keeps client memory
+bounded and its last line. Text is made valid UTF-8 (lone surrogates replaced), so logging, JSON
+and nbformat never choke on it.
+"""
 
 from __future__ import annotations
 
+import re
+from collections import deque
 from typing import Any
 
 from nbformat.v4 import output_from_msg
 
-__all__ = ["OUTPUT_MSG_TYPES", "OutputCollector", "error_output"]
+__all__ = [
+    "DEFAULT_MAX_OUTPUT_BYTES",
+    "OUTPUT_MSG_TYPES",
+    "OutputCollector",
+    "collapse_carriage_returns",
+    "error_output",
+    "strip_ansi",
+    "valid_text",
+]
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+def strip_ansi(text: str) -> str:
+    """Remove ANSI escape sequences (colours, cursor moves) from ``text``."""
+    return _ANSI_ESCAPE.sub("", text)
+
+
+def valid_text(text: str) -> str:
+    """Replace lone surrogates (undecodable bytes a kernel passed on) with U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def collapse_carriage_returns(text: str) -> str:
+    """Apply ``\\r`` as a terminal does: later text overwrites the start of the line.
+
+    ``"50%\\r100%\\n"`` becomes ``"100%\\n"``; ``"abc\\rX"`` becomes ``"Xbc"``; ``\\r\\n`` is a
+    newline.
+    """
+    if "\r" not in text:
+        return text
+    lines = text.replace("\r\n", "\n").split("\n")
+    for index, line in enumerate(lines):
+        if "\r" in line:
+            shown = ""
+            for segment in line.split("\r"):
+                shown = segment + shown[len(segment) :]
+            lines[index] = shown
+    return "\n".join(lines)
 
 
 def error_output(ename: str, evalue: str, traceback: list[str]) -> dict[str, Any]:
@@ -25,17 +78,70 @@ def error_output(ename: str, evalue: str, traceback: list[str]) -> dict[str, Any
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": traceback}
 
 
+def _size(output: dict[str, Any]) -> int:
+    """Approximate stored size in bytes (characters of text; whole payload of rich data)."""
+    if output["output_type"] == "stream":
+        return len(output["text"])
+    if output["output_type"] == "error":
+        return len(output["evalue"]) + sum(len(line) for line in output["traceback"])
+    return sum(len(str(value)) for value in output.get("data", {}).values())
+
+
+def _sanitised(output: dict[str, Any]) -> dict[str, Any]:
+    if output["output_type"] == "stream":
+        output["text"] = valid_text(output["text"])
+    elif output["output_type"] == "error":
+        output["evalue"] = valid_text(output["evalue"])
+        output["traceback"] = [valid_text(line) for line in output["traceback"]]
+    else:
+        data = output.get("data", {})
+        for mime, value in data.items():
+            if isinstance(value, str):
+                data[mime] = valid_text(value)
+    return output
+
+
 class OutputCollector:
     """Collects one cell's outputs from its iopub messages, as Jupyter front ends show them.
 
-    Consecutive ``stream`` outputs of the same name are coalesced; ``clear_output`` (with
-    ``wait=True`` deferred to the next output) and ``update_display_data`` are honoured.
+    Args:
+        max_output_bytes: cap on the stored outputs of the cell (about that many characters);
+            past it, the first and last halves are kept with a marker between them. None for
+            no cap.
     """
 
-    def __init__(self) -> None:
-        self.outputs: list[dict[str, Any]] = []
+    def __init__(self, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> None:
+        if max_output_bytes is not None and max_output_bytes <= 0:
+            raise ValueError(f"max_output_bytes must be positive or None, not {max_output_bytes}")
+        self._half = None if max_output_bytes is None else max_output_bytes // 2
+        self._head: list[dict[str, Any]] = []
+        self._tail: deque[dict[str, Any]] = deque()
+        self._head_bytes = self._tail_bytes = 0
+        self.total_bytes = 0
+        self.omitted_bytes = 0
         self._clear_before_next = False
         self._display_indexes: dict[str, list[int]] = {}
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        """The outputs to store: head, a truncation marker if anything was dropped, tail."""
+        if not self.omitted_bytes:
+            return list(self._head)
+        marker_name = "stdout"
+        if self._tail and self._tail[0]["output_type"] == "stream":
+            marker_name = self._tail[0]["name"]
+        marker = {
+            "output_type": "stream",
+            "name": marker_name,
+            "text": (
+                f"\n... [output truncated: {self.total_bytes} bytes in all, "
+                f"{self.omitted_bytes} bytes omitted] ...\n"
+            ),
+        }
+        merged: list[dict[str, Any]] = []
+        for output in [*self._head, marker, *self._tail]:
+            _append_coalescing(merged, dict(output))
+        return merged
 
     def add(self, msg_type: str, content: dict[str, Any]) -> dict[str, Any] | None:
         """Take one iopub message's type and content.
@@ -45,7 +151,8 @@ class OutputCollector:
             content: the message's content.
 
         Returns:
-            The new nbformat output, or None when the message adds no output.
+            The new nbformat output as received (before capping), or None when the message
+            adds no output.
         """
         if msg_type == "clear_output":
             if content.get("wait"):
@@ -60,35 +167,85 @@ class OutputCollector:
             return None
         if self._clear_before_next:
             self._clear()
-        output: dict[str, Any] = dict(
-            output_from_msg({"header": {"msg_type": msg_type}, "content": content})
+        output = _sanitised(
+            dict(output_from_msg({"header": {"msg_type": msg_type}, "content": content}))
         )
-        display_id = (content.get("transient") or {}).get("display_id")
-        if display_id:
-            self._display_indexes.setdefault(display_id, []).append(len(self.outputs))
-        last = self.outputs[-1] if self.outputs else None
-        if (
-            msg_type == "stream"
-            and last is not None
-            and last["output_type"] == "stream"
-            and last["name"] == output["name"]
-        ):
-            last["text"] += output["text"]
+        size = _size(output)
+        self.total_bytes += size
+        if self._half is None or (not self._tail and self._head_bytes + size <= self._half):
+            self._keep_in_head(output, content, size)
         else:
-            self.outputs.append(output)
+            self._keep_in_tail(output, size)
         return output
 
+    def _keep_in_head(self, output: dict[str, Any], content: dict[str, Any], size: int) -> None:
+        display_id = (content.get("transient") or {}).get("display_id")
+        if display_id:
+            self._display_indexes.setdefault(display_id, []).append(len(self._head))
+        _append_coalescing(self._head, output)
+        self._head_bytes += size
+
+    def _keep_in_tail(self, output: dict[str, Any], size: int) -> None:
+        assert self._half is not None
+        if output["output_type"] == "stream" and not self._tail:
+            # Fill the head up to its half with the start of the text.
+            room = self._half - self._head_bytes
+            if room > 0:
+                head_part = dict(output, text=output["text"][:room])
+                _append_coalescing(self._head, head_part)
+                self._head_bytes += room
+                output = dict(output, text=output["text"][room:])
+                size -= room
+        _append_coalescing(self._tail, output)
+        self._tail_bytes += size
+        while self._tail_bytes > self._half and self._tail:
+            first = self._tail[0]
+            excess = self._tail_bytes - self._half
+            if first["output_type"] == "stream" and len(first["text"]) > excess:
+                first["text"] = first["text"][excess:]
+                self._tail_bytes -= excess
+                self.omitted_bytes += excess
+            else:
+                dropped = _size(self._tail.popleft())
+                self._tail_bytes -= dropped
+                self.omitted_bytes += dropped
+
     def _clear(self) -> None:
-        self.outputs.clear()
+        self._head.clear()
+        self._tail.clear()
+        self._head_bytes = self._tail_bytes = self.total_bytes = self.omitted_bytes = 0
         self._display_indexes.clear()
         self._clear_before_next = False
 
     def _update_display(self, content: dict[str, Any]) -> None:
         display_id = (content.get("transient") or {}).get("display_id")
         for index in self._display_indexes.get(display_id or "", []):
-            self.outputs[index]["data"] = content.get("data", {})
-            self.outputs[index]["metadata"] = content.get("metadata", {})
+            self._head[index]["data"] = content.get("data", {})
+            self._head[index]["metadata"] = content.get("metadata", {})
 
     def has_error(self) -> bool:
-        """Whether an ``error`` output was collected."""
-        return any(output["output_type"] == "error" for output in self.outputs)
+        """Whether an ``error`` output was collected (and kept)."""
+        return any(o["output_type"] == "error" for o in [*self._head, *self._tail])
+
+    def append_error(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        """Add an ``error`` output the kernel did not send (a timeout, a reply-only error)."""
+        output = error_output(ename, evalue, traceback)
+        target = self._tail if self._tail else self._head
+        target.append(_sanitised(output))
+
+
+def _append_coalescing(
+    outputs: list[dict[str, Any]] | deque[dict[str, Any]], new: dict[str, Any]
+) -> None:
+    """Append ``new``, merging it into the last output when both are the same stream."""
+    if outputs and new["output_type"] == "stream":
+        last = outputs[-1]
+        if last["output_type"] == "stream" and last["name"] == new["name"]:
+            cut = last["text"].rfind("\n") + 1
+            last["text"] = last["text"][:cut] + collapse_carriage_returns(
+                last["text"][cut:] + new["text"]
+            )
+            return
+    if new["output_type"] == "stream":
+        new["text"] = collapse_carriage_returns(new["text"])
+    outputs.append(new)

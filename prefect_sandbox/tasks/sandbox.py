@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.results import CellRecord, StageResult, StoredArtifact
-from prefect_sandbox.sandbox.base import CellResult, SandboxHandle
+from prefect_sandbox.sandbox.base import CellResult, OutputCallback, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
@@ -24,6 +24,7 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.sandbox.outputs import strip_ansi
 from prefect_sandbox.sandbox.paths import resolve_inside
 
 __all__ = [
@@ -83,14 +84,16 @@ async def upload_inputs(
     pairs: list[tuple[Path, str]] = []
     for item in inputs:
         source = Path(item)
+        # Resolved, so that "." or "../data" land under the folder's real name.
+        name = source.resolve().name
         if source.is_dir():
             pairs.extend(
-                (path, (Path(source.name) / path.relative_to(source)).as_posix())
+                (path, (Path(name) / path.relative_to(source)).as_posix())
                 for path in sorted(source.rglob("*"))
                 if path.is_file()
             )
         elif source.is_file():
-            pairs.append((source, source.name))
+            pairs.append((source, name))
         else:
             raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
     sandbox = await backend.attach(handle)
@@ -103,23 +106,35 @@ async def upload_inputs(
     return [dest for _, dest in pairs]
 
 
-def _output_logger(stage: str, cell: CellSpec) -> Any:
-    """A callback that sends a cell's outputs to the run logger as they arrive."""
+def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> OutputCallback:
+    """A callback that sends a cell's outputs to the run logger as they arrive.
+
+    Lines are ANSI-stripped and cut at `_LOG_TEXT_LIMIT` characters; once ``budget_bytes`` of a
+    cell's output were logged, one marker line says the rest is in the notebook only.
+    """
     logger = get_run_logger()
     prefix = f"[{stage} cell {cell.index}]"
+    logged = 0
 
     def log(output: dict[str, Any]) -> None:
+        nonlocal logged
         kind = output["output_type"]
+        if kind == "error":
+            logger.error("%s %s: %s", prefix, output["ename"], strip_ansi(output["evalue"]))
+            return
+        if budget_bytes is not None and logged >= budget_bytes:
+            return
         if kind == "stream":
             text = output["text"]
-        elif kind == "error":
-            logger.error("%s %s: %s", prefix, output["ename"], output["evalue"])
-            return
         else:
             text = output.get("data", {}).get("text/plain", f"<{kind}>")
+        logged += len(text)
+        text = strip_ansi(text)
         if len(text) > _LOG_TEXT_LIMIT:
             text = f"{text[:_LOG_TEXT_LIMIT]}... [{len(text) - _LOG_TEXT_LIMIT} more characters]"
         logger.info("%s %s", prefix, text.rstrip("\n"))
+        if budget_bytes is not None and logged >= budget_bytes:
+            logger.warning("%s output past %d bytes is not logged", prefix, budget_bytes)
 
     return log
 
@@ -140,7 +155,7 @@ def _cell_failure(
             state_lost=result.state_lost,
         )
     return CellExecutionError(
-        f"{where}: {result.error.ename}: {result.error.evalue}",
+        f"{where}: {result.error.ename}: {strip_ansi(result.error.evalue)}",
         ename=result.error.ename,
         evalue=result.error.evalue,
         traceback=result.error.traceback,
@@ -180,6 +195,8 @@ async def run_stage(
     start = time.monotonic()
     records: list[CellRecord] = []
 
+    late_outputs: dict[str, list[dict[str, Any]]] = {}
+
     def stage_result(failed: CellSpec | None, result: CellResult | None) -> StageResult:
         return StageResult(
             name=stage.name,
@@ -188,6 +205,7 @@ async def run_stage(
             duration_s=time.monotonic() - start,
             failed_cell_index=failed.index if failed else None,
             error=result.error if result else None,
+            late_outputs=late_outputs,
         )
 
     sandbox = await backend.attach(handle)
@@ -195,8 +213,11 @@ async def run_stage(
         for cell in stage.cells:
             try:
                 result = await sandbox.run_cell(
-                    cell.source, timeout_s=timeout_s, on_output=_output_logger(stage.name, cell)
+                    cell.source,
+                    timeout_s=timeout_s,
+                    on_output=_output_logger(stage.name, cell, backend.max_output_bytes),
                 )
+                late_outputs.update(await sandbox.take_late_outputs())
             except SandboxDiedError as exc:
                 exc.stage, exc.cell_index = stage.name, cell.index
                 exc.message = f"stage {stage.name!r}, cell {cell.index}: {exc.message}"
