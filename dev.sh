@@ -3,7 +3,7 @@
 #   ./dev.sh main    run the main job: the CO2 forecast notebook on a local kernel
 #   ./dev.sh test    run the test suite
 #   ./dev.sh lint    mypy and ruff
-#   ./dev.sh bench   benchmarks (bench/README.md)
+#   ./dev.sh bench   slow scale tests, then benchmarks (bench/README.md)
 set -eu
 cd "$(dirname "$0")"
 
@@ -49,6 +49,7 @@ case "$command" in
         ;;
     bench)
         setup
+        "$venv/bin/python" -m pytest -m slow -s --timeout 900
         exec "$venv/bin/python" bench/bench_local.py "$@"
         ;;
     *)

@@ -14,6 +14,7 @@ import atexit
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 __all__ = ["main"]
 
@@ -36,7 +37,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
     )
-    run.add_argument("--out", default="prefect-sandbox-output", metavar="DIR", help="output folder")
+    run.add_argument(
+        "--out",
+        default="prefect-sandbox-output",
+        metavar="DIR",
+        help="output folder, or s3://bucket/prefix",
+    )
+    run.add_argument(
+        "--aws-credentials",
+        metavar="NAME",
+        default=None,
+        help="saved AwsCredentials block for s3:// (default: the standard AWS environment)",
+    )
     run.add_argument(
         "-p",
         "--parameter",
@@ -84,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inputs=args.input,
             artifacts=args.artifact,
             parameters=parameters,
-            output_dir=args.out,
+            storage=_storage(args.out, args.aws_credentials),
             cell_timeout_s=args.cell_timeout,
         )
     except PipelineFailedError as exc:
@@ -109,9 +121,28 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     for item in args.input:
         if not os.path.exists(item):
             return f"--input {item!r} does not exist"
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    if args.out.startswith("s3://"):
+        if not args.out[5:].split("/", 1)[0]:
+            return f"--out {args.out!r} names no bucket"
+    elif os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out!r} is not a folder"
+    elif args.aws_credentials:
+        return "--aws-credentials needs an s3:// --out"
     return None
+
+
+def _storage(out: str, aws_credentials: str | None) -> Any:
+    """The flow's ``storage``: an S3Bucket block for ``s3://`` (named credentials or the
+    standard AWS environment), else the folder."""
+    if not out.startswith("s3://"):
+        return out
+    from prefect_aws import AwsCredentials, S3Bucket
+
+    bucket_name, _, folder = out[5:].partition("/")
+    credentials = AwsCredentials()
+    if aws_credentials:
+        credentials = cast(AwsCredentials, AwsCredentials.load(aws_credentials))
+    return S3Bucket(bucket_name=bucket_name, bucket_folder=folder, credentials=credentials)
 
 
 def _usage_error(message: str) -> int:

@@ -44,7 +44,7 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
             "use": ["print(statistics.median(values))", "values.append(10)"],
             "check": ["print(len(values))"],
         },
-        output_dir=str(tmp_path),
+        storage=str(tmp_path),
     )
     assert result.status == "completed"
     assert [(s.name, s.status, s.cell_count) for s in result.stages] == [
@@ -97,7 +97,7 @@ async def test_failing_stage_stores_partial_notebook_and_artifacts(tmp_path: Pat
             notebook=str(source),
             artifacts=["*.txt"],
             parameters={"rows": 12},
-            output_dir=str(tmp_path / "out"),
+            storage=str(tmp_path / "out"),
         )
     error = info.value
     # The injected parameters cell sits at index 2, so the failing cell is index 5.
@@ -133,7 +133,7 @@ async def test_h01_timeout_in_a_pipeline_names_the_cell(tmp_path: Path) -> None:
     with pytest.raises(PipelineFailedError) as info:
         await amodeling_pipeline(
             stages={"loop": ["x = 41", "while True: pass", "print(x + 1)"]},
-            output_dir=str(tmp_path),
+            storage=str(tmp_path),
             cell_timeout_s=1.0,
             backend=LocalKernelBackend(interrupt_grace_s=3.0),
         )
@@ -160,7 +160,7 @@ async def test_h10_inline_figure_is_stored_once_as_png(tmp_path: Path) -> None:
                 "print('x')",
             ]
         },
-        output_dir=str(tmp_path),
+        storage=str(tmp_path),
     )
     pngs = [a for a in result.artifacts if a.path.endswith(".png")]
     assert [a.path for a in pngs] == ["inline-figures/cell-000-1.png"]
@@ -186,7 +186,7 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
         inputs=[str(inputs / name) for name in names],
         artifacts=["*", "../../evil.txt", "../escape.txt"],
         backend=LocalKernelBackend(workdir_root=str(home)),
-        output_dir=str(tmp_path / "out"),
+        storage=str(tmp_path / "out"),
     )
     stored = {a.path: a for a in result.artifacts}
     assert set(stored) == {*names, "résumé plot.png", "executed.ipynb"}
@@ -211,19 +211,19 @@ async def test_bad_notebook_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{not json")
     with pytest.raises(NotebookError, match=r"bad\.ipynb"):
-        await arun_notebook(notebook=str(bad), output_dir=str(tmp_path))
+        await arun_notebook(notebook=str(bad), storage=str(tmp_path))
     with pytest.raises(NotebookError, match="parameter"):
         await arun_notebook(
             notebook=str(_staged_notebook(tmp_path / "ok.ipynb")),
             parameters={"not an identifier": 1},
-            output_dir=str(tmp_path),
+            storage=str(tmp_path),
         )
 
 
 def test_sync_twins_match_and_run_from_plain_python(tmp_path: Path) -> None:
     assert inspect.signature(run_notebook) == inspect.signature(arun_notebook.fn)
     assert inspect.signature(modeling_pipeline) == inspect.signature(amodeling_pipeline.fn)
-    result = modeling_pipeline(stages={"only": ["print(6 * 7)"]}, output_dir=str(tmp_path))
+    result = modeling_pipeline(stages={"only": ["print(6 * 7)"]}, storage=str(tmp_path))
     assert result.status == "completed"
     cells = _cells(Path(result.output_dir) / "executed.ipynb")
     assert cells[0].outputs[0]["text"] == "42\n"
@@ -378,7 +378,7 @@ async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> Non
     result = await amodeling_pipeline(
         stages={"flood": ["for i in range(2000): print(f'line {i} ' + 'y' * 1000)"]},
         backend=LocalKernelBackend(max_output_bytes=cap),
-        output_dir=str(tmp_path),
+        storage=str(tmp_path),
     )
     cell = _cells(Path(result.output_dir) / "executed.ipynb")[0]
     text = "".join(o["text"] for o in cell.outputs if o["output_type"] == "stream")

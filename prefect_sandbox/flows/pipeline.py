@@ -25,10 +25,11 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.flows import Flow
 from prefect.utilities.asyncutils import run_coro_as_sync
+from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
-from prefect_sandbox.results import PipelineResult, StageResult, StageSummary
+from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.errors import FileTransferError, PipelineFailedError, SandboxError
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
@@ -45,9 +46,9 @@ from prefect_sandbox.tasks.sandbox import (
     download_artifacts,
     kill_sandbox,
     run_stage,
-    store_artifacts,
     upload_inputs,
 )
+from prefect_sandbox.tasks.storage import resolve_storage, store_artifacts
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -93,6 +94,32 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
     return summaries
 
 
+def _write_notebook_files(
+    executed: ExecutedNotebook, stage_results: list[StageResult], staging: Path
+) -> list[str]:
+    """Record every cell's result, write the notebook and its inline figures into ``staging``.
+
+    Returns:
+        The written files' relative paths.
+    """
+    cell_of_msg: dict[str | None, int] = {}
+    for stage_result in stage_results:
+        for record in stage_result.cells:
+            executed.record(record.index, stage_result.name, record.result)
+            cell_of_msg[record.result.msg_id] = record.index
+    for stage_result in stage_results:
+        for msg_id, outputs in stage_result.late_outputs.items():
+            if msg_id in cell_of_msg:
+                executed.add_outputs(cell_of_msg[msg_id], outputs)
+    executed.write(staging / EXECUTED_NOTEBOOK_NAME)
+    written = []
+    for path, image in inline_figures(executed.notebook):
+        (staging / path).parent.mkdir(parents=True, exist_ok=True)
+        (staging / path).write_bytes(image)
+        written.append(path)
+    return [*written, EXECUTED_NOTEBOOK_NAME]
+
+
 async def _run_pipeline(
     source: NotebookNode,
     stages: list[StageSpec],
@@ -100,86 +127,80 @@ async def _run_pipeline(
     inputs: list[str],
     artifacts: list[str],
     backend: SandboxBackend,
-    output_dir: str,
+    storage: S3Bucket | str,
     cell_timeout_s: float | None,
 ) -> PipelineResult:
     context = FlowRunContext.get()
-    assert context is not None and context.flow_run is not None, "must run inside a flow"
+    assert context is not None and context.flow_run is not None and context.flow is not None, (
+        "must run inside a flow"
+    )
     flow_run = context.flow_run
     logger = get_run_logger()
     start = time.monotonic()
+    store = resolve_storage(storage, context.flow.name, flow_run.name)
+    store.prepare()
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
     stage_results: list[StageResult] = []
     failure: SandboxError | None = None
     downloaded: list[str] = []
-    destination = str(Path(output_dir) / flow_run.name)
-    try:
-        Path(destination).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FileTransferError(
-            f"output folder {destination!r} cannot be made: {exc.strerror}", path=destination
-        ) from exc
+    stored: list[StoredArtifact] = []
     staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
     try:
-        handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
-        executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
         try:
+            handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
+            executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
             try:
-                await upload_inputs(backend, handle, inputs)
-                for stage in stages:
-                    try:
-                        stage_results.append(
-                            await run_stage(backend, handle, stage, cell_timeout_s)
-                        )
-                    except SandboxError as exc:
-                        if exc.stage_result is not None:
-                            stage_results.append(exc.stage_result)
-                        raise
-            except SandboxError as exc:
-                failure = exc
-            downloaded = await download_artifacts(backend, handle, artifacts, str(staging))
+                try:
+                    await upload_inputs(backend, handle, inputs, str(staging / "inputs"), store)
+                    for stage in stages:
+                        try:
+                            stage_results.append(
+                                await run_stage(backend, handle, stage, cell_timeout_s)
+                            )
+                        except SandboxError as exc:
+                            if exc.stage_result is not None:
+                                stage_results.append(exc.stage_result)
+                            raise
+                except SandboxError as exc:
+                    failure = exc
+                downloaded = await download_artifacts(
+                    backend, handle, artifacts, str(staging / "outputs")
+                )
+            finally:
+                await kill_sandbox(backend, handle)
         finally:
-            await kill_sandbox(backend, handle)
-    finally:
-        cell_of_msg: dict[str | None, int] = {}
-        for stage_result in stage_results:
-            for record in stage_result.cells:
-                executed.record(record.index, stage_result.name, record.result)
-                cell_of_msg[record.result.msg_id] = record.index
-        for stage_result in stage_results:
-            for msg_id, outputs in stage_result.late_outputs.items():
-                if msg_id in cell_of_msg:
-                    executed.add_outputs(cell_of_msg[msg_id], outputs)
-        executed.write(staging / EXECUTED_NOTEBOOK_NAME)
-        figures = []
-        for path, image in inline_figures(executed.notebook):
-            (staging / path).parent.mkdir(parents=True, exist_ok=True)
-            (staging / path).write_bytes(image)
-            figures.append(path)
-        stored = store_artifacts(
-            str(staging), [*downloaded, *figures, EXECUTED_NOTEBOOK_NAME], destination
+            outputs = staging / "outputs"
+            outputs.mkdir(exist_ok=True)
+            written = _write_notebook_files(executed, stage_results, outputs)
+            stored, storage_failures = store_artifacts(str(outputs), [*downloaded, *written], store)
+        if storage_failures and failure is None:
+            failure = FileTransferError(
+                f"{len(storage_failures)} artifact(s) could not be stored in "
+                f"{store.location}: {'; '.join(storage_failures)}"
+            )
+        error = str(failure) if failure else None
+        result = PipelineResult(
+            flow_run_id=str(flow_run.id),
+            flow_run_name=flow_run.name,
+            status="failed" if failure else "completed",
+            stages=_summaries(stages, stage_results),
+            artifacts=stored,
+            output_dir=store.location,
+            duration_s=round(time.monotonic() - start, 6),
+            error=error,
         )
+        (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
+        store.store(outputs / SUMMARY_NAME, SUMMARY_NAME)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-    error = str(failure) if failure else None
-    result = PipelineResult(
-        flow_run_id=str(flow_run.id),
-        flow_run_name=flow_run.name,
-        status="failed" if failure else "completed",
-        stages=_summaries(stages, stage_results),
-        artifacts=stored,
-        output_dir=destination,
-        duration_s=round(time.monotonic() - start, 6),
-        error=error,
-    )
-    (Path(destination) / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
-    logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, destination)
+    logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, store.location)
     if failure is not None:
         raise PipelineFailedError(
             error or "pipeline failed",
             stage=getattr(failure, "stage", None),
             cell_index=getattr(failure, "cell_index", None),
-            output_dir=destination,
+            output_dir=store.location,
             sandbox_id=handle.sandbox_id,
         ) from failure
     return result
@@ -192,14 +213,14 @@ async def arun_notebook(
     artifacts: list[str] | None = None,
     parameters: dict[str, Any] | None = None,
     backend: SandboxBackend | None = None,
-    output_dir: str = DEFAULT_OUTPUT_DIR,
+    storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
     """Run a notebook stage by stage in one sandbox and store what it made.
 
     Stages are the cells tagged ``stage:<name>`` or, untagged, one per top-level markdown
-    heading. Files land in ``<output_dir>/<flow-run-name>/``: the artifacts at their relative
-    paths, ``executed.ipynb`` and ``summary.json``.
+    heading. The artifacts keep their relative paths in ``storage``, beside ``executed.ipynb``,
+    the inline figures (``inline-figures/``) and ``summary.json``.
 
     Args:
         notebook: Path of the .ipynb to run, on the machine that runs the flow.
@@ -209,7 +230,10 @@ async def arun_notebook(
             collect and store afterwards, e.g. figures/*.png.
         parameters: Values injected, papermill-style, after the cell tagged 'parameters'.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
-        output_dir: Folder under which the run's own folder, named after the flow run, is made.
+        storage: Where files are stored: an S3Bucket block (keys
+            <bucket_folder>/<flow-name>/<flow-run-name>/<path>), "s3-bucket/<name>" for a
+            saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
+            local folder (files in <folder>/<flow-run-name>/).
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:
@@ -226,7 +250,7 @@ async def arun_notebook(
         inputs=inputs or [],
         artifacts=artifacts or [],
         backend=backend or LocalKernelBackend(),
-        output_dir=output_dir,
+        storage=storage,
         cell_timeout_s=cell_timeout_s,
     )
 
@@ -237,7 +261,7 @@ async def amodeling_pipeline(
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
     backend: SandboxBackend | None = None,
-    output_dir: str = DEFAULT_OUTPUT_DIR,
+    storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
     """Run stages of code cells in one sandbox and store what they made.
@@ -252,7 +276,10 @@ async def amodeling_pipeline(
         artifacts: Glob patterns, relative to the sandbox's working directory, of files to
             collect and store afterwards, e.g. figures/*.png.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
-        output_dir: Folder under which the run's own folder, named after the flow run, is made.
+        storage: Where files are stored: an S3Bucket block (keys
+            <bucket_folder>/<flow-name>/<flow-run-name>/<path>), "s3-bucket/<name>" for a
+            saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
+            local folder (files in <folder>/<flow-run-name>/).
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:
@@ -269,7 +296,7 @@ async def amodeling_pipeline(
         inputs=inputs or [],
         artifacts=artifacts or [],
         backend=backend or LocalKernelBackend(),
-        output_dir=output_dir,
+        storage=storage,
         cell_timeout_s=cell_timeout_s,
     )
 

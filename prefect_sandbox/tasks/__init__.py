@@ -5,9 +5,9 @@ from prefect_sandbox.tasks.sandbox import (
     download_artifacts,
     kill_sandbox,
     run_stage,
-    store_artifacts,
+    upload_inputs,
 )
-from prefect_sandbox.tasks.sandbox import upload_inputs as upload_inputs
+from prefect_sandbox.tasks.storage import store_artifacts
 
 __all__ = [
     "create_sandbox",

@@ -3,7 +3,7 @@ sandbox, so retries and any task runner work; each attaches, does its work and d
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -12,12 +12,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.results import CellRecord, StageResult, StoredArtifact
+from prefect_sandbox.results import CellRecord, StageResult
 from prefect_sandbox.sandbox.base import CellResult, OutputCallback, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
-    FileTransferError,
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
@@ -26,19 +25,18 @@ from prefect_sandbox.sandbox.errors import (
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 from prefect_sandbox.sandbox.outputs import strip_ansi
 from prefect_sandbox.sandbox.paths import resolve_inside
+from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
 __all__ = [
     "create_sandbox",
     "download_artifacts",
     "kill_sandbox",
     "run_stage",
-    "store_artifacts",
     "upload_inputs",
 ]
 
 RAISES_EXCEPTION_TAG = "raises-exception"
 _LOG_TEXT_LIMIT = 4000
-_COPY_CHUNK_BYTES = 1 << 20
 
 
 @task(name="create-sandbox", cache_policy=NO_CACHE)
@@ -63,46 +61,39 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
 
 @task(name="upload-inputs", cache_policy=NO_CACHE)
 async def upload_inputs(
-    backend: SandboxBackend, handle: SandboxHandle, inputs: list[str]
+    backend: SandboxBackend,
+    handle: SandboxHandle,
+    inputs: list[str],
+    staging_dir: str,
+    store: ArtifactStore | None = None,
 ) -> list[str]:
-    """Copy local files and folders into the sandbox's working directory.
+    """Copy local files and folders, and ``s3://`` objects and prefixes, into the sandbox.
 
-    A file lands under its own name; a folder lands under its name with its tree.
+    A file lands under its own name; a folder or prefix under its name with its tree. S3
+    objects are streamed to ``staging_dir`` on disk first.
 
     Args:
         backend: the backend block.
         handle: the sandbox.
-        inputs: local paths of files or folders.
+        inputs: local paths or ``s3://`` URIs.
+        staging_dir: a local folder for downloaded objects.
+        store: the run's artifact store; an S3 one lends its credentials to ``s3://`` inputs.
 
     Returns:
         The uploaded files' paths inside the sandbox.
 
     Raises:
-        FileTransferError: an input does not exist (names it).
+        FileTransferError: an input does not exist or cannot be read (names it).
     """
-    logger = get_run_logger()
-    pairs: list[tuple[Path, str]] = []
-    for item in inputs:
-        source = Path(item)
-        # Resolved, so that "." or "../data" land under the folder's real name.
-        name = source.resolve().name
-        if source.is_dir():
-            pairs.extend(
-                (path, (Path(name) / path.relative_to(source)).as_posix())
-                for path in sorted(source.rglob("*"))
-                if path.is_file()
-            )
-        elif source.is_file():
-            pairs.append((source, name))
-        else:
-            raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+    credentials = store.credentials if isinstance(store, S3Store) else None
+    pairs = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)
     sandbox = await backend.attach(handle)
     try:
         for source, dest in pairs:
             await sandbox.upload(source, dest)
     finally:
         await sandbox.close()
-    logger.info("Uploaded %d input file(s)", len(pairs))
+    get_run_logger().info("Uploaded %d input file(s)", len(pairs))
     return [dest for _, dest in pairs]
 
 
@@ -280,39 +271,6 @@ async def download_artifacts(
         await sandbox.close()
     logger.info("Downloaded %d artifact(s)", len(downloaded))
     return downloaded
-
-
-def _copy_with_sha256(source: Path, target: Path) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with source.open("rb") as reader, target.open("wb") as writer:
-        while chunk := reader.read(_COPY_CHUNK_BYTES):
-            digest.update(chunk)
-            writer.write(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-@task(name="store-artifacts", cache_policy=NO_CACHE)
-def store_artifacts(staging_dir: str, paths: list[str], output_dir: str) -> list[StoredArtifact]:
-    """Store staged files in a local output folder, keeping relative paths.
-
-    Args:
-        staging_dir: the local folder holding the files.
-        paths: their relative paths.
-        output_dir: the folder to store them in (made if missing).
-
-    Returns:
-        One record per file: path, bytes, sha256 and where it was stored.
-    """
-    staging, output = Path(staging_dir), Path(output_dir)
-    stored = []
-    for path in paths:
-        target = resolve_inside(output, path)
-        size, sha256 = _copy_with_sha256(resolve_inside(staging, path), target)
-        stored.append(StoredArtifact(path=path, bytes=size, sha256=sha256, location=str(target)))
-    return stored
 
 
 @task(name="kill-sandbox", cache_policy=NO_CACHE)

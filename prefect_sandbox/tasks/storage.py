@@ -1,0 +1,408 @@
+"""Where a flow's inputs come from and its artifacts go: a local folder, or S3 via prefect-aws.
+
+S3 goes through a `prefect_aws.S3Bucket` block's own methods and client (so a non-AWS endpoint
+set on its credentials is honoured): boto3's managed transfer streams files from disk, multipart
+above `MULTIPART_THRESHOLD_BYTES` with concurrent parts, and asks S3 for SHA-256 checksums. An
+object counts as stored only once its size and checksum, read back with ``HeadObject``, match
+the local file. s3transfer aborts a multipart upload that fails, so no half object is left.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from abc import ABC, abstractmethod
+from pathlib import Path, PurePosixPath
+from typing import Any, cast
+
+from boto3.exceptions import S3UploadFailedError
+from botocore.exceptions import BotoCoreError, ClientError
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
+from s3transfer.utils import ChunksizeAdjuster
+from tenacity import (
+    retry,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from prefect_sandbox.results import StoredArtifact
+from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
+from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+
+__all__ = [
+    "MULTIPART_THRESHOLD_BYTES",
+    "ArtifactStore",
+    "LocalFolderStore",
+    "S3Store",
+    "fetch_inputs",
+    "parse_s3_uri",
+    "resolve_storage",
+    "store_artifacts",
+]
+
+MULTIPART_THRESHOLD_BYTES = 8 << 20
+MULTIPART_CHUNK_BYTES = 8 << 20
+_MAX_CONCURRENCY = 4
+_READ_CHUNK_BYTES = 1 << 20
+_ATTEMPTS = 4
+_TRANSIENT_CODES = frozenset(
+    {"InternalError", "RequestTimeout", "SlowDown", "ServiceUnavailable", "Throttling"}
+)
+S3_BLOCK_PREFIX = "s3-bucket/"
+
+S3Credentials = AwsCredentials | MinIOCredentials
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``.
+
+    Raises:
+        ValueError: not an ``s3://`` URI with a bucket name.
+    """
+    if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
+        raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
+    bucket, _, key = uri[5:].partition("/")
+    return bucket, key
+
+
+def _sha256_digests(path: Path, part_bytes: int) -> tuple[int, bytes, list[bytes]]:
+    """Size, whole-file SHA-256 and per-part SHA-256s of a file, in one streaming pass."""
+    whole = hashlib.sha256()
+    parts: list[bytes] = []
+    part = hashlib.sha256()
+    in_part = size = 0
+    with path.open("rb") as reader:
+        while chunk := reader.read(_READ_CHUNK_BYTES):
+            whole.update(chunk)
+            size += len(chunk)
+            while chunk:
+                take = chunk[: part_bytes - in_part]
+                part.update(take)
+                in_part += len(take)
+                chunk = chunk[len(take) :]
+                if in_part == part_bytes:
+                    parts.append(part.digest())
+                    part, in_part = hashlib.sha256(), 0
+    if in_part:
+        parts.append(part.digest())
+    return size, whole.digest(), parts
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, S3UploadFailedError):
+        # boto3 wraps the failing part's error; judge by that one.
+        cause = error.__cause__ or error.__context__
+        return cause is not None and _is_transient(cause)
+    if isinstance(error, ClientError):
+        code = error.response.get("Error", {}).get("Code", "")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return code in _TRANSIENT_CODES or status >= 500
+    return isinstance(error, BotoCoreError)
+
+
+class ArtifactStore(ABC):
+    """A destination for one flow run's files."""
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """Where the run's files go: a folder path or an ``s3://`` URI."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Check, before any work, that files can be stored here.
+
+        Raises:
+            FileTransferError: they cannot (names the destination).
+        """
+
+    @abstractmethod
+    def store(self, source: Path, relative: str) -> StoredArtifact:
+        """Store one local file under ``relative``, verified.
+
+        Args:
+            source: the local file.
+            relative: its POSIX path relative to the run's location.
+
+        Returns:
+            What was stored: path, bytes, sha256 (hex) and where.
+
+        Raises:
+            UnsafePathError: ``relative`` climbs out with ``..`` or is absolute.
+            FileTransferError: it could not be stored, or the stored copy does not match.
+        """
+
+
+class LocalFolderStore(ArtifactStore):
+    """Files under ``<folder>/<flow-run-name>/``."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+
+    @property
+    def location(self) -> str:
+        return str(self._folder)
+
+    def prepare(self) -> None:
+        try:
+            self._folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FileTransferError(
+                f"output folder {str(self._folder)!r} cannot be made: {exc.strerror}",
+                path=str(self._folder),
+            ) from exc
+
+    def store(self, source: Path, relative: str) -> StoredArtifact:
+        target = resolve_inside(self._folder, relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with source.open("rb") as reader, target.open("wb") as writer:
+            while chunk := reader.read(_READ_CHUNK_BYTES):
+                digest.update(chunk)
+                writer.write(chunk)
+        return StoredArtifact(
+            path=relative,
+            bytes=target.stat().st_size,
+            sha256=digest.hexdigest(),
+            location=str(target),
+        )
+
+
+class S3Store(ArtifactStore):
+    """Objects at ``<bucket_folder>/<prefix>/<relative path>`` of an `S3Bucket` block.
+
+    Args:
+        bucket: the prefect-aws block; its credentials (and endpoint) are used as they are.
+        prefix: the run's part of the key, e.g. ``run-notebook/happy-cat``.
+    """
+
+    def __init__(self, bucket: S3Bucket, prefix: str) -> None:
+        self._bucket = bucket
+        self._prefix = prefix.strip("/")
+
+    @property
+    def credentials(self) -> S3Credentials:
+        """The bucket block's credentials."""
+        return self._bucket.credentials
+
+    def prepare(self) -> None:
+        client = self.credentials.get_s3_client()
+        try:
+            client.head_bucket(Bucket=self._bucket.bucket_name)
+        except (ClientError, BotoCoreError) as exc:
+            raise FileTransferError(
+                f"bucket {self._bucket.bucket_name!r} cannot be reached: {exc}",
+                path=self.location,
+            ) from exc
+
+    @property
+    def location(self) -> str:
+        key = self._bucket._join_bucket_folder(self._prefix)
+        return f"s3://{self._bucket.bucket_name}/{key}"
+
+    def store(self, source: Path, relative: str) -> StoredArtifact:
+        checked_relative_path(relative)
+        size, whole, parts = _sha256_digests(source, self._part_bytes(source))
+        key_in_folder = f"{self._prefix}/{relative}"
+        try:
+            key = self._upload(source, key_in_folder)
+            self._verify(key, size, whole, parts, relative)
+        except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
+            raise FileTransferError(
+                f"artifact {relative!r} could not be stored in {self.location}: {exc}",
+                path=relative,
+            ) from exc
+        return StoredArtifact(
+            path=relative,
+            bytes=size,
+            sha256=whole.hex(),
+            location=f"s3://{self._bucket.bucket_name}/{key}",
+        )
+
+    @staticmethod
+    def _part_bytes(source: Path) -> int:
+        # s3transfer grows the part size for huge files (10,000 parts at most); match it.
+        return int(
+            ChunksizeAdjuster().adjust_chunksize(MULTIPART_CHUNK_BYTES, source.stat().st_size)
+        )
+
+    @retry(
+        retry=retry_if_exception(_is_transient),
+        stop=stop_after_attempt(_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.5, max=8),
+        reraise=True,
+    )
+    def _upload(self, source: Path, key_in_folder: str) -> str:
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD_BYTES,
+            multipart_chunksize=MULTIPART_CHUNK_BYTES,
+            max_concurrency=_MAX_CONCURRENCY,
+        )
+        upload_kwargs: dict[str, Any] = {
+            "ExtraArgs": {"ChecksumAlgorithm": "SHA256"},
+            "Config": config,
+        }
+        # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
+        return str(
+            self._bucket.upload_from_path(source, key_in_folder, _sync=True, **upload_kwargs)  # type: ignore[arg-type]
+        )
+
+    def _verify(self, key: str, size: int, whole: bytes, parts: list[bytes], relative: str) -> None:
+        client = self._bucket.credentials.get_s3_client()
+        head = client.head_object(Bucket=self._bucket.bucket_name, Key=key, ChecksumMode="ENABLED")
+        stored = str(head.get("ChecksumSHA256", ""))
+        checksum, _, part_count = stored.partition("-")
+        if size >= MULTIPART_THRESHOLD_BYTES:
+            # A multipart object's checksum is the SHA-256 of its parts' SHA-256s ("-N" suffix).
+            expected = base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode()
+            counts_match = part_count in ("", str(len(parts)))
+        else:
+            expected = base64.b64encode(whole).decode()
+            counts_match = part_count == ""
+        if head["ContentLength"] != size or checksum != expected or not counts_match:
+            client.delete_object(Bucket=self._bucket.bucket_name, Key=key)
+            raise FileTransferError(
+                f"artifact {relative!r}: stored object s3://{self._bucket.bucket_name}/{key} "
+                f"does not match the local file ({head['ContentLength']} bytes, checksum "
+                f"{stored!r}; expected {size} bytes, {expected!r}); it was deleted",
+                path=relative,
+            )
+
+
+def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str) -> ArtifactStore:
+    """Turn a flow's ``storage`` argument into a store for this run.
+
+    Args:
+        storage: an `S3Bucket` block; ``"s3-bucket/<name>"``, a saved block's name;
+            ``"s3://bucket/prefix"``, with credentials from the standard AWS environment; or
+            a local folder.
+        flow_name: the flow's name (part of S3 keys).
+        flow_run_name: the flow run's name.
+
+    Returns:
+        The store; S3 keys are ``<bucket_folder>/<flow-name>/<flow-run-name>/<path>``, local
+        files ``<folder>/<flow-run-name>/<path>``.
+
+    Raises:
+        ValueError: a malformed ``s3://`` URI.
+    """
+    if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
+        storage = S3Bucket.load(storage[len(S3_BLOCK_PREFIX) :])  # type: ignore[assignment]
+    elif isinstance(storage, str) and storage.startswith("s3://"):
+        bucket_name, folder = parse_s3_uri(storage)
+        storage = S3Bucket(
+            bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
+        )
+    if isinstance(storage, S3Bucket):
+        return S3Store(storage, f"{flow_name}/{flow_run_name}")
+    return LocalFolderStore(Path(storage) / flow_run_name)
+
+
+@task(name="store-artifacts", cache_policy=NO_CACHE)
+def store_artifacts(
+    staging_dir: str, paths: list[str], store: ArtifactStore
+) -> tuple[list[StoredArtifact], list[str]]:
+    """Store staged files, verified, and list them in a table artifact on the flow run.
+
+    Every file is tried; transient S3 errors are retried with backoff, and a file that still
+    fails is logged and reported without stopping the others.
+
+    Args:
+        staging_dir: the local folder holding the files.
+        paths: their relative paths.
+        store: where they go.
+
+    Returns:
+        The stored files, and one line per file that could not be stored, naming it.
+    """
+    logger = get_run_logger()
+    staging = Path(staging_dir)
+    stored: list[StoredArtifact] = []
+    failures: list[str] = []
+    for path in paths:
+        try:
+            stored.append(store.store(resolve_inside(staging, path), path))
+        except (SandboxError, ClientError, BotoCoreError, OSError) as exc:
+            logger.error("Artifact %r was not stored: %s", path, exc)
+            failures.append(f"{path!r} ({exc})")
+    if stored:
+        create_table_artifact(
+            key="stored-artifacts",
+            table=[{"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored],
+            description=f"Files stored under {store.location}",
+        )
+    return stored, failures
+
+
+def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tuple[Path, str]]:
+    """Download an ``s3://`` object, or every object under a ``s3://.../`` prefix, to disk."""
+    bucket_name, key = parse_s3_uri(uri)
+    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
+    if key and not key.endswith("/"):
+        name = PurePosixPath(key).name
+        bucket.download_object_to_path(key, resolve_inside(staging, name), _sync=True)  # type: ignore[arg-type]
+        return [(staging / name, name)]
+    folder = PurePosixPath(key.rstrip("/")).name or bucket_name
+    pairs = []
+    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
+    listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
+    for item in listing:
+        relative = f"{folder}/{PurePosixPath(item['Key']).relative_to(key or '.').as_posix()}"
+        target = resolve_inside(staging, relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        bucket.download_object_to_path(item["Key"], target, _sync=True)  # type: ignore[arg-type]
+        pairs.append((target, relative))
+    if not pairs:
+        raise FileTransferError(f"input {uri!r} matches no object", path=uri)
+    return pairs
+
+
+def fetch_inputs(
+    inputs: list[str], staging: Path, credentials: S3Credentials | None
+) -> list[tuple[Path, str]]:
+    """Resolve inputs to local files and the paths they get inside the sandbox.
+
+    Local files keep their name; local folders their name and tree; ``s3://`` objects and
+    prefixes are streamed to ``staging`` on disk first, keeping their relative names.
+
+    Args:
+        inputs: local paths or ``s3://`` URIs.
+        staging: a local folder for downloaded objects.
+        credentials: AWS credentials for ``s3://`` inputs; None for the standard environment.
+
+    Returns:
+        ``(local file, path inside the sandbox)`` pairs.
+
+    Raises:
+        FileTransferError: an input does not exist (names it).
+    """
+    pairs: list[tuple[Path, str]] = []
+    for item in inputs:
+        if item.startswith("s3://"):
+            try:
+                pairs.extend(_s3_inputs(item, credentials or AwsCredentials(), staging))
+            except (ClientError, BotoCoreError) as exc:
+                raise FileTransferError(
+                    f"input {item!r} could not be read: {exc}", path=item
+                ) from exc
+            continue
+        source = Path(item)
+        # Resolved, so that "." or "../data" land under the folder's real name.
+        name = source.resolve().name
+        if source.is_dir():
+            pairs.extend(
+                (path, (Path(name) / path.relative_to(source)).as_posix())
+                for path in sorted(source.rglob("*"))
+                if path.is_file()
+            )
+        elif source.is_file():
+            pairs.append((source, name))
+        else:
+            raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+    return pairs

@@ -1,0 +1,268 @@
+"""S3 storage through prefect-aws against moto's real S3 API over HTTP (no mock_aws)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
+
+from prefect_sandbox.flows import amodeling_pipeline
+from prefect_sandbox.sandbox.errors import PipelineFailedError
+from tests.conftest import ROOT
+from tests.s3_server import FaultProxy, MotoServer, access_denied
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _credentials(endpoint: str) -> AwsCredentials:
+    return AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=endpoint),
+    )
+
+
+@pytest.fixture
+def bucket(moto: MotoServer) -> S3Bucket:
+    name = f"bucket-{uuid.uuid4().hex[:12]}"
+    moto.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
+    return S3Bucket(
+        bucket_name=name, bucket_folder="results", credentials=_credentials(moto.endpoint)
+    )
+
+
+def _fresh_download(moto: MotoServer, bucket: str, key: str) -> bytes:
+    body = moto.client().get_object(Bucket=bucket, Key=key)["Body"]  # type: ignore[attr-defined]
+    return bytes(body.read())
+
+
+def _stored_notebook(moto: MotoServer, location: str) -> Any:
+    import nbformat
+
+    bucket_name, _, prefix = location[len("s3://") :].partition("/")
+    notebook = nbformat.reads(
+        _fresh_download(moto, bucket_name, f"{prefix}/executed.ipynb").decode(), as_version=4
+    )
+    nbformat.validate(notebook)
+    return notebook
+
+
+def _keys(moto: MotoServer, bucket: str) -> set[str]:
+    listing = moto.client().list_objects_v2(Bucket=bucket)  # type: ignore[attr-defined]
+    return {item["Key"] for item in listing.get("Contents", [])}
+
+
+async def test_inputs_from_s3_and_odd_artifacts_round_trip(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path
+) -> None:
+    client: Any = moto.client()
+    client.put_object(Bucket=bucket.bucket_name, Key="data/raw/données 1.csv", Body=b"a,b\n1,2\n")
+    client.put_object(Bucket=bucket.bucket_name, Key="data/raw/sub/empty.txt", Body=b"")
+    client.put_object(Bucket=bucket.bucket_name, Key="data/single.json", Body=b'{"k": 1}')
+    result = await amodeling_pipeline(
+        stages={
+            "read": [
+                "import os\n"
+                "print(sorted(os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs))",
+                "open('zero.bin', 'wb').close()\n"
+                "open('résumé plot.png', 'wb').write(b'\\x89PNG' + bytes(50))\n"
+                "os.makedirs('out dir', exist_ok=True)\n"
+                "open('out dir/年 report.txt', 'w').write(open('raw/données 1.csv').read())",
+            ]
+        },
+        inputs=[
+            f"s3://{bucket.bucket_name}/data/raw/",
+            f"s3://{bucket.bucket_name}/data/single.json",
+        ],
+        artifacts=["*.bin", "*.png", "out dir/*", "../../evil.txt"],
+        storage=bucket,
+    )
+    notebook = _stored_notebook(moto, result.output_dir)
+    listing = notebook.cells[0].outputs[0]["text"]
+    for name in ["./raw/données 1.csv", "./raw/sub/empty.txt", "./single.json"]:
+        assert repr(name) in listing
+    prefix = f"results/modeling-pipeline/{result.flow_run_name}"
+    assert result.output_dir == f"s3://{bucket.bucket_name}/{prefix}"
+    expected = {"zero.bin", "résumé plot.png", "out dir/年 report.txt", "executed.ipynb"}
+    assert {a.path for a in result.artifacts} == expected
+    keys = _keys(moto, bucket.bucket_name)
+    assert {f"{prefix}/{p}" for p in [*expected, "summary.json"]} <= keys
+    assert not [key for key in keys if ".." in key.split("/")]
+    for artifact in result.artifacts:
+        data = _fresh_download(moto, bucket.bucket_name, f"{prefix}/{artifact.path}")
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (artifact.bytes, artifact.sha256)
+    assert (
+        _fresh_download(moto, bucket.bucket_name, f"{prefix}/out dir/年 report.txt")
+        == b"a,b\n1,2\n"
+    )
+    summary = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/summary.json"))
+    assert summary["status"] == "completed" and len(summary["artifacts"]) == 4
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async with get_client() as prefect:
+        artifacts = await prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["stored-artifacts"]))
+        )
+    mine = [a for a in artifacts if str(a.flow_run_id) == result.flow_run_id]
+    assert len(mine) == 1 and mine[0].type == "table"
+    rows = json.loads(str(mine[0].data))
+    assert {row["sha256"] for row in rows} == {a.sha256 for a in result.artifacts}
+
+
+async def test_failure_mid_upload_leaves_no_partial_object(
+    moto: MotoServer, bucket: S3Bucket
+) -> None:
+    def deny_second_part_of_doomed(method: str, target: str) -> bytes | None:
+        if method == "PUT" and "doomed.bin" in target and "partNumber=2" in target:
+            return access_denied()
+        return None
+
+    proxy = FaultProxy(moto.port, deny_second_part_of_doomed)
+    try:
+        flaky = S3Bucket(
+            bucket_name=bucket.bucket_name,
+            bucket_folder="results",
+            credentials=_credentials(proxy.endpoint),
+        )
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={
+                    "write": [
+                        "open('doomed.bin', 'wb').write(bytes(20 * 2**20))\n"
+                        "open('fine.txt', 'w').write('kept')"
+                    ]
+                },
+                artifacts=["doomed.bin", "fine.txt"],
+                storage=flaky,
+            )
+    finally:
+        proxy.stop()
+    assert "'doomed.bin'" in str(info.value)
+    prefix = info.value.output_dir.removeprefix(f"s3://{bucket.bucket_name}/")  # type: ignore[union-attr]
+    keys = _keys(moto, bucket.bucket_name)
+    assert f"{prefix}/doomed.bin" not in keys
+    assert {f"{prefix}/fine.txt", f"{prefix}/executed.ipynb", f"{prefix}/summary.json"} <= keys
+    uploads = moto.client().list_multipart_uploads(Bucket=bucket.bucket_name)  # type: ignore[attr-defined]
+    assert uploads.get("Uploads", []) == []
+    summary = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/summary.json"))
+    assert summary["status"] == "failed" and "doomed.bin" in summary["error"]
+
+
+def test_main_job_stores_everything_in_s3_from_the_cli(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    example = ROOT / "examples" / "co2"
+    env = dict(os.environ)
+    env.update(
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing-secret",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=moto.endpoint,
+    )
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "prefect_sandbox.cli", "run", str(example / "forecast.ipynb"),
+            "--input", str(example / "co2.csv"),
+            "--artifact", "figures/*.png", "--artifact", "forecast.csv",
+            "--artifact", "metrics.json",
+            "--out", f"s3://{bucket.bucket_name}/co2-runs",
+        ],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = _keys(moto, bucket.bucket_name)
+    (summary_key,) = [k for k in keys if k.endswith("/summary.json")]
+    prefix = summary_key.removesuffix("/summary.json")
+    assert prefix.startswith("co2-runs/run-notebook/")
+    summary = json.loads(_fresh_download(moto, bucket.bucket_name, summary_key))
+    stored = {a["path"]: a for a in summary["artifacts"]}
+    assert {"forecast.csv", "metrics.json", "executed.ipynb"} <= set(stored)
+    assert len([p for p in stored if p.startswith("figures/")]) >= 2
+    for path, artifact in stored.items():
+        data = _fresh_download(moto, bucket.bucket_name, f"{prefix}/{path}")
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (
+            artifact["bytes"],
+            artifact["sha256"],
+        )
+    metrics = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/metrics.json"))
+    assert metrics["mae_ppm"] < 2
+    _stored_notebook(moto, f"s3://{bucket.bucket_name}/{prefix}")
+
+
+@pytest.mark.slow
+async def test_one_gibibyte_artifact_round_trips_in_bounded_memory(
+    moto: MotoServer, bucket: S3Bucket
+) -> None:
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    baseline = me.memory_info().rss
+    peak = baseline
+    sampling = True
+
+    def sample() -> None:
+        nonlocal peak
+        while sampling:
+            peak = max(peak, me.memory_info().rss)
+            threading.Event().wait(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = await amodeling_pipeline(
+            stages={
+                "make": [
+                    "import hashlib, os\n"
+                    "digest = hashlib.sha256()\n"
+                    "with open('big.bin', 'wb') as f:\n"
+                    "    for _ in range(1024):\n"
+                    "        block = os.urandom(2**20); digest.update(block); f.write(block)\n"
+                    "print(digest.hexdigest())"
+                ]
+            },
+            artifacts=["big.bin"],
+            storage=bucket,
+            cell_timeout_s=300,
+        )
+    finally:
+        sampling = False
+        sampler.join()
+    growth_mib = (peak - baseline) / 2**20
+    print(f"peak RSS growth during the 1 GiB pipeline: {growth_mib:.1f} MiB")
+    assert growth_mib < 64
+    (big,) = [a for a in result.artifacts if a.path == "big.bin"]
+    assert big.bytes == 2**30
+    prefix = result.output_dir.removeprefix(f"s3://{bucket.bucket_name}/")
+    body = moto.client().get_object(Bucket=bucket.bucket_name, Key=f"{prefix}/big.bin")["Body"]  # type: ignore[attr-defined]
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: body.read(1 << 20), b""):
+        digest.update(chunk)
+    assert digest.hexdigest() == big.sha256
+    notebook = _stored_notebook(moto, result.output_dir)
+    assert notebook.cells[0].outputs[0]["text"].strip() == big.sha256
