@@ -22,6 +22,11 @@ from typing import Any, ParamSpec, TypeVar
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    acreate_markdown_artifact,
+    acreate_progress_artifact,
+    aupdate_progress_artifact,
+)
 from prefect.context import FlowRunContext
 from prefect.flows import Flow
 from prefect.utilities.asyncutils import run_coro_as_sync
@@ -29,6 +34,8 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.flows.hooks import kill_run_sandboxes
+from prefect_sandbox.flows.report import summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.errors import FileTransferError, PipelineFailedError, SandboxError
 from prefect_sandbox.sandbox.labels import flow_run_labels
@@ -145,6 +152,9 @@ async def _run_pipeline(
     failure: SandboxError | None = None
     downloaded: list[str] = []
     stored: list[StoredArtifact] = []
+    progress_id = await acreate_progress_artifact(
+        progress=0.0, description=f"0 of {len(stages)} stage(s) done"
+    )
     staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
     try:
         try:
@@ -153,7 +163,7 @@ async def _run_pipeline(
             try:
                 try:
                     await upload_inputs(backend, handle, inputs, str(staging / "inputs"), store)
-                    for stage in stages:
+                    for done, stage in enumerate(stages, start=1):
                         try:
                             stage_results.append(
                                 await run_stage(backend, handle, stage, cell_timeout_s)
@@ -162,6 +172,11 @@ async def _run_pipeline(
                             if exc.stage_result is not None:
                                 stage_results.append(exc.stage_result)
                             raise
+                        await aupdate_progress_artifact(
+                            progress_id,
+                            progress=100.0 * done / len(stages),
+                            description=f"{done} of {len(stages)} stage(s) done: {stage.name}",
+                        )
                 except SandboxError as exc:
                     failure = exc
                 downloaded = await download_artifacts(
@@ -194,6 +209,9 @@ async def _run_pipeline(
         store.store(outputs / SUMMARY_NAME, SUMMARY_NAME)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    await acreate_markdown_artifact(
+        key="pipeline-summary", markdown=summary_markdown(result), description="Pipeline summary"
+    )
     logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, store.location)
     if failure is not None:
         raise PipelineFailedError(
@@ -206,13 +224,17 @@ async def _run_pipeline(
     return result
 
 
-@flow(name="run-notebook")
+@flow(
+    name="run-notebook",
+    on_cancellation=[kill_run_sandboxes],
+    on_crashed=[kill_run_sandboxes],
+)
 async def arun_notebook(
     notebook: str,
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
     parameters: dict[str, Any] | None = None,
-    backend: SandboxBackend | None = None,
+    backend: LocalKernelBackend | None = None,
     storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
@@ -255,12 +277,16 @@ async def arun_notebook(
     )
 
 
-@flow(name="modeling-pipeline")
+@flow(
+    name="modeling-pipeline",
+    on_cancellation=[kill_run_sandboxes],
+    on_crashed=[kill_run_sandboxes],
+)
 async def amodeling_pipeline(
     stages: dict[str, list[str]],
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
-    backend: SandboxBackend | None = None,
+    backend: LocalKernelBackend | None = None,
     storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:

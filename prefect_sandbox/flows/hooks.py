@@ -1,0 +1,64 @@
+"""Flow-run state hooks that kill a run's sandboxes by label.
+
+``on_cancellation`` and ``on_crashed`` hooks may run in another process that sees only the
+flow-run record, so they find sandboxes by the flow-run id label, not by a live handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import Flow
+from prefect.blocks.core import Block
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.logging import get_logger
+from prefect.utilities.dispatch import lookup_type
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.sandbox.errors import SandboxError
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+
+__all__ = ["backend_from_parameter", "kill_run_sandboxes"]
+
+logger = get_logger(__name__)
+
+
+async def backend_from_parameter(value: Any) -> SandboxBackend:
+    """Rebuild the backend block from a flow run's ``backend`` parameter as stored.
+
+    Args:
+        value: None (the local default), a ``{"$ref": ...}`` block reference, a block's
+            serialised fields with ``block_type_slug``, or a block.
+
+    Returns:
+        The backend block.
+    """
+    if isinstance(value, SandboxBackend):
+        return value
+    if isinstance(value, dict) and "$ref" in value:
+        loaded = await Block.aload_from_ref(value["$ref"])
+        if isinstance(loaded, SandboxBackend):
+            return loaded
+    elif isinstance(value, dict) and "block_type_slug" in value:
+        block_class = lookup_type(Block, value["block_type_slug"])
+        fields = {k: v for k, v in value.items() if k != "block_type_slug"}
+        block = block_class.model_validate(fields)
+        if isinstance(block, SandboxBackend):
+            return block
+    return LocalKernelBackend()
+
+
+async def kill_run_sandboxes(flow: Flow[Any, Any], flow_run: FlowRun, state: State) -> None:
+    """Kill every sandbox labelled with this flow run's id (a cancellation or crash hook)."""
+    backend = await backend_from_parameter(flow_run.parameters.get("backend"))
+    for handle in await backend.list_sandboxes({FLOW_RUN_ID_LABEL: str(flow_run.id)}):
+        try:
+            sandbox = await backend.attach(handle)
+            await sandbox.kill()
+        except SandboxError as exc:
+            logger.warning("Sandbox %s of flow run %s: %s", handle.sandbox_id, flow_run.name, exc)
+            continue
+        logger.info(
+            "Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run.name, state.name
+        )

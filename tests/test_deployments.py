@@ -1,0 +1,245 @@
+"""Deployments end to end: a real `prefect server`, a process worker, `prefect deploy --all` from
+deployments/prefect.yaml, `run_deployment`, cancellation (H25), and secrets kept out of records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import psutil
+import pytest
+from prefect.client.orchestration import PrefectClient, get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelling
+
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from tests.conftest import ROOT
+from tests.s3_server import MotoServer, free_port
+
+PREFECT = [sys.executable, "-m", "prefect"]
+SECRET_KEY = "e2e-secret-Zq8xWv3Kp"
+
+
+class PrefectStack:
+    """`prefect server start` and a process worker, in subprocesses, for one test module."""
+
+    def __init__(self, home: Path) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}/api"
+        self.env = dict(os.environ)
+        self.env.update(
+            PREFECT_HOME=str(home),
+            PREFECT_API_URL=self.url,
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_LOGGING_LEVEL="INFO",
+        )
+        self.env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
+        self._logs = home
+        port = self.url.split(":")[2].split("/")[0]
+        self.server = self._start(
+            "server", ["server", "start", "--host", "127.0.0.1", "--port", port]
+        )
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with (self._logs / f"{name}.log").open("wb") as log:
+            return subprocess.Popen(
+                [*PREFECT, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def wait_until_healthy(self, timeout_s: float = 120) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.server.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise RuntimeError((self._logs / "server.log").read_text()[-3000:])
+
+    def cli(self, *args: str, cwd: Path = ROOT) -> str:
+        done = subprocess.run(
+            [*PREFECT, *args], env=self.env, cwd=cwd, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def start_worker(self) -> None:
+        self.worker = self._start(
+            "worker", ["worker", "start", "--pool", "sandbox-process", "--type", "process"]
+        )
+
+    def stop(self) -> None:
+        for process in (self.worker, self.server):
+            if process is None:
+                continue
+            # Each runs in its own session: end the whole group (the worker's flow runs too).
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        stack.wait_until_healthy()
+        stack.cli("work-pool", "create", "sandbox-process", "--type", "process")
+        stack.cli("block", "register", "-m", "prefect_sandbox")
+        stack.cli("block", "register", "-m", "prefect_aws")
+        stack.cli("--no-prompt", "deploy", "--all", cwd=ROOT / "deployments")
+        stack.start_worker()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+async def client(stack: PrefectStack) -> AsyncIterator[PrefectClient]:
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        async with get_client() as prefect:
+            yield prefect
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def _s3_bucket_ref(client: PrefectClient, moto: MotoServer) -> dict[str, Any]:
+    """Save an S3Bucket block (with a secret key) on the server; return the UI's $ref form."""
+    from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
+
+    bucket_name = "e2e-results"
+    moto.client().create_bucket(Bucket=bucket_name)  # type: ignore[attr-defined]
+    bucket = S3Bucket(
+        bucket_name=bucket_name,
+        credentials=AwsCredentials(
+            aws_access_key_id="testing",
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            aws_client_parameters=AwsClientParameters(endpoint_url=moto.endpoint),
+        ),
+    )
+    document_id = await bucket.save("e2e-results", overwrite=True, client=client)
+    return {"$ref": {"block_document_id": str(document_id)}}
+
+
+@pytest.mark.timeout(600)
+async def test_co2_deployment_runs_to_completion_with_blocks_by_reference(
+    stack: PrefectStack, client: PrefectClient, moto: MotoServer
+) -> None:
+    storage_ref = await _s3_bucket_ref(client, moto)
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        flow_run = await run_deployment(
+            "run-notebook/co2-forecast", parameters={"storage": storage_ref}, timeout=300
+        )
+    assert flow_run.state is not None
+    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
+
+    artifacts = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    )
+    by_key = {a.key: a for a in artifacts if a.key}
+    assert {"pipeline-summary", "stored-artifacts"} <= set(by_key)
+    summary = str(by_key["pipeline-summary"].data)
+    for stage in ["load", "explore", "model", "evaluate", "forecast"]:
+        assert f"| {stage} | ok |" in summary
+    assert "figures/forecast.png" in summary
+    table = json.loads(str(by_key["stored-artifacts"].data))
+    assert any(row["key"].endswith("/metrics.json") for row in table)
+    progress = [a for a in artifacts if a.type == "progress"]
+    assert [float(str(a.data)) for a in progress] == [100.0]
+
+    logs = await client.read_logs(
+        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
+    )
+    messages = [log.message for log in logs]
+    assert any(m.startswith("[evaluate cell") and "MAE" in m for m in messages)
+
+    metrics_key = next(row["key"] for row in table if row["key"].endswith("/metrics.json"))
+    bucket_name, _, key = metrics_key[len("s3://") :].partition("/")
+    body = moto.client().get_object(Bucket=bucket_name, Key=key)["Body"].read()  # type: ignore[attr-defined]
+    assert json.loads(body)["mae_ppm"] < 2
+
+    # No deployment or flow-run record on the server holds the key.
+    records = [d.model_dump_json() for d in await client.read_deployments()]
+    records += [r.model_dump_json() for r in await client.read_flow_runs()]
+    assert not [record for record in records if SECRET_KEY in record]
+
+
+async def _wait_for_state(
+    client: PrefectClient, flow_run_id: UUID, wanted: set[StateType], timeout_s: float
+) -> StateType:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        flow_run = await client.read_flow_run(flow_run_id)
+        assert flow_run.state is not None
+        if flow_run.state.type in wanted or time.monotonic() > deadline:
+            return flow_run.state.type
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.timeout(400)
+async def test_h25_cancelling_mid_cell_kills_the_sandbox(
+    stack: PrefectStack, client: PrefectClient
+) -> None:
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        flow_run = await run_deployment(
+            "modeling-pipeline/modeling-pipeline",
+            parameters={"stages": {"wait": ["import time; time.sleep(600)"]}},
+            timeout=0,
+        )
+    label = {FLOW_RUN_ID_LABEL: str(flow_run.id)}
+    deadline = time.monotonic() + 180
+    while True:
+        handles = LocalKernelSandbox.list_handles(label)
+        pid_file = Path(handles[0].connection["runtime_dir"]) / "kernel.pid" if handles else None
+        if pid_file is not None and pid_file.exists():
+            break
+        assert time.monotonic() < deadline, "the run's sandbox never started"
+        await asyncio.sleep(0.5)
+    kernel = psutil.Process(int(pid_file.read_text()))
+    await asyncio.sleep(10)
+    assert await _wait_for_state(client, flow_run.id, {StateType.RUNNING}, 5) == StateType.RUNNING
+
+    cancel_at = time.monotonic()
+    await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+    final = await _wait_for_state(client, flow_run.id, {StateType.CANCELLED}, 30)
+    assert final == StateType.CANCELLED
+    while time.monotonic() - cancel_at < 30 and (
+        LocalKernelSandbox.list_handles(label) or kernel.is_running()
+    ):
+        await asyncio.sleep(0.5)
+    assert LocalKernelSandbox.list_handles(label) == []
+    assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
