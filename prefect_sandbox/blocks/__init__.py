@@ -1,6 +1,7 @@
 """Prefect blocks: backend settings and credentials."""
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 
-__all__ = ["LocalKernelBackend", "SandboxBackend"]
+__all__ = ["E2BBackend", "E2BCredentials", "LocalKernelBackend", "SandboxBackend"]
