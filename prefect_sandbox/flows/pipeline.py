@@ -29,7 +29,12 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary
-from prefect_sandbox.sandbox.errors import FileTransferError, PipelineFailedError, SandboxError
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    PipelineFailedError,
+    SandboxError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
     ExecutedNotebook,
@@ -138,7 +143,9 @@ async def _run_pipeline(
                         raise
             except SandboxError as exc:
                 failure = exc
-            downloaded = await download_artifacts(backend, handle, artifacts, str(staging))
+            # A sandbox that expired or was killed has no files left to collect.
+            if not isinstance(failure, SandboxNotFoundError):
+                downloaded = await download_artifacts(backend, handle, artifacts, str(staging))
         finally:
             await kill_sandbox(backend, handle)
     finally:
