@@ -1,10 +1,15 @@
 """The ``prefect-sandbox`` command.
 
-``prefect-sandbox run NOTEBOOK [--backend local] [--input PATH]... [--artifact GLOB]...
-[--out DIR] [-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and
-writes ``DIR/<flow-run-name>/``: ``executed.ipynb``, the artifacts and ``summary.json``. Exit
-status 0 on success; 1 on a failed pipeline, with a one-line reason as the last line on stderr;
-2 on bad usage, found before any flow starts.
+``prefect-sandbox run NOTEBOOK [--backend local|e2b] [--backend-block NAME] [--input PATH]...
+[--artifact GLOB]... [--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
+[--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes ``DIR/<flow-run-name>/``
+(or S3 keys ``prefix/run-notebook/<flow-run-name>/``): ``executed.ipynb``, the artifacts and
+``summary.json``. Exit status 0 on success; 1 on a failed pipeline, with a one-line reason as
+the last line on stderr; 2 on bad usage, found before any flow starts.
+
+``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
+takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
+``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import atexit
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from prefect_sandbox.blocks import BackendBlock
 
 __all__ = ["main"]
 
@@ -30,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
     run.add_argument("notebook", help="the .ipynb to run")
-    run.add_argument("--backend", choices=["local"], default="local", help="sandbox backend")
+    run.add_argument("--backend", choices=["local", "e2b"], default="local", help="sandbox backend")
+    run.add_argument(
+        "--backend-block", metavar="NAME", help="a saved backend block of that kind to use"
+    )
     run.add_argument(
         "--input", action="append", default=[], metavar="PATH", help="file or folder to upload"
     )
@@ -91,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
 
     try:
+        backend = _backend(args)
+    except ValueError as exc:  # Prefect's answer to a block name it does not know
+        return _usage_error(f"--backend-block {args.backend_block!r}: {exc}")
+    try:
         result = run_notebook(
             notebook=args.notebook,
             inputs=args.input,
@@ -98,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parameters=parameters,
             storage=_storage(args.out, args.aws_credentials),
             cell_timeout_s=args.cell_timeout,
+            backend=backend,
         )
     except PipelineFailedError as exc:
         _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
@@ -128,6 +144,35 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return f"--out {args.out!r} is not a folder"
     elif args.aws_credentials:
         return "--aws-credentials needs an s3:// --out"
+    if args.backend == "e2b" and not args.backend_block and not os.environ.get("E2B_API_KEY"):
+        return "--backend e2b needs --backend-block NAME or the E2B_API_KEY variable"
+    return None
+
+
+def _backend(args: argparse.Namespace) -> BackendBlock | None:
+    """The backend block the arguments ask for; None for the flow's default (local)."""
+    from pydantic import SecretStr
+
+    from prefect_sandbox.blocks import (
+        E2BBackend,
+        E2BCredentials,
+        LocalKernelBackend,
+        SandboxBackend,
+    )
+
+    kinds: dict[str, type[BackendBlock]] = {"local": LocalKernelBackend, "e2b": E2BBackend}
+    if args.backend_block:
+        loaded = kinds[args.backend].load(args.backend_block)
+        assert isinstance(loaded, SandboxBackend)
+        return cast(BackendBlock, loaded)
+    if args.backend == "e2b":
+        credentials = E2BCredentials(
+            api_key=SecretStr(os.environ["E2B_API_KEY"]),
+            api_url=os.environ.get("E2B_API_URL"),
+            sandbox_url=os.environ.get("E2B_SANDBOX_URL"),
+            domain=os.environ.get("E2B_DOMAIN"),
+        )
+        return E2BBackend(credentials=credentials)
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
@@ -13,6 +14,9 @@ import pytest
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
 from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+
+if TYPE_CHECKING:
+    from prefect_sandbox.testing.e2b import E2BEmulator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,6 +28,15 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+@pytest.fixture(scope="session")
+def e2b_emulator() -> Iterator[E2BEmulator]:
+    """One offline E2B emulator for the session; stopping it kills what tests left alive."""
+    from prefect_sandbox.testing.e2b import E2BEmulator
+
+    with E2BEmulator(interrupt_grace_s=2.0) as emulator:
+        yield emulator
 
 
 def kernel_processes() -> list[psutil.Process]:

@@ -32,12 +32,18 @@ from prefect.flows import Flow
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_aws import S3Bucket
 
+from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
 from prefect_sandbox.flows.report import summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
-from prefect_sandbox.sandbox.errors import FileTransferError, PipelineFailedError, SandboxError
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    PipelineFailedError,
+    SandboxError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
     ExecutedNotebook,
@@ -179,9 +185,11 @@ async def _run_pipeline(
                         )
                 except SandboxError as exc:
                     failure = exc
-                downloaded = await download_artifacts(
-                    backend, handle, artifacts, str(staging / "outputs")
-                )
+                # A sandbox that expired or was killed has no files left to collect.
+                if not isinstance(failure, SandboxNotFoundError):
+                    downloaded = await download_artifacts(
+                        backend, handle, artifacts, str(staging / "outputs")
+                    )
             finally:
                 await kill_sandbox(backend, handle)
         finally:
@@ -234,7 +242,7 @@ async def arun_notebook(
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
     parameters: dict[str, Any] | None = None,
-    backend: LocalKernelBackend | None = None,
+    backend: BackendBlock | None = None,
     storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
@@ -286,7 +294,7 @@ async def amodeling_pipeline(
     stages: dict[str, list[str]],
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
-    backend: LocalKernelBackend | None = None,
+    backend: BackendBlock | None = None,
     storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:

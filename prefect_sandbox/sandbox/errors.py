@@ -6,8 +6,8 @@
     ├── CellExecutionError        user code raised (ename, evalue, traceback, stage, cell_index)
     ├── CellTimeoutError          a cell ran past its deadline (also a TimeoutError)
     ├── SandboxDiedError          the sandbox process ended; its state is lost
-    ├── SandboxNotFoundError      the sandbox expired or was killed
-    ├── SandboxUnavailableError   transient backend trouble; retried with backoff
+    ├── SandboxNotFoundError      the sandbox expired or was killed (stage, cell_index)
+    ├── SandboxUnavailableError   transient backend trouble (operation, status_code)
     ├── SandboxAuthError          credentials refused
     ├── UnsafePathError           a path that leaves the working directory (also a ValueError)
     ├── FileTransferError         an upload or download failed
@@ -161,11 +161,47 @@ class SandboxDiedError(SandboxError):
 
 
 class SandboxNotFoundError(SandboxError):
-    """The sandbox expired or was killed; a new one is never made silently in its place."""
+    """The sandbox expired or was killed; a new one is never made silently in its place.
+
+    Args:
+        message: a sentence naming the sandbox and, when in one, the cell.
+        stage: the stage that was running, when in a pipeline.
+        cell_index: 0-based index of the cell that was running, when in a cell.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.stage = stage
+        self.cell_index = cell_index
 
 
 class SandboxUnavailableError(SandboxError):
-    """The backend is briefly unable to serve a call (429, 5xx, a dropped connection)."""
+    """The backend is briefly unable to serve a call (429, 5xx, a dropped connection).
+
+    Args:
+        message: a sentence naming the operation and what went wrong.
+        operation: the call that failed (``"create"``, ``"upload"``, ``"run_cell"``...).
+        status_code: the HTTP status the backend answered with, when it answered.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str | None = None,
+        status_code: int | None = None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.operation = operation
+        self.status_code = status_code
 
 
 class SandboxAuthError(SandboxError):

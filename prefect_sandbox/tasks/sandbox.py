@@ -179,8 +179,9 @@ async def run_stage(
         The stage's cells and their results.
 
     Raises:
-        CellExecutionError, CellTimeoutError, SandboxDiedError: a cell failed; the error names
-            the stage and cell and carries the partial `StageResult` as ``stage_result``.
+        CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError: a cell
+            failed, or the sandbox died or expired during it; the error names the stage and cell
+            and carries the partial `StageResult` as ``stage_result``.
     """
     timeout_s = cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s
     start = time.monotonic()
@@ -209,7 +210,7 @@ async def run_stage(
                     on_output=_output_logger(stage.name, cell, backend.max_output_bytes),
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
-            except SandboxDiedError as exc:
+            except (SandboxDiedError, SandboxNotFoundError) as exc:
                 exc.stage, exc.cell_index = stage.name, cell.index
                 exc.message = f"stage {stage.name!r}, cell {cell.index}: {exc.message}"
                 exc.args = (exc.message,)

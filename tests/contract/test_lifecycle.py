@@ -54,7 +54,7 @@ async def test_attach_from_another_thread_and_process(
     )
     given = {
         "backend_class": f"{type(backend).__module__}.{type(backend).__name__}",
-        "backend": backend.model_dump(mode="json"),
+        "backend": backend.model_dump(mode="json", context={"include_secrets": True}),
         "handle": sandbox.handle.model_dump(mode="json"),
     }
     import json

@@ -1,0 +1,177 @@
+"""`E2BCredentials` and `E2BBackend`: cells in E2B cloud sandboxes (the ``e2b`` extra)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prefect.blocks.abstract import CredentialsBlock
+from pydantic import Field, SecretStr
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, import_sdk
+
+__all__ = ["E2BBackend", "E2BCredentials"]
+
+_LOGO_URL = "https://e2b.dev/favicon.ico"
+_DOCS_URL = "https://e2b.dev/docs"
+
+
+class E2BCredentials(CredentialsBlock):
+    """An E2B API key and, optionally, where E2B's API and sandboxes are reached.
+
+    Empty endpoint settings fall back to the SDK's environment variables (``E2B_DOMAIN``,
+    ``E2B_API_URL``, ``E2B_SANDBOX_URL``) and then to E2B's cloud.
+
+    Example:
+        ```python
+        from prefect_sandbox import E2BCredentials
+
+        credentials = E2BCredentials.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "E2B Credentials"
+    _block_type_slug = "e2b-credentials"
+    _logo_url = _LOGO_URL  # type: ignore[assignment]
+    _documentation_url = _DOCS_URL  # type: ignore[assignment]
+    _description = "An API key for E2B cloud sandboxes, and optional endpoint settings."
+
+    api_key: SecretStr = Field(
+        title="API key",
+        description="The E2B API key (e2b_...), from the E2B dashboard.",
+    )
+    domain: str | None = Field(
+        default=None,
+        title="Domain",
+        description="E2B's domain, e.g. e2b.app; empty for the SDK's default.",
+    )
+    api_url: str | None = Field(
+        default=None,
+        title="API URL",
+        description="Base URL of the control-plane API; empty to derive it from the domain.",
+    )
+    sandbox_url: str | None = Field(
+        default=None,
+        title="Sandbox URL",
+        description="Base URL for every sandbox port (e.g. the offline emulator's); empty "
+        "for E2B's per-sandbox hosts.",
+    )
+    request_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        title="Request timeout (s)",
+        description="Seconds an API call may take; empty for the SDK's default (60 s).",
+    )
+
+    def get_client(self) -> Any:
+        """An ``e2b_code_interpreter.E2B`` client bound to these credentials.
+
+        Raises:
+            SandboxError: the ``e2b`` extra is not installed.
+        """
+        sdk = import_sdk()
+        options: dict[str, Any] = {"api_key": self.api_key.get_secret_value()}
+        for name, value in (
+            ("domain", self.domain),
+            ("api_url", self.api_url),
+            ("sandbox_url", self.sandbox_url),
+            ("request_timeout", self.request_timeout_s),
+        ):
+            if value is not None:
+                options[name] = value
+        return sdk.E2B(**options)
+
+
+class E2BBackend(SandboxBackend):
+    """Runs cells in an E2B cloud sandbox (a Firecracker micro-VM) that lives for one flow run.
+
+    Each sandbox carries the flow run's id and name and our marker as metadata, and a lifetime
+    renewed before and during each cell: a sandbox whose flow died expires on its own.
+
+    Example:
+        ```python
+        from prefect_sandbox import E2BBackend
+
+        backend = E2BBackend.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "E2B Sandbox"
+    _block_type_slug = "e2b-sandbox"
+    _logo_url = _LOGO_URL  # type: ignore[assignment]
+    _documentation_url = _DOCS_URL  # type: ignore[assignment]
+    _description = "Runs notebook cells in an E2B cloud sandbox that lives for one flow run."
+
+    credentials: E2BCredentials = Field(
+        title="Credentials", description="The E2B credentials block to use."
+    )
+    template: str | None = Field(
+        default=None,
+        title="Template",
+        description="The sandbox template; empty for code-interpreter-v1.",
+    )
+    lifetime_s: int = Field(
+        default=600,
+        gt=0,
+        title="Lifetime (s)",
+        description="Seconds a sandbox lives unless renewed; renewed before and during cells.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        title="Environment variables",
+        description="Variables set in the whole sandbox.",
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict,
+        title="Metadata",
+        description="Metadata for each sandbox, besides the flow run's id, name and marker.",
+    )
+    allow_internet_access: bool | None = Field(
+        default=None,
+        title="Allow internet access",
+        description="False cuts sandboxes off the internet; empty for E2B's default.",
+    )
+    workdir: str = Field(
+        default=DEFAULT_WORKDIR,
+        title="Working directory",
+        description="Absolute path inside the sandbox where cells run and files go.",
+    )
+    interrupt_grace_s: float = Field(
+        default=5.0,
+        gt=0,
+        title="Interrupt grace (s)",
+        description="Seconds a timed-out cell gets to stop before its kernel is restarted.",
+    )
+    file_retries: int = Field(
+        default=3,
+        ge=0,
+        title="File call retries",
+        description="Retries of a file transfer or listing that met a transient error.",
+    )
+
+    def _config(self) -> E2BConfig:
+        return E2BConfig(
+            template=self.template,
+            lifetime_s=self.lifetime_s,
+            envs=self.env,
+            metadata=self.metadata,
+            allow_internet_access=self.allow_internet_access,
+            workdir=self.workdir,
+            interrupt_grace_s=self.interrupt_grace_s,
+            max_output_bytes=self.max_output_bytes,
+            file_retries=self.file_retries,
+        )
+
+    async def create(self, labels: Mapping[str, str]) -> E2BSandbox:
+        """Make a sandbox (see `E2BSandbox.create`)."""
+        return await E2BSandbox.create(self.credentials.get_client(), self._config(), labels)
+
+    async def attach(self, handle: SandboxHandle) -> E2BSandbox:
+        """Reach a sandbox again by its id (see `E2BSandbox.attach`)."""
+        return await E2BSandbox.attach(self.credentials.get_client(), self._config(), handle)
+
+    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[SandboxHandle]:
+        """Handles of running or paused sandboxes whose metadata includes ``labels``."""
+        return await E2BSandbox.list_handles(self.credentials.get_client(), self._config(), labels)

@@ -1,0 +1,805 @@
+"""`E2BSandbox`: an E2B cloud sandbox, driven through the ``e2b-code-interpreter`` SDK.
+
+Cells run in one code context (a Jupyter kernel inside the sandbox) made at creation, so state
+persists between cells, tasks and processes; the context's id travels in the handle. The SDK is
+imported only when used; without the extra, a `SandboxError` says what to install.
+
+Timeouts: the SDK's own ``run_code`` deadline fires at about twice the value asked (its
+transport adds two phases), so we keep our own. On the deadline we close the ``/execute``
+stream, which makes the code interpreter server interrupt the cell (E2B has no interrupt call);
+a tiny probe cell then tells whether the kernel went idle within ``interrupt_grace_s``. If it
+did, state is intact; if not, the context is restarted and the result says ``state_lost``.
+
+Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
+``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
+context listing and restart) with exponential backoff, since the SDK drops the response
+headers of those. An execute that may have reached the kernel is never replayed.
+
+Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
+and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
+sandbox whose flow died expires ``lifetime_s`` later at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from fnmatch import fnmatchcase
+from functools import partial
+from pathlib import Path, PurePosixPath
+from types import ModuleType
+from typing import Any, Literal, TypeVar
+
+from prefect_sandbox.sandbox.base import (
+    CellError,
+    CellResult,
+    OutputCallback,
+    RemoteFile,
+    Sandbox,
+    SandboxHandle,
+)
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxAuthError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+    UnsafePathError,
+)
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, OutputCollector
+from prefect_sandbox.sandbox.paths import checked_relative_path
+
+__all__ = [
+    "BACKEND_SLUG",
+    "DEFAULT_WORKDIR",
+    "E2BConfig",
+    "E2BSandbox",
+    "error_output",
+    "glob_match",
+    "import_sdk",
+    "mime_bundle",
+    "translate_error",
+]
+
+BACKEND_SLUG = "e2b"
+DEFAULT_WORKDIR = "/home/user/work"
+EXTRA_HINT = "pip install 'prefect-sandbox[e2b]'"
+
+# Error names the code interpreter server reports when it lost the cell, not user code.
+_KERNEL_RESTARTED = "ContextRestarting"
+_SERVER_LOST_CELL = frozenset({"UnexpectedEndOfExecution", "WebSocketError", "ExecutionAborted"})
+# How the SDK words a sandbox that is gone, in exceptions with no better type.
+_GONE_PHRASES = ("was not found", "sandbox was killed")
+_PROBE_CODE = "pass"
+_LIST_DEPTH_ALL = 64
+_MAX_SYMLINK_HOPS = 40
+_STATUS_PREFIX = re.compile(r"^(\d{3})\b")
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MIME_OF_FIELD = {
+    "text": "text/plain",
+    "html": "text/html",
+    "markdown": "text/markdown",
+    "svg": "image/svg+xml",
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "pdf": "application/pdf",
+    "latex": "text/latex",
+    "json": "application/json",
+    "javascript": "application/javascript",
+}
+
+
+def import_sdk() -> ModuleType:
+    """Import ``e2b_code_interpreter``.
+
+    Raises:
+        SandboxError: the ``e2b`` extra is not installed (the message says how to install it).
+    """
+    try:
+        import e2b_code_interpreter
+    except ImportError as exc:
+        raise SandboxError(f"the E2B backend needs the e2b extra: {EXTRA_HINT}") from exc
+    module: ModuleType = e2b_code_interpreter
+    return module
+
+
+@dataclass(frozen=True)
+class E2BConfig:
+    """Settings of E2B sandboxes (credentials live in the client, never here).
+
+    Attributes:
+        template: the sandbox template; None for the SDK's default, ``code-interpreter-v1``.
+        lifetime_s: seconds the sandbox lives past the last extension; set at creation and
+            renewed before and during each cell.
+        envs: environment variables of the whole sandbox.
+        metadata: metadata besides the labels (flow run id and name, our marker).
+        allow_internet_access: False to cut the sandbox off the internet; None for the default.
+        workdir: the working directory inside the sandbox; made if missing.
+        interrupt_grace_s: seconds a timed-out cell gets to stop before the context restarts.
+        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
+        file_retries: retries of an idempotent file or context call that met a transient error.
+        retry_backoff_s: the first wait between those retries, doubled each time (max 10 s).
+    """
+
+    template: str | None = None
+    lifetime_s: int = 600
+    envs: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    allow_internet_access: bool | None = None
+    workdir: str = DEFAULT_WORKDIR
+    interrupt_grace_s: float = 5.0
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    file_retries: int = 3
+    retry_backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("lifetime_s", "interrupt_grace_s", "max_output_bytes", "retry_backoff_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, not {value}")
+        if self.file_retries < 0:
+            raise ValueError(f"file_retries must be zero or more, not {self.file_retries}")
+        if not PurePosixPath(self.workdir).is_absolute():
+            raise ValueError(f"workdir must be an absolute path, not {self.workdir!r}")
+
+
+# --- pure conversions -------------------------------------------------------------------
+
+
+def mime_bundle(result: Any) -> dict[str, Any]:
+    """The MIME bundle of an SDK ``Result`` (``text/plain``, ``image/png`` base64, ...).
+
+    Fields with no standard MIME type (``chart``, ``data``) are left out; ``extra`` keys are
+    MIME types the server had no field for and are kept as they are.
+    """
+    bundle: dict[str, Any] = {}
+    for name, mime in _MIME_OF_FIELD.items():
+        value = getattr(result, name, None)
+        if value is not None:
+            bundle[mime] = value
+    bundle.update(getattr(result, "extra", None) or {})
+    return bundle
+
+
+def error_output(name: str, value: str, traceback: str) -> dict[str, Any]:
+    """The iopub ``error`` content for an SDK ``ExecutionError``'s fields.
+
+    Args:
+        name: the exception's class name.
+        value: its message.
+        traceback: the traceback as one string (the server joins the kernel's lines).
+
+    Returns:
+        ``{"ename", "evalue", "traceback"}`` with the traceback split into lines.
+    """
+    return {"ename": name, "evalue": value, "traceback": traceback.split("\n") if traceback else []}
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether a relative POSIX path matches a glob as `pathlib.Path.glob` matches it.
+
+    ``*``, ``?`` and ``[...]`` match within one name; ``**`` matches zero or more folders.
+    """
+
+    def match(parts: list[str], names: list[str]) -> bool:
+        if not parts:
+            return not names
+        if parts[0] == "**":
+            return any(match(parts[1:], names[i:]) for i in range(len(names) + 1))
+        return bool(names) and fnmatchcase(names[0], parts[0]) and match(parts[1:], names[1:])
+
+    return match(pattern.split("/"), path.split("/"))
+
+
+def _status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int):
+        return status
+    found = _STATUS_PREFIX.match(str(exc))
+    return int(found.group(1)) if found else None
+
+
+def translate_error(
+    exc: BaseException,
+    *,
+    operation: str,
+    sandbox_id: str | None = None,
+    path: str | None = None,
+    in_cell: bool = False,
+) -> SandboxError | None:
+    """Map an exception from the E2B SDK or its transport onto our error tree.
+
+    The one place where E2B's exceptions, and the raw ``httpx`` errors the SDK lets escape,
+    become ours. Pure: nothing is raised or logged here.
+
+    Args:
+        exc: what the SDK raised.
+        operation: our name for the call (``"create"``, ``"run_cell"``, ``"download"``...).
+        sandbox_id: the sandbox concerned, when known.
+        path: the file concerned, for file calls.
+        in_cell: True when the call ran a cell.
+
+    Returns:
+        The error to raise from ``exc``, or None when ``exc`` is not the SDK's or transport's
+        (a bug to let through unchanged).
+    """
+    import httpx
+    from e2b import exceptions as e2b_errors
+
+    where = f"sandbox {sandbox_id}" if sandbox_id else "E2B"
+    during = " while running a cell" if in_cell else ""
+    text = str(exc)
+    status = _status_of(exc)
+    if isinstance(exc, e2b_errors.AuthenticationException):
+        return SandboxAuthError(
+            f"{where}: E2B refused the credentials ({operation}); check the API key",
+            sandbox_id=sandbox_id,
+        )
+    if isinstance(exc, e2b_errors.FileNotFoundException):
+        return FileTransferError(
+            f"{where}: file {path!r} does not exist ({operation})",
+            path=path or "",
+            sandbox_id=sandbox_id,
+        )
+    gone = isinstance(
+        exc, e2b_errors.SandboxNotFoundException | e2b_errors.SandboxNotRunningException
+    ) or (
+        isinstance(exc, e2b_errors.TimeoutException)
+        and any(phrase in text for phrase in _GONE_PHRASES)
+    )
+    if gone:
+        return SandboxNotFoundError(
+            f"sandbox {sandbox_id} is gone (expired or killed){during}; "
+            f"it is never replaced silently ({operation})",
+            sandbox_id=sandbox_id,
+        )
+    transient: tuple[type[BaseException], ...] = (
+        e2b_errors.RateLimitException,
+        e2b_errors.ServiceBusyException,
+        e2b_errors.TimeoutException,
+        httpx.HTTPError,
+        json.JSONDecodeError,
+    )
+    if isinstance(exc, transient) or (
+        isinstance(exc, e2b_errors.SandboxException)
+        and status is not None
+        and (status == 429 or status >= 500)
+    ):
+        kind = type(exc).__name__
+        code = f" (HTTP {status})" if status is not None else ""
+        return SandboxUnavailableError(
+            f"{where}: {operation} failed{during}{code}: {kind}: {text}",
+            operation=operation,
+            status_code=status,
+            sandbox_id=sandbox_id,
+        )
+    if isinstance(exc, e2b_errors.SandboxException):
+        return SandboxError(f"{where}: {operation} failed{during}: {text}", sandbox_id=sandbox_id)
+    return None
+
+
+@contextlib.contextmanager
+def _translated(
+    operation: str,
+    *,
+    sandbox_id: str | None = None,
+    path: str | None = None,
+    in_cell: bool = False,
+) -> Iterator[None]:
+    try:
+        yield
+    except SandboxError:
+        raise
+    except Exception as exc:
+        mapped = translate_error(
+            exc, operation=operation, sandbox_id=sandbox_id, path=path, in_cell=in_cell
+        )
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+class E2BSandbox(Sandbox):
+    """A sandbox that is an E2B cloud sandbox, with one persistent code context.
+
+    Make one with `create`, reach it again with `attach`. Not safe to share one instance
+    between event loops; attach once per loop instead.
+    """
+
+    def __init__(self, sdk_sandbox: Any, config: E2BConfig, handle: SandboxHandle) -> None:
+        self._sdk = sdk_sandbox
+        self._config = config
+        self._handle = handle
+        self._context: Any = None
+        self._dead = False
+        self._last_count: int | None = None
+        self._running: asyncio.Task[Any] | None = None
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The address of this sandbox (see `SandboxHandle`); it holds no API key."""
+        return self._handle
+
+    @property
+    def _id(self) -> str:
+        return self._handle.sandbox_id
+
+    @classmethod
+    async def create(
+        cls, client: Any, config: E2BConfig, labels: Mapping[str, str] | None = None
+    ) -> E2BSandbox:
+        """Make a sandbox, its working directory and its code context.
+
+        Args:
+            client: an ``e2b_code_interpreter.E2B`` client holding the credentials.
+            config: the sandbox settings.
+            labels: labels stored as the sandbox's metadata (flow run id and name, marker).
+
+        Returns:
+            The live sandbox.
+
+        Raises:
+            SandboxAuthError: the API key was refused.
+            SandboxUnavailableError: E2B stayed busy or unreachable through the SDK's retries.
+            SandboxError: E2B refused the request (a bad template, a limit).
+        """
+        metadata = {**config.metadata, **(labels or {})}
+        # The key makes a create that the SDK retries after a lost answer return the same sandbox.
+        with _translated("create"):
+            sdk_sandbox = await client.AsyncSandbox.create(
+                template=config.template,
+                timeout=config.lifetime_s,
+                metadata=metadata,
+                envs=dict(config.envs),
+                allow_internet_access=config.allow_internet_access,
+                idempotency_key=uuid.uuid4().hex,
+            )
+        handle = SandboxHandle(
+            backend=BACKEND_SLUG,
+            sandbox_id=sdk_sandbox.sandbox_id,
+            workdir=config.workdir,
+            labels=dict(labels or {}),
+        )
+        sandbox = cls(sdk_sandbox, config, handle)
+        try:
+            await sandbox._make_context()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sdk_sandbox.kill()
+            raise
+        logger.info("E2B sandbox %s created", handle.sandbox_id)
+        return sandbox
+
+    async def _make_context(self) -> None:
+        with _translated("create", sandbox_id=self._id):
+            await self._sdk.files.make_dir(self._config.workdir)
+            self._context = await self._sdk.create_code_context(
+                cwd=self._config.workdir, language="python"
+            )
+        self._handle = self._handle.model_copy(
+            update={"connection": {"context_id": self._context.id}}
+        )
+
+    @classmethod
+    async def attach(cls, client: Any, config: E2BConfig, handle: SandboxHandle) -> E2BSandbox:
+        """Reach a sandbox again by its id, from any task, thread or process.
+
+        Connecting extends the sandbox's lifetime to ``lifetime_s`` from now, if that is later.
+
+        Raises:
+            SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxAuthError, SandboxUnavailableError: as for `create`.
+        """
+        with _translated("attach", sandbox_id=handle.sandbox_id):
+            sdk_sandbox = await client.AsyncSandbox.connect(
+                handle.sandbox_id, timeout=config.lifetime_s
+            )
+        return cls(sdk_sandbox, config, handle)
+
+    @staticmethod
+    async def list_handles(
+        client: Any, config: E2BConfig, labels: Mapping[str, str] | None = None
+    ) -> list[SandboxHandle]:
+        """Handles of running or paused sandboxes whose metadata includes ``labels``.
+
+        Returns:
+            Handles sorted by sandbox id; their code context is found again when first used.
+
+        Raises:
+            SandboxAuthError, SandboxUnavailableError: as for `create`.
+        """
+        sdk = import_sdk()
+        handles = []
+        with _translated("list"):
+            paginator = client.AsyncSandbox.list(
+                query=sdk.SandboxQuery(metadata=dict(labels or {}))
+            )
+            while paginator.has_next:
+                for info in await paginator.next_items():
+                    handles.append(
+                        SandboxHandle(
+                            backend=BACKEND_SLUG,
+                            sandbox_id=info.sandbox_id,
+                            workdir=config.workdir,
+                            labels=dict(info.metadata or {}),
+                        )
+                    )
+        return sorted(handles, key=lambda handle: handle.sandbox_id)
+
+    # --- cells ---------------------------------------------------------------------------
+
+    async def _code_context(self) -> Any:
+        if self._context is not None:
+            return self._context
+        context_id = self._handle.connection.get("context_id")
+        contexts = await self._retrying(
+            "run_cell", lambda: self._sdk.list_code_contexts(), in_cell=True
+        )
+        for context in contexts:
+            if context.id == context_id or (
+                context_id is None and context.cwd == self._handle.workdir
+            ):
+                self._context = context
+                return context
+        raise SandboxDiedError(
+            f"sandbox {self._id}: its code context is gone; its state is lost",
+            sandbox_id=self._id,
+        )
+
+    async def _extend_lifetime(self, *, in_cell: bool) -> None:
+        with _translated("extend_lifetime", sandbox_id=self._id, in_cell=in_cell):
+            await self._sdk.set_timeout(self._config.lifetime_s)
+
+    async def _keep_alive(self) -> None:
+        """Extend the lifetime every half lifetime while a cell runs."""
+        while True:
+            await asyncio.sleep(self._config.lifetime_s / 2)
+            try:
+                await self._extend_lifetime(in_cell=True)
+            except SandboxUnavailableError as exc:
+                logger.warning("Sandbox %s: lifetime not extended: %s", self._id, exc)
+
+    async def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> CellResult:
+        """Run one cell in the sandbox's code context (see `Sandbox.run_cell`).
+
+        On the deadline the execute stream is closed, which interrupts the cell; if the kernel
+        is not idle ``interrupt_grace_s`` later, the context is restarted and the result says
+        ``state_lost``. The cell is never sent twice.
+
+        Raises:
+            ValueError: ``timeout_s`` is zero or negative.
+            SandboxDiedError: the kernel died (or restarted behind our back); state is lost
+                until `restart`.
+            SandboxNotFoundError: the sandbox expired or was killed.
+            SandboxUnavailableError: the connection failed; the cell may or may not have run.
+        """
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        self._check_alive()
+        await self._extend_lifetime(in_cell=True)
+        context = await self._code_context()
+        collector = OutputCollector(self._config.max_output_bytes)
+        restarted: list[str] = []
+
+        def add(msg_type: str, content: dict[str, Any]) -> None:
+            output = collector.add(msg_type, content)
+            if output is not None and on_output is not None:
+                on_output(output)
+
+        def on_error(error: Any) -> None:
+            if error.name == _KERNEL_RESTARTED or error.name in _SERVER_LOST_CELL:
+                restarted.append(error.name)
+            else:
+                add("error", error_output(error.name, error.value, error.traceback))
+
+        def on_result(result: Any) -> None:
+            kind = "execute_result" if result.is_main_result else "display_data"
+            add(kind, {"data": mime_bundle(result), "metadata": {}, "execution_count": None})
+
+        started_at = datetime.now(UTC)
+        start = time.monotonic()
+        self._running = asyncio.create_task(
+            self._sdk.run_code(
+                code,
+                context=context,
+                on_stdout=lambda m: add("stream", {"name": "stdout", "text": m.line}),
+                on_stderr=lambda m: add("stream", {"name": "stderr", "text": m.line}),
+                on_result=on_result,
+                on_error=on_error,
+                timeout=0,  # no SDK deadline: ours is below
+            )
+        )
+        keep_alive = asyncio.create_task(self._keep_alive())
+        try:
+            done, _ = await asyncio.wait({self._running}, timeout=timeout_s)
+        finally:
+            keep_alive.cancel()
+        running, self._running = self._running, None
+        timed_out = running not in done
+        execution = None
+        if timed_out:
+            running.cancel()
+        with (
+            contextlib.suppress(asyncio.CancelledError),
+            _translated("run_cell", sandbox_id=self._id, in_cell=True),
+        ):
+            execution = await running
+        duration_s = time.monotonic() - start
+        if restarted:
+            self._dead = True
+            raise self._died(
+                "its kernel died and was restarted"
+                if restarted[0] == _KERNEL_RESTARTED
+                else f"the code interpreter lost the cell ({restarted[0]})"
+            )
+        execution_count = execution.execution_count if execution is not None else None
+        self._check_count(execution_count)
+        status: Literal["ok", "error", "timeout"] = "ok"
+        error = None
+        interrupted = state_lost = False
+        if timed_out or execution is None:
+            interrupted = True
+            if timed_out:
+                state_lost = not await self._wait_idle_after_interrupt(context)
+                status = "timeout"
+                how = "the kernel was restarted, state lost" if state_lost else "interrupted"
+                evalue = f"cell exceeded its {timeout_s} s timeout; {how}"
+                ename = "CellTimeoutError"
+            else:
+                status, ename, evalue = "error", "KeyboardInterrupt", "interrupted"
+            collector.append_error(ename, evalue, [])
+            error = CellError(ename=ename, evalue=evalue)
+        elif collector.has_error():
+            status = "error"
+        outputs = collector.outputs
+        for output in outputs:
+            if output["output_type"] == "execute_result":
+                output["execution_count"] = execution_count
+        if status == "error" and error is None:
+            last = [o for o in outputs if o["output_type"] == "error"][-1]
+            error = CellError(
+                ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
+            )
+        return CellResult(
+            status=status,
+            execution_count=execution_count,
+            outputs=outputs,
+            error=error,
+            started_at=started_at,
+            duration_s=duration_s,
+            interrupted=interrupted and not state_lost,
+            state_lost=state_lost,
+            output_bytes=collector.total_bytes,
+            omitted_bytes=collector.omitted_bytes,
+        )
+
+    async def _wait_idle_after_interrupt(self, context: Any) -> bool:
+        """After closing a cell's stream: True if the kernel took a probe cell within the grace.
+
+        Otherwise the context is restarted, so the cell really stops, and False is returned.
+        """
+        probe = asyncio.create_task(self._sdk.run_code(_PROBE_CODE, context=context, timeout=0))
+        done, _ = await asyncio.wait({probe}, timeout=self._config.interrupt_grace_s)
+        if probe in done and probe.exception() is None and probe.result().error is None:
+            self._last_count = probe.result().execution_count
+            return True
+        probe.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await probe
+        logger.warning("Sandbox %s: cell still busy after an interrupt; restarting", self._id)
+        await self.restart()
+        return False
+
+    def _check_count(self, execution_count: int | None) -> None:
+        """A counter that went back means the kernel restarted unseen between two cells."""
+        last, self._last_count = self._last_count, execution_count
+        if last is not None and execution_count is not None and execution_count <= last:
+            self._dead = True
+            raise self._died("its kernel restarted since the previous cell")
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise self._died("its kernel died earlier; call restart()")
+
+    def _died(self, how: str) -> SandboxDiedError:
+        return SandboxDiedError(
+            f"kernel of sandbox {self._id} died ({how}); its state is lost",
+            sandbox_id=self._id,
+        )
+
+    async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """Always empty: E2B's code interpreter drops output that no running cell owns."""
+        return {}
+
+    # --- files ---------------------------------------------------------------------------
+
+    async def _retrying(
+        self,
+        operation: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        path: str | None = None,
+        in_cell: bool = False,
+    ) -> T:
+        """Run an idempotent call, retrying transient errors with exponential backoff."""
+        from tenacity import (
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_after_attempt,
+            wait_exponential,
+        )
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(SandboxUnavailableError),
+            stop=stop_after_attempt(self._config.file_retries + 1),
+            wait=wait_exponential(multiplier=self._config.retry_backoff_s, max=10),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt, _translated(operation, sandbox_id=self._id, path=path, in_cell=in_cell):
+                return await call()
+        raise AssertionError("unreachable: tenacity reraises")
+
+    def _remote(self, relative: PurePosixPath) -> str:
+        return str(PurePosixPath(self._handle.workdir) / relative)
+
+    async def _check_inside(self, path: str, relative: PurePosixPath) -> None:
+        """Refuse a path that leaves the working directory through a symlink."""
+        workdir = PurePosixPath(self._handle.workdir)
+        for depth in range(1, len(relative.parts) + 1):
+            remote = str(workdir.joinpath(*relative.parts[:depth]))
+            for _ in range(_MAX_SYMLINK_HOPS):
+                try:
+                    info = await self._retrying(
+                        "stat", partial(self._sdk.files.get_info, remote), path=path
+                    )
+                except FileTransferError:
+                    return  # nothing there yet, so nothing below it either
+                target = info.symlink_target
+                if target is None:
+                    break
+                resolved = PurePosixPath(remote).parent / target
+                if not _lexically_inside(resolved, workdir):
+                    raise UnsafePathError(
+                        f"path {path!r} resolves outside the working directory (through a symlink)",
+                        path=path,
+                        sandbox_id=self._id,
+                    )
+                remote = str(resolved)
+
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a local file into the working directory (see `Sandbox.upload`).
+
+        Raises:
+            UnsafePathError: ``dest`` leaves the working directory.
+            FileTransferError: ``src`` is not a file.
+            SandboxUnavailableError: E2B stayed unreachable through the retries.
+        """
+        relative = checked_relative_path(dest)
+        if not src.is_file():
+            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        await self._check_inside(dest, relative)
+        remote = self._remote(relative)
+
+        async def write() -> None:
+            with src.open("rb") as data:
+                await self._sdk.files.write(remote, data)
+
+        await self._retrying("upload", write, path=dest)
+
+    async def download(self, src: str, dest: Path) -> int:
+        """Copy a file out of the working directory (see `Sandbox.download`).
+
+        Raises:
+            UnsafePathError: ``src`` leaves the working directory (a symlink included).
+            FileTransferError: the file is missing.
+            SandboxUnavailableError: E2B stayed unreachable through the retries.
+        """
+        relative = checked_relative_path(src)
+        await self._check_inside(src, relative)
+        remote = self._remote(relative)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+
+        async def read() -> int:
+            size = 0
+            stream = await self._sdk.files.read(remote, format="stream")
+            async with stream:
+                with dest.open("wb") as target:
+                    async for chunk in stream:
+                        target.write(chunk)
+                        size += len(chunk)
+            return size
+
+        return await self._retrying("download", read, path=src)
+
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """List files matching a glob (see `Sandbox.list_files`).
+
+        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        """
+        sdk = import_sdk()
+        checked = checked_relative_path(pattern)
+        depth = _LIST_DEPTH_ALL if "**" in checked.parts else len(checked.parts)
+        workdir = PurePosixPath(self._handle.workdir)
+        entries = await self._retrying(
+            "list_files", lambda: self._sdk.files.list(str(workdir), depth=depth)
+        )
+        files = []
+        for entry in entries:
+            if entry.type not in (sdk.FileType.FILE, sdk.FileType.SYMLINK):
+                continue
+            relative = PurePosixPath(entry.path).relative_to(workdir).as_posix()
+            if glob_match(str(checked), relative):
+                files.append(RemoteFile(path=relative, size_bytes=entry.size))
+        return sorted(files, key=lambda remote: remote.path)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def interrupt(self) -> None:
+        """Interrupt the cell this object is running, by closing its execute stream.
+
+        E2B has no interrupt call: the code interpreter interrupts a cell whose client left.
+        A cell run through another attachment is not reached.
+        """
+        if self._running is not None:
+            self._running.cancel()
+
+    async def restart(self) -> None:
+        """Restart the code context: same sandbox and files, variables and imports lost.
+
+        Raises:
+            SandboxNotFoundError: the sandbox expired or was killed.
+            SandboxUnavailableError: E2B stayed unreachable through the retries.
+        """
+        context = await self._code_context()
+        await self._retrying("restart", lambda: self._sdk.restart_code_context(context))
+        self._dead = False
+        self._last_count = None
+
+    async def kill(self) -> bool:
+        """Kill the sandbox. Idempotent.
+
+        Returns:
+            True if this call ended it, False if it was already gone.
+
+        Raises:
+            SandboxAuthError, SandboxUnavailableError: as for `create`.
+        """
+        with _translated("kill", sandbox_id=self._id):
+            killed: bool = await self._sdk.kill()
+        if killed:
+            logger.info("E2B sandbox %s killed", self._id)
+        return killed
+
+    async def close(self) -> None:
+        """Nothing to release: the SDK's connections are pooled per event loop."""
+
+
+def _lexically_inside(path: PurePosixPath, root: PurePosixPath) -> bool:
+    parts: list[str] = []
+    for part in path.parts[1:]:
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part != ".":
+            parts.append(part)
+    return PurePosixPath("/", *parts).is_relative_to(root)
