@@ -14,14 +14,13 @@ import re
 from collections import deque
 from typing import Any
 
-from nbformat.v4 import output_from_msg
-
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
     "OUTPUT_MSG_TYPES",
     "OutputCollector",
     "collapse_carriage_returns",
     "error_output",
+    "output_from_content",
     "strip_ansi",
     "valid_text",
 ]
@@ -39,6 +38,8 @@ def strip_ansi(text: str) -> str:
 
 def valid_text(text: str) -> str:
     """Replace lone surrogates (undecodable bytes a kernel passed on) with U+FFFD."""
+    if text.isascii():
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -62,6 +63,33 @@ def collapse_carriage_returns(text: str) -> str:
                 shown = segment + shown[len(segment) :]
             lines[index] = shown
     return "\n".join(lines)
+
+
+def output_from_content(msg_type: str, content: dict[str, Any]) -> dict[str, Any]:
+    """The nbformat v4 output for an iopub output message's content.
+
+    nbformat's own ``output_from_msg`` validates each output against the JSON schema, which
+    costs about a second for a 100 MB stream; the notebook is validated once when written.
+
+    Args:
+        msg_type: ``stream``, ``display_data``, ``execute_result`` or ``error``.
+        content: the message's content.
+
+    Returns:
+        The output dict.
+    """
+    if msg_type == "stream":
+        return {"output_type": "stream", "name": content["name"], "text": content["text"]}
+    if msg_type == "error":
+        return error_output(content["ename"], content["evalue"], list(content["traceback"]))
+    output = {
+        "output_type": msg_type,
+        "data": dict(content.get("data", {})),
+        "metadata": dict(content.get("metadata", {})),
+    }
+    if msg_type == "execute_result":
+        output["execution_count"] = content.get("execution_count")
+    return output
 
 
 def error_output(ename: str, evalue: str, traceback: list[str]) -> dict[str, Any]:
@@ -167,9 +195,7 @@ class OutputCollector:
             return None
         if self._clear_before_next:
             self._clear()
-        output = _sanitised(
-            dict(output_from_msg({"header": {"msg_type": msg_type}, "content": content}))
-        )
+        output = _sanitised(output_from_content(msg_type, content))
         size = _size(output)
         self.total_bytes += size
         if self._half is None or (not self._tail and self._head_bytes + size <= self._half):
@@ -187,15 +213,20 @@ class OutputCollector:
 
     def _keep_in_tail(self, output: dict[str, Any], size: int) -> None:
         assert self._half is not None
-        if output["output_type"] == "stream" and not self._tail:
-            # Fill the head up to its half with the start of the text.
-            room = self._half - self._head_bytes
-            if room > 0:
-                head_part = dict(output, text=output["text"][:room])
-                _append_coalescing(self._head, head_part)
-                self._head_bytes += room
-                output = dict(output, text=output["text"][room:])
-                size -= room
+        if output["output_type"] == "stream":
+            text, start = output["text"], 0
+            if not self._tail:
+                # Fill the head up to its half with the start of the text.
+                start = max(self._half - self._head_bytes, 0)
+                if start:
+                    _append_coalescing(self._head, dict(output, text=text[:start]))
+                    self._head_bytes += start
+            # Copy no more of a huge text than the tail can keep.
+            if len(text) - start > self._half:
+                self.omitted_bytes += len(text) - start - self._half
+                start = len(text) - self._half
+            output = dict(output, text=text[start:])
+            size = len(output["text"])
         _append_coalescing(self._tail, output)
         self._tail_bytes += size
         while self._tail_bytes > self._half and self._tail:
