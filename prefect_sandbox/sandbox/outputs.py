@@ -82,7 +82,7 @@ def output_from_content(msg_type: str, content: dict[str, Any]) -> dict[str, Any
         return {"output_type": "stream", "name": content["name"], "text": content["text"]}
     if msg_type == "error":
         return error_output(content["ename"], content["evalue"], list(content["traceback"]))
-    output = {
+    output: dict[str, Any] = {
         "output_type": msg_type,
         "data": dict(content.get("data", {})),
         "metadata": dict(content.get("metadata", {})),
