@@ -31,8 +31,8 @@ from prefect.states import Cancelling
 
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from prefect_sandbox.testing.s3 import MotoServer, free_port
 from tests.conftest import ROOT
-from tests.s3_server import MotoServer, free_port
 
 PREFECT = [sys.executable, "-m", "prefect"]
 SECRET_KEY = "e2e-secret-Zq8xWv3Kp"
@@ -141,7 +141,7 @@ async def _s3_bucket_ref(client: PrefectClient, moto: MotoServer) -> dict[str, A
     from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
 
     bucket_name = "e2e-results"
-    moto.client().create_bucket(Bucket=bucket_name)  # type: ignore[attr-defined]
+    moto.client().create_bucket(Bucket=bucket_name)
     bucket = S3Bucket(
         bucket_name=bucket_name,
         credentials=AwsCredentials(
@@ -189,7 +189,7 @@ async def test_co2_deployment_runs_to_completion_with_blocks_by_reference(
 
     metrics_key = next(row["key"] for row in table if row["key"].endswith("/metrics.json"))
     bucket_name, _, key = metrics_key[len("s3://") :].partition("/")
-    body = moto.client().get_object(Bucket=bucket_name, Key=key)["Body"].read()  # type: ignore[attr-defined]
+    body = moto.client().get_object(Bucket=bucket_name, Key=key)["Body"].read()
     assert json.loads(body)["mae_ppm"] < 2
 
     # No deployment or flow-run record on the server holds the key.

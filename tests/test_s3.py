@@ -17,8 +17,8 @@ from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
 
 from prefect_sandbox.flows import amodeling_pipeline
 from prefect_sandbox.sandbox.errors import PipelineFailedError
+from prefect_sandbox.testing.s3 import FaultProxy, MotoServer, access_denied
 from tests.conftest import ROOT
-from tests.s3_server import FaultProxy, MotoServer, access_denied
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -44,14 +44,14 @@ def _credentials(endpoint: str) -> AwsCredentials:
 @pytest.fixture
 def bucket(moto: MotoServer) -> S3Bucket:
     name = f"bucket-{uuid.uuid4().hex[:12]}"
-    moto.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
+    moto.client().create_bucket(Bucket=name)
     return S3Bucket(
         bucket_name=name, bucket_folder="results", credentials=_credentials(moto.endpoint)
     )
 
 
 def _fresh_download(moto: MotoServer, bucket: str, key: str) -> bytes:
-    body = moto.client().get_object(Bucket=bucket, Key=key)["Body"]  # type: ignore[attr-defined]
+    body = moto.client().get_object(Bucket=bucket, Key=key)["Body"]
     return bytes(body.read())
 
 
@@ -67,7 +67,7 @@ def _stored_notebook(moto: MotoServer, location: str) -> Any:
 
 
 def _keys(moto: MotoServer, bucket: str) -> set[str]:
-    listing = moto.client().list_objects_v2(Bucket=bucket)  # type: ignore[attr-defined]
+    listing = moto.client().list_objects_v2(Bucket=bucket)
     return {item["Key"] for item in listing.get("Contents", [])}
 
 
@@ -163,7 +163,7 @@ async def test_failure_mid_upload_leaves_no_partial_object(
     keys = _keys(moto, bucket.bucket_name)
     assert f"{prefix}/doomed.bin" not in keys
     assert {f"{prefix}/fine.txt", f"{prefix}/executed.ipynb", f"{prefix}/summary.json"} <= keys
-    uploads = moto.client().list_multipart_uploads(Bucket=bucket.bucket_name)  # type: ignore[attr-defined]
+    uploads = moto.client().list_multipart_uploads(Bucket=bucket.bucket_name)
     assert uploads.get("Uploads", []) == []
     summary = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/summary.json"))
     assert summary["status"] == "failed" and "doomed.bin" in summary["error"]
@@ -259,7 +259,7 @@ async def test_one_gibibyte_artifact_round_trips_in_bounded_memory(
     (big,) = [a for a in result.artifacts if a.path == "big.bin"]
     assert big.bytes == 2**30
     prefix = result.output_dir.removeprefix(f"s3://{bucket.bucket_name}/")
-    body = moto.client().get_object(Bucket=bucket.bucket_name, Key=f"{prefix}/big.bin")["Body"]  # type: ignore[attr-defined]
+    body = moto.client().get_object(Bucket=bucket.bucket_name, Key=f"{prefix}/big.bin")["Body"]
     digest = hashlib.sha256()
     for chunk in iter(lambda: body.read(1 << 20), b""):
         digest.update(chunk)

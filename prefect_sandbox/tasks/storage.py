@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
@@ -206,10 +207,13 @@ class S3Store(ArtifactStore):
 
     def store(self, source: Path, relative: str) -> StoredArtifact:
         checked_relative_path(relative)
-        size, whole, parts = _sha256_digests(source, self._part_bytes(source))
         key_in_folder = f"{self._prefix}/{relative}"
         try:
-            key = self._upload(source, key_in_folder)
+            # Hash while uploading: hashlib releases the GIL, and the upload waits on I/O.
+            with ThreadPoolExecutor(max_workers=1) as hasher:
+                digests = hasher.submit(_sha256_digests, source, self._part_bytes(source))
+                key = self._upload(source, key_in_folder)
+                size, whole, parts = digests.result()
             self._verify(key, size, whole, parts, relative)
         except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
             raise FileTransferError(

@@ -1,8 +1,10 @@
-"""A real S3 API for tests: moto's server in its own process, and a fault-injecting proxy.
+"""A real S3 API for tests and benchmarks: moto's server in its own process, and a
+fault-injecting proxy in front of it.
 
-moto runs as a separate process (``python -m moto.server``) so that the memory it holds for
-stored objects never counts against the test process's RSS. The proxy forwards HTTP/1.1
-requests to it and answers chosen ones with an error instead, to inject failures mid-upload.
+moto runs as a separate process (``python -m moto.server``; install ``moto[server]``) so that
+the memory it holds for stored objects never counts against the caller's RSS. The proxy
+forwards HTTP/1.1 requests to it and answers chosen ones with an error instead, to inject
+failures mid-upload. Both listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import boto3
 
@@ -20,7 +23,11 @@ Rule = Callable[[str, str], bytes | None]
 """Given a request's method and target, the raw HTTP response to send instead, or None."""
 
 
+__all__ = ["FaultProxy", "MotoServer", "Rule", "access_denied", "free_port"]
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -48,7 +55,7 @@ class MotoServer:
                     raise RuntimeError("moto server did not start") from None
                 time.sleep(0.1)
 
-    def client(self, endpoint: str | None = None) -> object:
+    def client(self, endpoint: str | None = None) -> Any:
         """A plain boto3 S3 client of this server (or of a proxy in front of it)."""
         return boto3.client(
             "s3",
@@ -59,6 +66,7 @@ class MotoServer:
         )
 
     def stop(self) -> None:
+        """Stop the server and wait for it."""
         self._process.terminate()
         self._process.wait(timeout=30)
 
@@ -131,6 +139,7 @@ class FaultProxy:
             upstream.close()
 
     def stop(self) -> None:
+        """Stop accepting connections."""
         self._closing = True
         self._listener.close()
         self._thread.join(timeout=5)
