@@ -214,3 +214,40 @@ def test_flow_run_labels_carry_id_name_and_marker() -> None:
         "prefect-flow-run-id": "id-1",
         "prefect-flow-run-name": "happy-cat",
     }
+
+
+def test_summary_markdown_names_the_failing_cell_and_shows_figures() -> None:
+    from prefect_sandbox.flows.report import summary_markdown
+    from prefect_sandbox.results import PipelineResult, StageSummary, StoredArtifact
+
+    result = PipelineResult(
+        flow_run_id="id",
+        flow_run_name="happy-cat",
+        status="failed",
+        stages=[
+            StageSummary(name="load", status="ok", cell_count=2, duration_s=0.5),
+            StageSummary(
+                name="fit",
+                status="failed",
+                cell_count=1,
+                duration_s=1.0,
+                failed_cell_index=4,
+                ename="ValueError",
+                evalue="bad | \x1b[31mred\x1b[0m",
+            ),
+        ],
+        artifacts=[
+            StoredArtifact(path="figures/a.png", bytes=10, sha256="ab" * 32, location="s3://b/k/a"),
+            StoredArtifact(path="figures/b.png", bytes=10, sha256="cd" * 32, location="/out/b.png"),
+        ],
+        output_dir="s3://b/k",
+        duration_s=2.0,
+        error="stage 'fit', cell 4: ValueError: bad",
+    )
+    markdown = summary_markdown(
+        result, {"figures/a.png": "https://example.test/a.png", "figures/b.png": None}
+    )
+    assert "| fit | failed | 1 | 1.00 | cell 4: ValueError: bad \\| red |" in markdown
+    assert "![figures/a.png](https://example.test/a.png)" in markdown
+    assert "- `figures/b.png`: `/out/b.png`" in markdown
+    assert "\x1b" not in markdown

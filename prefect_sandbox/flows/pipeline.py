@@ -12,6 +12,7 @@ sync twins run them from plain Python.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import shutil
 import tempfile
@@ -168,7 +169,8 @@ async def _run_pipeline(
             executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
             try:
                 try:
-                    await upload_inputs(backend, handle, inputs, str(staging / "inputs"), store)
+                    if inputs:
+                        await upload_inputs(backend, handle, inputs, str(staging / "inputs"), store)
                     for done, stage in enumerate(stages, start=1):
                         try:
                             stage_results.append(
@@ -186,7 +188,7 @@ async def _run_pipeline(
                 except SandboxError as exc:
                     failure = exc
                 # A sandbox that expired or was killed has no files left to collect.
-                if not isinstance(failure, SandboxNotFoundError):
+                if artifacts and not isinstance(failure, SandboxNotFoundError):
                     downloaded = await download_artifacts(
                         backend, handle, artifacts, str(staging / "outputs")
                     )
@@ -196,7 +198,9 @@ async def _run_pipeline(
             outputs = staging / "outputs"
             outputs.mkdir(exist_ok=True)
             written = _write_notebook_files(executed, stage_results, outputs)
-            stored, storage_failures = store_artifacts(str(outputs), [*downloaded, *written], store)
+            stored, storage_failures = await store_artifacts(
+                str(outputs), [*downloaded, *written], store
+            )
         if storage_failures and failure is None:
             failure = FileTransferError(
                 f"{len(storage_failures)} artifact(s) could not be stored in "
@@ -214,11 +218,14 @@ async def _run_pipeline(
             error=error,
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
-        store.store(outputs / SUMMARY_NAME, SUMMARY_NAME)
+        await asyncio.to_thread(store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    figures = {a.path: store.view_url(a) for a in stored if a.path.lower().endswith(".png")}
     await acreate_markdown_artifact(
-        key="pipeline-summary", markdown=summary_markdown(result), description="Pipeline summary"
+        key="pipeline-summary",
+        markdown=summary_markdown(result, figures),
+        description="Pipeline summary",
     )
     logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, store.location)
     if failure is not None:
@@ -248,7 +255,7 @@ async def arun_notebook(
 ) -> PipelineResult:
     """Run a notebook stage by stage in one sandbox and store what it made.
 
-    Stages are the cells tagged ``stage:<name>`` or, untagged, one per top-level markdown
+    Stages are the cells tagged ``stage:{name}`` or, untagged, one per top-level markdown
     heading. The artifacts keep their relative paths in ``storage``, beside ``executed.ipynb``,
     the inline figures (``inline-figures/``) and ``summary.json``.
 
@@ -261,9 +268,9 @@ async def arun_notebook(
         parameters: Values injected, papermill-style, after the cell tagged 'parameters'.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
         storage: Where files are stored: an S3Bucket block (keys
-            <bucket_folder>/<flow-name>/<flow-run-name>/<path>), "s3-bucket/<name>" for a
+            {bucket_folder}/{flow-name}/{flow-run-name}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
-            local folder (files in <folder>/<flow-run-name>/).
+            local folder (files in {folder}/{flow-run-name}/).
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:
@@ -311,9 +318,9 @@ async def amodeling_pipeline(
             collect and store afterwards, e.g. figures/*.png.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
         storage: Where files are stored: an S3Bucket block (keys
-            <bucket_folder>/<flow-name>/<flow-run-name>/<path>), "s3-bucket/<name>" for a
+            {bucket_folder}/{flow-name}/{flow-run-name}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
-            local folder (files in <folder>/<flow-run-name>/).
+            local folder (files in {folder}/{flow-run-name}/).
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:

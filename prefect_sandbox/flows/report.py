@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
@@ -13,11 +15,13 @@ def _cell(text: str) -> str:
     return strip_ansi(text).replace("|", "\\|").replace("\n", " ")[:300]
 
 
-def summary_markdown(result: PipelineResult) -> str:
+def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | None]) -> str:
     """The run's summary: status, stages, errors with cell index, figures and stored files.
 
     Args:
         result: the pipeline's result.
+        figure_urls: stored PNG's path to a URL a browser can open (shown as an image), or
+            None (only its location is listed; a local path does not open from the UI).
 
     Returns:
         Markdown for a Prefect markdown artifact.
@@ -39,10 +43,16 @@ def summary_markdown(result: PipelineResult) -> str:
         lines.append(f"| {' | '.join(row)} |")
     if result.error:
         lines += ["", f"**Error:** {_cell(result.error)}"]
-    figures = [a for a in result.artifacts if a.path.lower().endswith((".png", ".svg", ".jpg"))]
-    if figures:
+    if figure_urls:
         lines += ["", "## Figures", ""]
-        lines += [f"- [{a.path}]({a.location}) ({a.bytes} bytes)" for a in figures]
+        for artifact in result.artifacts:
+            if artifact.path not in figure_urls:
+                continue
+            url = figure_urls[artifact.path]
+            if url:
+                lines.append(f"![{artifact.path}]({url})")
+            else:
+                lines.append(f"- `{artifact.path}`: `{artifact.location}`")
     lines += ["", "## Stored files", "", "| path | bytes | sha256 |", "|---|---|---|"]
     lines += [f"| {_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in result.artifacts]
     return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ the local file. s3transfer aborts a multipart upload that fails, so no half obje
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 from abc import ABC, abstractmethod
@@ -19,7 +20,7 @@ from typing import Any, cast
 from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import BotoCoreError, ClientError
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
@@ -54,6 +55,7 @@ _TRANSIENT_CODES = frozenset(
     {"InternalError", "RequestTimeout", "SlowDown", "ServiceUnavailable", "Throttling"}
 )
 S3_BLOCK_PREFIX = "s3-bucket/"
+PRESIGNED_URL_LIFETIME_S = 7 * 24 * 3600  # S3's maximum for signature v4
 
 S3Credentials = AwsCredentials | MinIOCredentials
 
@@ -114,6 +116,10 @@ class ArtifactStore(ABC):
         """Where the run's files go: a folder path or an ``s3://`` URI."""
 
     @abstractmethod
+    def view_url(self, artifact: StoredArtifact) -> str | None:
+        """An https or http URL a browser can open to view a stored file, or None."""
+
+    @abstractmethod
     def prepare(self) -> None:
         """Check, before any work, that files can be stored here.
 
@@ -146,7 +152,10 @@ class LocalFolderStore(ArtifactStore):
 
     @property
     def location(self) -> str:
-        return str(self._folder)
+        return str(self._folder.resolve())
+
+    def view_url(self, artifact: StoredArtifact) -> str | None:
+        return None
 
     def prepare(self) -> None:
         try:
@@ -189,6 +198,16 @@ class S3Store(ArtifactStore):
     def credentials(self) -> S3Credentials:
         """The bucket block's credentials."""
         return self._bucket.credentials
+
+    def view_url(self, artifact: StoredArtifact) -> str | None:
+        """A presigned GET URL, valid for `PRESIGNED_URL_LIFETIME_S` seconds."""
+        bucket_name, _, key = artifact.location.removeprefix("s3://").partition("/")
+        url = self.credentials.get_s3_client().generate_presigned_url(
+            "get_object",
+            Params={"Bucket": bucket_name, "Key": key},
+            ExpiresIn=PRESIGNED_URL_LIFETIME_S,
+        )
+        return str(url)
 
     def prepare(self) -> None:
         client = self.credentials.get_s3_client()
@@ -309,7 +328,7 @@ def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str)
 
 
 @task(name="store-artifacts", cache_policy=NO_CACHE)
-def store_artifacts(
+async def store_artifacts(
     staging_dir: str, paths: list[str], store: ArtifactStore
 ) -> tuple[list[StoredArtifact], list[str]]:
     """Store staged files, verified, and list them in a table artifact on the flow run.
@@ -331,12 +350,13 @@ def store_artifacts(
     failures: list[str] = []
     for path in paths:
         try:
-            stored.append(store.store(resolve_inside(staging, path), path))
+            source = resolve_inside(staging, path)
+            stored.append(await asyncio.to_thread(store.store, source, path))
         except (SandboxError, ClientError, BotoCoreError, OSError) as exc:
             logger.error("Artifact %r was not stored: %s", path, exc)
             failures.append(f"{path!r} ({exc})")
     if stored:
-        create_table_artifact(
+        await acreate_table_artifact(
             key="stored-artifacts",
             table=[{"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored],
             description=f"Files stored under {store.location}",
