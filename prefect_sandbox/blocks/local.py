@@ -33,6 +33,7 @@ class LocalKernelBackend(SandboxBackend):
     _block_type_name = "Local Kernel Sandbox"
     _block_type_slug = "local-kernel-sandbox"
     _logo_url = "https://jupyter.org/assets/homepage/main-logo.svg"  # type: ignore[assignment]
+    _documentation_url = "https://jupyter-client.readthedocs.io/en/stable/"  # type: ignore[assignment]
     _description = "Runs notebook cells in a local Jupyter kernel that lives for one flow run."
 
     kernel_name: str = Field(
