@@ -4,6 +4,6 @@ The block classes are importable from here, so ``prefect block register -m prefe
 registers them; flows and tasks live in `prefect_sandbox.flows` and `prefect_sandbox.tasks`.
 """
 
-from prefect_sandbox.blocks import LocalKernelBackend
+from prefect_sandbox.blocks import DaytonaBackend, DaytonaCredentials, LocalKernelBackend
 
-__all__ = ["LocalKernelBackend"]
+__all__ = ["DaytonaBackend", "DaytonaCredentials", "LocalKernelBackend"]

@@ -243,13 +243,16 @@ def test_blocks_register_through_the_entry_point() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "Successfully registered 1 block" in done.stdout
+    assert "Successfully registered 3 blocks" in done.stdout
 
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        block_type = client.read_block_type_by_slug("local-kernel-sandbox")
-    assert block_type.name == "Local Kernel Sandbox"
+        names = [
+            client.read_block_type_by_slug(slug).name
+            for slug in ("local-kernel-sandbox", "daytona-sandbox", "daytona-credentials")
+        ]
+    assert names == ["Local Kernel Sandbox", "Daytona Sandbox", "Daytona Credentials"]
 
 
 async def test_backend_block_saves_and_loads(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Prefect blocks: backend settings and credentials."""
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 
-__all__ = ["LocalKernelBackend", "SandboxBackend"]
+__all__ = ["DaytonaBackend", "DaytonaCredentials", "LocalKernelBackend", "SandboxBackend"]
