@@ -13,12 +13,16 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
+from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.daytona import (
     MarkerSplitter,
     _bootstrap_code,
@@ -33,10 +37,14 @@ from prefect_sandbox.sandbox.daytona import (
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxAuthError,
+    SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
+from tests.conftest import stream_text
 
 START, END = "\x1e\x1fprefect-sandbox:", "\x1e"
 
@@ -276,3 +284,214 @@ def test_runner_traceback_shows_the_cell_not_the_runner() -> None:
     text = "\n".join(error["traceback"])
     assert "<prefect-sandbox>" not in text
     assert "raise ValueError('deep')" in text and text.endswith("ValueError: deep")
+
+
+# -- against the emulator, with the real SDK -------------------------------------------------
+
+LABELS = {"prefect-sandbox": "true", "suite": "daytona"}
+
+
+@pytest.fixture
+def emulator(daytona_env: DaytonaEmulator) -> Iterator[DaytonaEmulator]:
+    """The session's emulator; faults a test left unused are dropped afterwards."""
+    yield daytona_env
+    daytona_env.faults.clear()
+
+
+@pytest.fixture
+def backend(emulator: DaytonaEmulator) -> DaytonaBackend:
+    return DaytonaBackend(interrupt_grace_s=2.0)
+
+
+@pytest.fixture
+async def box(backend: DaytonaBackend) -> AsyncIterator[Sandbox]:
+    sandbox = await backend.create(LABELS)
+    try:
+        yield sandbox
+    finally:
+        await sandbox.kill()
+
+
+async def test_create_waits_out_429s_as_retry_after_says(
+    emulator: DaytonaEmulator, backend: DaytonaBackend
+) -> None:
+    emulator.inject(Fault("create", status=429, retry_after_s=1, times=2))
+    start = time.monotonic()
+    box = await backend.create(LABELS)
+    try:
+        assert time.monotonic() - start >= 2.0
+        assert emulator.faults.hits.count("create") >= 2
+        assert emulator.sandbox_ids(box.handle.labels) == [box.handle.sandbox_id]
+    finally:
+        await box.kill()
+
+
+async def test_a_504_for_a_created_sandbox_leaves_no_orphan(
+    emulator: DaytonaEmulator, backend: DaytonaBackend
+) -> None:
+    labels = {**LABELS, "case": "504-created"}
+    emulator.inject(Fault("create", status=504, after_call=True))
+    box = await backend.create(labels)
+    try:
+        assert emulator.sandbox_ids(labels) == [box.handle.sandbox_id]
+    finally:
+        await box.kill()
+    assert emulator.sandbox_ids(labels) == []
+
+
+async def test_idempotent_calls_are_retried_and_then_fail_with_status_and_operation(
+    emulator: DaytonaEmulator, box: Sandbox, tmp_path: Path
+) -> None:
+    source = tmp_path / "data.csv"
+    source.write_text("a,b\n1,2\n")
+    emulator.inject(Fault("upload", status=502))
+    await box.upload(source, "data.csv")
+    emulator.inject(Fault("download", status=503, times=2))
+    assert await box.download("data.csv", tmp_path / "back.csv") == source.stat().st_size
+    emulator.inject(Fault("download", status=503, times=4))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await box.download("data.csv", tmp_path / "never.csv")
+    assert (info.value.status_code, info.value.operation) == (503, "download")
+    assert info.value.sandbox_id == box.handle.sandbox_id
+
+
+async def test_a_dropped_execute_is_reported_and_never_replayed(
+    emulator: DaytonaEmulator, box: Sandbox
+) -> None:
+    await box.run_cell("acc = []")
+    emulator.inject(Fault("run_code", drop=True))
+    with pytest.raises(SandboxUnavailableError, match="not run again") as info:
+        await box.run_cell("acc.append(1); print(len(acc))")
+    assert (info.value.status_code, info.value.operation) == (None, "run_cell")
+    after = await box.run_cell("print(len(acc))")
+    assert stream_text(after.outputs) == "1\n"
+
+
+async def test_an_execution_closed_as_timed_out_gets_a_fresh_interpreter(
+    emulator: DaytonaEmulator, box: Sandbox
+) -> None:
+    await box.run_cell("x = 1")
+    emulator.inject(Fault("run_code", close_code=4008))
+    result = await box.run_cell("x = 2", timeout_s=30)
+    assert (result.status, result.state_lost, result.interrupted) == ("timeout", True, False)
+    assert result.error is not None and result.error.ename == "CellTimeoutError"
+    after = await box.run_cell("print('x' in globals())")
+    assert stream_text(after.outputs) == "False\n"
+
+
+async def test_a_slow_api_is_waited_for(
+    emulator: DaytonaEmulator, backend: DaytonaBackend, box: Sandbox
+) -> None:
+    emulator.inject(Fault("get", delay_s=1.0))
+    start = time.monotonic()
+    again = await backend.attach(box.handle)
+    try:
+        assert time.monotonic() - start >= 1.0
+        assert stream_text((await again.run_cell("print(6 * 7)")).outputs) == "42\n"
+    finally:
+        await again.close()
+
+
+async def test_an_expired_sandbox_is_not_found_everywhere(
+    emulator: DaytonaEmulator, backend: DaytonaBackend, tmp_path: Path
+) -> None:
+    box = await backend.create(LABELS)
+    sandbox_id = box.handle.sandbox_id
+    emulator.expire(sandbox_id)
+    with pytest.raises(SandboxNotFoundError) as info:
+        await box.run_cell("1")
+    assert info.value.sandbox_id == sandbox_id
+    source = tmp_path / "a.txt"
+    source.write_text("a")
+    with pytest.raises(SandboxNotFoundError):
+        await box.upload(source, "a.txt")
+    with pytest.raises(SandboxNotFoundError, match=sandbox_id):
+        await backend.attach(box.handle)
+    assert await box.kill() is False
+
+
+async def test_a_refused_api_key_is_an_auth_error_that_never_shows_the_key(
+    emulator: DaytonaEmulator,
+) -> None:
+    secret = "dtn_not_the_right_key_1234567890"
+    backend = DaytonaBackend(
+        credentials=DaytonaCredentials(
+            api_key=secret, api_url=emulator.api_url, target=emulator.target
+        )
+    )
+    with pytest.raises(SandboxAuthError) as info:
+        await backend.create(LABELS)
+    for text in (str(info.value), repr(info.value), pickle.dumps(info.value).hex()):
+        assert secret not in text and secret.encode().hex() not in text
+    assert secret not in backend.model_dump_json()
+
+
+@pytest.fixture(scope="module")
+def fast_clock() -> Iterator[DaytonaEmulator]:
+    """An emulator whose lifecycle minutes last 0.5 s, so auto-stop acts within a test."""
+    with DaytonaEmulator(minute_s=0.5) as emulator:
+        yield emulator
+
+
+def _fast_backend(emulator: DaytonaEmulator, refresh_s: float) -> DaytonaBackend:
+    credentials = DaytonaCredentials(
+        api_key=emulator.api_key, api_url=emulator.api_url, target=emulator.target
+    )
+    return DaytonaBackend(
+        credentials=credentials,
+        auto_stop_interval_min=1,
+        auto_delete_interval_min=None,
+        activity_refresh_s=refresh_s,
+    )
+
+
+async def test_auto_stop_never_stops_a_running_cell(fast_clock: DaytonaEmulator) -> None:
+    box = await _fast_backend(fast_clock, refresh_s=0.1).create(LABELS)
+    try:
+        result = await box.run_cell("import time; time.sleep(2); print('awake')")
+        assert stream_text(result.outputs) == "awake\n"
+        assert fast_clock.sandbox_state(box.handle.sandbox_id) == "started"
+    finally:
+        await box.kill()
+
+
+async def test_without_keep_alive_auto_stop_ends_the_interpreter(
+    fast_clock: DaytonaEmulator,
+) -> None:
+    # The control for the test above: the emulator does stop a busy, silent sandbox.
+    box = await _fast_backend(fast_clock, refresh_s=60).create(LABELS)
+    try:
+        with pytest.raises(SandboxDiedError, match="stopped"):
+            await box.run_cell("import time; time.sleep(2)")
+        assert fast_clock.sandbox_state(box.handle.sandbox_id) in ("stopping", "stopped")
+    finally:
+        await box.kill()
+
+
+_FIGURE_CELLS = [
+    # H10: a figure left open, no plt.show(), with a last-expression value.
+    "import matplotlib.pyplot as plt; fig, ax = plt.subplots(); "
+    "ax.plot([1, 2, 3], [3, 1, 2]); ax.set_title('no-show')",
+    "print('x')",
+    "print('before'); plt.plot([1, 2]); plt.show(); print('after')",
+    "plt.figure(); plt.bar([1, 2], [3, 4]); plt.figure(figsize=(3, 2)); plt.plot([0, 1]);",
+]
+
+
+async def test_h10_figures_are_the_same_as_on_the_local_kernel(
+    sandbox: LocalKernelSandbox, box: Sandbox
+) -> None:
+    for code in _FIGURE_CELLS:
+        local = await sandbox.run_cell(code)
+        remote = await box.run_cell(code)
+        assert remote.status == local.status == "ok"
+        assert [o["output_type"] for o in remote.outputs] == [
+            o["output_type"] for o in local.outputs
+        ]
+        for ours, theirs in zip(remote.outputs, local.outputs, strict=True):
+            if "image/png" in ours.get("data", {}):
+                assert base64.b64decode(ours["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+            # Same matplotlib, same settings: the very same PNG bytes.
+            assert {k: v for k, v in ours.items() if k != "execution_count"} == {
+                k: v for k, v in theirs.items() if k != "execution_count"
+            }

@@ -431,10 +431,18 @@ class DaytonaSandboxConfig:
             raise ValueError("auto_delete_interval_min must be 0 or more, or None")
 
     def new_client(self) -> AsyncDaytona:
-        """A new SDK client; close it when done."""
-        if self.client_factory is not None:
-            return self.client_factory()
-        client: AsyncDaytona = import_sdk().AsyncDaytona()
+        """A new SDK client; close it when done.
+
+        Raises:
+            SandboxAuthError: no credentials were given or found in the environment.
+        """
+        sdk = import_sdk()
+        try:
+            if self.client_factory is not None:
+                return self.client_factory()
+            client: AsyncDaytona = sdk.AsyncDaytona()
+        except sdk.DaytonaError as exc:
+            raise translate_error(exc, operation="connect") from exc
         return client
 
     def refresh_period_s(self) -> float | None:
@@ -1007,15 +1015,14 @@ class DaytonaSandbox(Sandbox):
         )
 
     async def _run_failure(self, exc: Exception) -> SandboxError:
-        """What a failed ``run_code`` means: the interpreter or sandbox ended, or the link."""
-        code = close_code_of(exc)
-        if code in (1001, 1008):
-            # 1001: the interpreter process ended; 1008: its context is gone.
-            self._ended = "its interpreter process ended"
-            return self._died(self._ended)
+        """What a failed ``run_code`` means: the sandbox or interpreter ended, or the link."""
         gone = await self._check_gone()
         if gone is not None:
             return gone
+        if close_code_of(exc) in (1001, 1008):
+            # 1001: the interpreter process ended; 1008: its context is gone.
+            self._ended = "its interpreter process ended"
+            return self._died(self._ended)
         error = translate_error(exc, operation="run_cell", sandbox_id=self._handle.sandbox_id)
         if isinstance(error, SandboxUnavailableError):
             error.message = f"{error.message}; the cell may have run, so it is not run again"
@@ -1035,7 +1042,7 @@ class DaytonaSandbox(Sandbox):
                 sandbox_id=self._handle.sandbox_id,
             )
         if state in _STOPPED_STATES:
-            self._ended = f"the sandbox was {state} (auto-stop)"
+            self._ended = f"the sandbox was stopped (state {state}), by auto-stop or by hand"
             return self._died(self._ended)
         return None
 

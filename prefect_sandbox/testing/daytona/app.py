@@ -44,9 +44,9 @@ DOWNLOAD_BOUNDARY = "DAYTONA-FILE-BOUNDARY"
 # limit. Long frames matter: the SDK appends each frame to the text it got so far.
 _FRAME_TEXT_CHARS = 2 << 20
 _MAX_FRAME_BYTES = (4 << 20) - (64 << 10)
-_DROP_AFTER_S = 0.3
 _COPY_CHUNK_BYTES = 1 << 20
-_TOOLBOX_ACTIVITY = frozenset({"refresh_activity"})
+# Control-plane calls that count as activity; every toolbox call does.
+_ACTIVITY = frozenset({"refresh_activity"})
 
 
 def _api_error(status: int, message: str) -> JSONResponse:
@@ -241,7 +241,7 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         context = started(request).contexts.pop(context_id, None)
         if context is None:
             return _daemon_error(request, 404, "context not found", "PROCESS_NOT_FOUND")
-        await context.stop_kernel()
+        await context.close()
         return JSONResponse({"message": "Context deleted"})
 
     async def upload(request: Request) -> Response:
@@ -488,19 +488,26 @@ class _Gate:
             )
             return
         operation, sandbox_id = self._route_of(scope)
-        if sandbox_id is not None and (
-            scope["path"].startswith("/toolbox/") or operation in _TOOLBOX_ACTIVITY
-        ):
-            sandbox = self.world.find(sandbox_id)
-            if sandbox is not None:
-                sandbox.touch()
+        sandbox = self.world.find(sandbox_id) if sandbox_id else None
+        active = sandbox is not None and (
+            scope["path"].startswith("/toolbox/") or operation in _ACTIVITY
+        )
+        # An HTTP request is activity until it ends; an execution only when it starts, as
+        # Daytona documents no more (it may stop a sandbox whose only activity is a long cell).
+        busy = active and not websocket
+        if sandbox is not None and active:
+            sandbox.touch(busy=busy)
         fault = self.faults.take(operation) if operation else None
         if websocket:
             receive = _replay_connect(receive)
-        if fault is None:
-            await self.app(scope, receive, send)
-            return
-        await self._inject(fault, scope, receive, send, websocket)
+        try:
+            if fault is None:
+                await self.app(scope, receive, send)
+            else:
+                await self._inject(fault, scope, receive, send, websocket)
+        finally:
+            if sandbox is not None and busy:
+                sandbox.untouch()
 
     def _route_of(self, scope: Scope) -> tuple[str | None, str | None]:
         for route in self.routes:
@@ -572,12 +579,12 @@ def _replay_connect(receive: Receive) -> Receive:
 
 
 def _drop_after_request(receive: Receive, send: Send) -> Callable[[], Awaitable[Message]]:
-    """A receive that drops the connection shortly after the execution request arrived."""
+    """A receive that drops the connection once the execution request is in the app's hands."""
 
     async def wrapped() -> Message:
         message = await receive()
         if message["type"] == "websocket.receive":
-            asyncio.get_running_loop().call_later(_DROP_AFTER_S, _abort_connection, send)
+            asyncio.get_running_loop().call_soon(_abort_connection, send)
         return message
 
     return wrapped

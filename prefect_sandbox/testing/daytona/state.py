@@ -74,6 +74,7 @@ class EmulatedContext:
     kernel: LocalKernelSandbox | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: asyncio.Task[CellResult] | None = None
+    closed: bool = False
 
     def model(self) -> dict[str, Any]:
         """The context as the daemon's JSON."""
@@ -91,6 +92,10 @@ class EmulatedContext:
             world = self.sandbox.world
             config = LocalKernelConfig(workdir_root=world.scratch, env=self.sandbox.env)
             kernel = await LocalKernelSandbox.create(config, {EMULATOR_LABEL: self.sandbox.id})
+            if self.closed:
+                # Deleted (or its sandbox stopped) while the kernel started.
+                await kernel.kill()
+                raise RuntimeError(f"interpreter context {self.id} was closed")
             await kernel.run_cell(f"__import__('os').chdir({str(self.cwd)!r})")
             self.kernel = kernel
         return self.kernel
@@ -109,6 +114,8 @@ class EmulatedContext:
             on_output: called with each nbformat output as the kernel sends it.
         """
         async with self.lock:
+            if self.closed:
+                return ExecOutcome(close_code=1001, close_reason="context shutdown")
             kernel = await self.ensure_kernel()
             task = asyncio.create_task(kernel.run_cell(code, on_output=on_output))
             self.running = task
@@ -131,6 +138,11 @@ class EmulatedContext:
                 return _outcome(task.result())
             finally:
                 self.running = None
+
+    async def close(self) -> None:
+        """End the interpreter for good (the context or its sandbox is going away)."""
+        self.closed = True
+        await self.stop_kernel()
 
     async def stop_kernel(self) -> None:
         """End the interpreter: a running execution is cancelled, the kernel killed."""
@@ -183,6 +195,7 @@ class EmulatedSandbox:
     created_monotonic: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     stopped_at: float | None = None
+    requests_in_flight: int = 0
     contexts: dict[str, EmulatedContext] = field(default_factory=dict)
 
     @property
@@ -240,15 +253,26 @@ class EmulatedSandbox:
 
     async def stop(self) -> None:
         """Stop: every interpreter ends (state lost); files are kept."""
+        self.state = "stopping"
         for context in list(self.contexts.values()):
-            await context.stop_kernel()
+            await context.close()
         self.contexts.clear()
         self.state = "stopped"
         self.stopped_at = time.monotonic()
         self.updated_at = _now()
 
-    def touch(self) -> None:
-        """Record activity, which postpones auto-stop."""
+    def touch(self, busy: bool = False) -> None:
+        """Record activity, which postpones auto-stop.
+
+        Args:
+            busy: a request started that keeps the sandbox active until `untouch`.
+        """
+        self.last_activity = time.monotonic()
+        self.requests_in_flight += busy
+
+    def untouch(self) -> None:
+        """A request that `touch` was told about ended; activity again."""
+        self.requests_in_flight -= 1
         self.last_activity = time.monotonic()
 
 
@@ -323,7 +347,7 @@ class World:
         if sandbox is None:
             return None
         for context in list(sandbox.contexts.values()):
-            await context.stop_kernel()
+            await context.close()
         shutil.rmtree(sandbox.root, ignore_errors=True)
         sandbox.state = "destroyed"
         sandbox.updated_at = _now()
@@ -385,6 +409,7 @@ class World:
                 await self.delete(sandbox.id)
             elif (
                 sandbox.state == "started"
+                and sandbox.requests_in_flight == 0
                 and sandbox.auto_stop_interval > 0
                 and now - sandbox.last_activity > sandbox.auto_stop_interval * self.minute_s
             ):
