@@ -1,10 +1,12 @@
 """The ``prefect-sandbox`` command.
 
-``prefect-sandbox run NOTEBOOK [--backend local] [--input PATH]... [--artifact GLOB]...
-[--out DIR] [-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and
-writes ``DIR/<flow-run-name>/``: ``executed.ipynb``, the artifacts and ``summary.json``. Exit
-status 0 on success; 1 on a failed pipeline, with a one-line reason as the last line on stderr;
-2 on bad usage, found before any flow starts.
+``prefect-sandbox run NOTEBOOK [--backend local|daytona] [--backend-block NAME]
+[--input PATH]... [--artifact GLOB]... [--out DIR] [-p NAME=VALUE]... [--cell-timeout SECONDS]``
+runs the ``run-notebook`` flow and writes ``DIR/<flow-run-name>/``: ``executed.ipynb``, the
+artifacts and ``summary.json``. ``--backend-block`` names a saved backend block of the chosen
+kind; without one, Daytona is reached through the SDK's ``DAYTONA_API_KEY``, ``DAYTONA_API_URL``
+and ``DAYTONA_TARGET`` variables. Exit status 0 on success; 1 on a failed pipeline, with a
+one-line reason as the last line on stderr; 2 on bad usage, found before any flow starts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import atexit
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefect_sandbox.blocks.base import SandboxBackend
 
 __all__ = ["main"]
 
@@ -29,7 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
     run.add_argument("notebook", help="the .ipynb to run")
-    run.add_argument("--backend", choices=["local"], default="local", help="sandbox backend")
+    run.add_argument(
+        "--backend", choices=["local", "daytona"], default="local", help="sandbox backend"
+    )
+    run.add_argument(
+        "--backend-block", metavar="NAME", help="a saved backend block of that kind to use"
+    )
     run.add_argument(
         "--input", action="append", default=[], metavar="PATH", help="file or folder to upload"
     )
@@ -79,11 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
 
     try:
+        backend = _backend(args.backend, args.backend_block)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    try:
         result = run_notebook(
             notebook=args.notebook,
             inputs=args.input,
             artifacts=args.artifact,
             parameters=parameters,
+            backend=backend,
             output_dir=args.out,
             cell_timeout_s=args.cell_timeout,
         )
@@ -100,10 +116,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _backend(kind: str, block_name: str | None) -> SandboxBackend:
+    """The backend block to run on: the saved one named, or the kind's defaults.
+
+    Raises:
+        ValueError: no block of that kind has that name.
+    """
+    from prefect_sandbox.blocks import DaytonaBackend, LocalKernelBackend
+
+    block_class: type[SandboxBackend] = DaytonaBackend if kind == "daytona" else LocalKernelBackend
+    if block_name is None:
+        return block_class()
+    backend: SandboxBackend = block_class.load(block_name)  # type: ignore[assignment]
+    return backend
+
+
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, found before any flow starts; None if nothing."""
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         return "--cell-timeout must be positive"
+    if args.backend == "daytona":
+        try:
+            import daytona  # noqa: F401
+        except ImportError:
+            return "--backend daytona needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
     if not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
     for item in args.input:

@@ -242,11 +242,13 @@ def test_runner_gives_a_plain_worker_notebook_outputs() -> None:
             "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nprint('drawn')",
             "import matplotlib\nmatplotlib.use('Agg')\nplt.plot([1, 2])",
             "raise SystemExit(3)",
+            # A record written in several pieces, as the daemon reads lines of at most 1 MiB.
+            "display(HTML('<p>' + 'x' * 1_500_000 + '</p>'))",
             "exit()",
         ]
     )
     assert ready[0]["kind"] == "ready"  # type: ignore[index]
-    result, quiet, html, stdin, syntax, figure, agg, system_exit, exited = cells
+    result, quiet, html, stdin, syntax, figure, agg, system_exit, large, exited = cells
     assert result[0] == {"kind": "start", "count": 1, "pid": ready[0]["pid"]}  # type: ignore[index]
     assert result[1] == {
         "kind": "result",
@@ -266,6 +268,7 @@ def test_runner_gives_a_plain_worker_notebook_outputs() -> None:
     assert figure[2]["data"]["text/plain"].startswith("<Figure size")  # type: ignore[index]
     assert [item for item in agg if isinstance(item, dict) and item["kind"] == "display"] == []
     assert system_exit[1]["ename"] == "SystemExit"  # type: ignore[index]
+    assert len(large[1]["data"]["text/html"]) == 1_500_007  # type: ignore[index]
     assert exited[1] == {"kind": "exit", "code": 0}
 
 
@@ -495,3 +498,30 @@ async def test_h10_figures_are_the_same_as_on_the_local_kernel(
             assert {k: v for k, v in ours.items() if k != "execution_count"} == {
                 k: v for k, v in theirs.items() if k != "execution_count"
             }
+
+
+async def test_emulator_runs_in_the_foreground_and_prints_the_sdk_settings() -> None:
+    command = [sys.executable, "-m", "prefect_sandbox.testing.daytona", "--api-key", "dtn_fg"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            lines = [process.stdout.readline().strip() for _ in range(3)]
+            settings = dict(line.split("=", 1) for line in lines)
+            assert list(settings) == ["DAYTONA_API_KEY", "DAYTONA_API_URL", "DAYTONA_TARGET"]
+            assert settings["DAYTONA_API_KEY"] == "dtn_fg"
+            assert settings["DAYTONA_API_URL"].startswith("http://127.0.0.1:")
+            sdk = import_sdk()
+            client = sdk.AsyncDaytona(
+                sdk.DaytonaConfig(
+                    api_key=settings["DAYTONA_API_KEY"],
+                    api_url=settings["DAYTONA_API_URL"],
+                    target=settings["DAYTONA_TARGET"],
+                )
+            )
+            try:
+                assert [sandbox async for sandbox in client.list()] == []
+            finally:
+                await client.close()
+        finally:
+            process.terminate()
+            assert process.wait(timeout=30) == 0

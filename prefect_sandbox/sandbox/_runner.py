@@ -47,6 +47,7 @@ FIGURE_BACKEND = f"module://{FIGURE_BACKEND_MODULE}"
 RUNNER_FILENAME = "<prefect-sandbox>"
 NAMESPACE_KEY = "__prefect_sandbox__"
 
+_EMIT_PIECE_CHARS = 256 * 1024
 # IPython's display functions live here; each gets our `display` once imported.
 _DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
 
@@ -177,9 +178,12 @@ class Runner:
         """Write one marker record, after whatever the cell printed so far."""
         sys.stdout.flush()
         sys.stderr.flush()
-        record = json.dumps({"kind": kind, **fields}, default=_json_default)
-        sys.stdout.write(MARKER_START + record + MARKER_END)
-        sys.stdout.flush()
+        record = MARKER_START + json.dumps({"kind": kind, **fields}, default=_json_default)
+        record += MARKER_END
+        # In pieces: the daemon reads its worker's output in lines of at most 1 MiB.
+        for start in range(0, len(record), _EMIT_PIECE_CHARS):
+            sys.stdout.write(record[start : start + _EMIT_PIECE_CHARS])
+            sys.stdout.flush()
 
     def run(self, encoded_source: str) -> None:
         """Run one cell, given as base64 of its UTF-8 source. Never raises."""
