@@ -91,12 +91,16 @@ async def test_the_api_key_never_shows_in_logs_notebooks_or_errors(
     texts.append(pickle.dumps(error).decode("latin-1"))
     texts.append(caplog.text)
     await APILogHandler.aflush()
+    run_id = _run_id(error.output_dir)
     async with get_client() as client:
         logs = await client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[_run_id(error.output_dir)]))
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
         )
+        # The backend block is a flow parameter: Prefect stores it with the run.
+        flow_run = await client.read_flow_run(run_id)
     assert logs
     texts.extend(log.message for log in logs)
+    texts.append(flow_run.model_dump_json())
     texts.extend(path.read_text() for path in Path(error.output_dir or "").rglob("*"))
     notebook = nbformat.read(Path(error.output_dir or "") / "executed.ipynb", as_version=4)
     assert "DAYTONA_API_KEY" not in notebook.cells[0].outputs[0]["text"]

@@ -36,7 +36,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from prefect_sandbox.sandbox._runner import MARKER_END, MARKER_START, NAMESPACE_KEY
+from prefect_sandbox.sandbox._runner import (
+    MARKER_END,
+    MARKER_START,
+    NAMESPACE_KEY,
+    RUNNER_FILENAME,
+)
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
@@ -97,15 +102,11 @@ T = TypeVar("T")
 
 _LOST_RECORD = MARKER_START + json.dumps({"kind": "lost"}) + MARKER_END
 
-# Resolves paths inside the sandbox: prints [root, [[realpath, is_file, size], ...]] as JSON.
+# Resolves paths inside the sandbox: prints [root, [[realpath, is_file], ...]] as JSON.
 _RESOLVE_SCRIPT = """
 import json, os, sys
-root = os.path.realpath(sys.argv[1])
-rows = []
-for path in sys.argv[2:]:
-    real = os.path.realpath(path)
-    rows.append([real, os.path.isfile(real), os.path.getsize(real) if os.path.isfile(real) else 0])
-print(json.dumps([root, rows]))
+real = [os.path.realpath(path) for path in sys.argv[1:]]
+print(json.dumps([real[0], [[path, os.path.isfile(path)] for path in real[1:]]]))
 """
 # Globs under the working directory: prints [[relative path, size], ...] as JSON.
 _GLOB_SCRIPT = """
@@ -143,7 +144,7 @@ def _runner_source() -> str:
 def _bootstrap_code() -> str:
     return (
         f"{NAMESPACE_KEY} = __import__('types').ModuleType('_prefect_sandbox_runner')\n"
-        f"exec(compile({_runner_source()!r}, '<prefect-sandbox>', 'exec'), "
+        f"exec(compile({_runner_source()!r}, {RUNNER_FILENAME!r}, 'exec'), "
         f"{NAMESPACE_KEY}.__dict__)\n"
         f"{NAMESPACE_KEY} = {NAMESPACE_KEY}.install(globals())\n"
     )
@@ -779,14 +780,17 @@ class DaytonaSandbox(Sandbox):
         if not state_lost:
             try:
                 execution.result()
-            except sdk.DaytonaTimeoutError:
+            except Exception as exc:
+                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                    exc, sdk.DaytonaConnectionError
+                )
+                if not timed_out:
+                    raise await self._run_failure(exc) from exc
                 # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
                 # may have killed the interpreter, or an interrupt escaped the runner.
                 if not interrupts:
                     await self.restart()
                     state_lost = True
-            except Exception as exc:
-                raise await self._run_failure(exc) from exc
         cell.finish()
         duration_s = time.monotonic() - start
         if cell.pid is not None:
@@ -1085,7 +1089,7 @@ class DaytonaSandbox(Sandbox):
         output = await self._python(_RESOLVE_SCRIPT, self._workdir, *paths.values())
         root, rows = json.loads(output)
         checked = []
-        for given, (real, is_file, _size) in zip(paths, rows, strict=True):
+        for given, (real, is_file) in zip(paths, rows, strict=True):
             if real != root and not real.startswith(root.rstrip("/") + "/"):
                 raise UnsafePathError(
                     f"path {given!r} resolves outside the working directory (through a symlink)",
