@@ -4,6 +4,18 @@ The block classes are importable from here, so ``prefect block register -m prefe
 registers them; flows and tasks live in `prefect_sandbox.flows` and `prefect_sandbox.tasks`.
 """
 
-from prefect_sandbox.blocks import E2BBackend, E2BCredentials, LocalKernelBackend
+from prefect_sandbox.blocks import (
+    DaytonaBackend,
+    DaytonaCredentials,
+    E2BBackend,
+    E2BCredentials,
+    LocalKernelBackend,
+)
 
-__all__ = ["E2BBackend", "E2BCredentials", "LocalKernelBackend"]
+__all__ = [
+    "DaytonaBackend",
+    "DaytonaCredentials",
+    "E2BBackend",
+    "E2BCredentials",
+    "LocalKernelBackend",
+]

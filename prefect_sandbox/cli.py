@@ -1,15 +1,17 @@
 """The ``prefect-sandbox`` command.
 
-``prefect-sandbox run NOTEBOOK [--backend local|e2b] [--backend-block NAME] [--input PATH]...
-[--artifact GLOB]... [--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
-[--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes ``DIR/<flow-run-name>/``
-(or S3 keys ``prefix/run-notebook/<flow-run-name>/``): ``executed.ipynb``, the artifacts and
-``summary.json``. Exit status 0 on success; 1 on a failed pipeline, with a one-line reason as
-the last line on stderr; 2 on bad usage, found before any flow starts.
+``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona] [--backend-block NAME]
+[--input PATH]... [--artifact GLOB]... [--out DIR|s3://bucket/prefix] [--aws-credentials NAME]
+[-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes
+``DIR/<flow-run-name>/`` (or S3 keys ``prefix/run-notebook/<flow-run-name>/``):
+``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
+failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
+before any flow starts.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
-``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``.
+``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``; ``daytona`` from ``DAYTONA_API_KEY``,
+``DAYTONA_API_URL`` and ``DAYTONA_TARGET``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
     run.add_argument("notebook", help="the .ipynb to run")
-    run.add_argument("--backend", choices=["local", "e2b"], default="local", help="sandbox backend")
+    run.add_argument(
+        "--backend", choices=["local", "e2b", "daytona"], default="local", help="sandbox backend"
+    )
     run.add_argument(
         "--backend-block", metavar="NAME", help="a saved backend block of that kind to use"
     )
@@ -132,6 +136,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, found before any flow starts; None if nothing."""
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         return "--cell-timeout must be positive"
+    if args.backend == "daytona":
+        try:
+            import daytona  # noqa: F401
+        except ImportError:
+            return "--backend daytona needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
     if not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
     for item in args.input:
@@ -154,17 +163,22 @@ def _backend(args: argparse.Namespace) -> BackendBlock | None:
     from pydantic import SecretStr
 
     from prefect_sandbox.blocks import (
+        DaytonaBackend,
         E2BBackend,
         E2BCredentials,
         LocalKernelBackend,
         SandboxBackend,
     )
 
-    kinds: dict[str, type[BackendBlock]] = {"local": LocalKernelBackend, "e2b": E2BBackend}
+    kinds: dict[str, type[BackendBlock]] = {
+        "local": LocalKernelBackend,
+        "e2b": E2BBackend,
+        "daytona": DaytonaBackend,
+    }
     if args.backend_block:
         loaded = kinds[args.backend].load(args.backend_block)
         assert isinstance(loaded, SandboxBackend)
-        return cast(BackendBlock, loaded)
+        return cast("BackendBlock", loaded)
     if args.backend == "e2b":
         credentials = E2BCredentials(
             api_key=SecretStr(os.environ["E2B_API_KEY"]),
@@ -173,6 +187,9 @@ def _backend(args: argparse.Namespace) -> BackendBlock | None:
             domain=os.environ.get("E2B_DOMAIN"),
         )
         return E2BBackend(credentials=credentials)
+    if args.backend == "daytona":
+        # With no credentials block, the SDK reads its DAYTONA_* variables.
+        return DaytonaBackend()
     return None
 
 

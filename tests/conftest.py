@@ -14,6 +14,9 @@ import pytest
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
 from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.testing.daytona import DaytonaEmulator
+
+pytest_plugins = ["prefect_sandbox.testing.daytona.fixtures"]
 
 if TYPE_CHECKING:
     from prefect_sandbox.testing.e2b import E2BEmulator
@@ -37,6 +40,26 @@ def e2b_emulator() -> Iterator[E2BEmulator]:
 
     with E2BEmulator(interrupt_grace_s=2.0) as emulator:
         yield emulator
+
+
+@pytest.fixture(scope="session")
+def daytona_env(daytona_emulator: DaytonaEmulator) -> Iterator[DaytonaEmulator]:
+    """The session's Daytona emulator, named by the SDK's environment variables.
+
+    Set in this process's environment, so subprocesses (the CLI, a second process attaching)
+    reach it too.
+    """
+    settings = daytona_emulator.env()
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield daytona_emulator
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def kernel_processes() -> list[psutil.Process]:

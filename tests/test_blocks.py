@@ -9,9 +9,15 @@ from prefect.blocks.core import Block
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
 import prefect_sandbox
-from prefect_sandbox.blocks import E2BBackend, E2BCredentials, LocalKernelBackend
+from prefect_sandbox.blocks import (
+    DaytonaBackend,
+    DaytonaCredentials,
+    E2BBackend,
+    E2BCredentials,
+    LocalKernelBackend,
+)
 
-SHIPPED = [LocalKernelBackend, E2BBackend, E2BCredentials]
+SHIPPED = [LocalKernelBackend, E2BBackend, E2BCredentials, DaytonaBackend, DaytonaCredentials]
 
 
 def test_every_block_we_ship_is_checked_and_registrable() -> None:

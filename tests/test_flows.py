@@ -243,19 +243,27 @@ def test_blocks_register_through_the_entry_point() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "Successfully registered" in done.stdout
+    assert "Successfully registered 5 blocks" in done.stdout
 
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         names = {
             slug: client.read_block_type_by_slug(slug).name
-            for slug in ("local-kernel-sandbox", "e2b-sandbox", "e2b-credentials")
+            for slug in (
+                "local-kernel-sandbox",
+                "e2b-sandbox",
+                "e2b-credentials",
+                "daytona-sandbox",
+                "daytona-credentials",
+            )
         }
     assert names == {
         "local-kernel-sandbox": "Local Kernel Sandbox",
         "e2b-sandbox": "E2B Sandbox",
         "e2b-credentials": "E2B Credentials",
+        "daytona-sandbox": "Daytona Sandbox",
+        "daytona-credentials": "Daytona Credentials",
     }
 
 

@@ -1,10 +1,19 @@
 """Prefect blocks: backend settings and credentials."""
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 
-__all__ = ["BackendBlock", "E2BBackend", "E2BCredentials", "LocalKernelBackend", "SandboxBackend"]
+__all__ = [
+    "BackendBlock",
+    "DaytonaBackend",
+    "DaytonaCredentials",
+    "E2BBackend",
+    "E2BCredentials",
+    "LocalKernelBackend",
+    "SandboxBackend",
+]
 
-BackendBlock = LocalKernelBackend | E2BBackend
+BackendBlock = LocalKernelBackend | E2BBackend | DaytonaBackend
 """The backend blocks a flow's ``backend`` parameter accepts (the UI offers each as a choice)."""

@@ -14,7 +14,8 @@ from prefect_sandbox.sandbox.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, 
 
 __all__ = ["E2BBackend", "E2BCredentials"]
 
-_LOGO_URL = "https://e2b.dev/favicon.ico"
+# GitHub serves an organisation's square avatar at this address.
+_LOGO_URL = "https://github.com/e2b-dev.png"
 _DOCS_URL = "https://e2b.dev/docs"
 
 

@@ -186,22 +186,25 @@ class SandboxUnavailableError(SandboxError):
     """The backend is briefly unable to serve a call (429, 5xx, a dropped connection).
 
     Args:
-        message: a sentence naming the operation and what went wrong.
-        operation: the call that failed (``"create"``, ``"upload"``, ``"run_cell"``...).
-        status_code: the HTTP status the backend answered with, when it answered.
+        message: a sentence naming the call and what went wrong.
+        status_code: the HTTP status the backend answered with; None for a transport failure.
+        operation: the backend call that failed (e.g. ``"create"``, ``"upload"``).
+        retry_after_s: seconds the backend asked to wait before trying again, when it said.
     """
 
     def __init__(
         self,
         message: str,
         *,
-        operation: str | None = None,
         status_code: int | None = None,
+        operation: str | None = None,
+        retry_after_s: float | None = None,
         sandbox_id: str | None = None,
     ) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
-        self.operation = operation
         self.status_code = status_code
+        self.operation = operation
+        self.retry_after_s = retry_after_s
 
 
 class SandboxAuthError(SandboxError):

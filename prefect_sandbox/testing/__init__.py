@@ -1,5 +1,7 @@
-"""Offline emulators of sandbox vendors' APIs, for tests of flows that use them.
+"""Offline emulators of the sandbox vendors' APIs, and a real S3 API, for testing flows
+without an account.
 
-They ship with the package so users can run their own flows against them without an account;
-see `prefect_sandbox.testing.e2b`.
+The emulators speak the vendors' wire protocols on 127.0.0.1, so the vendors' real SDKs talk to
+them, and run code in real local Jupyter kernels: see `prefect_sandbox.testing.e2b` and
+`prefect_sandbox.testing.daytona`. `prefect_sandbox.testing.s3` runs moto's S3 server.
 """

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.daytona import DaytonaBackend
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox.base import Sandbox
@@ -20,13 +21,24 @@ CONTRACT_LABELS = {"prefect-sandbox": "true", "suite": "contract"}
 LIMITS: dict[str, frozenset[str]] = {
     "e2b": frozenset(
         {
-            # E2B's code interpreter says a kernel restarted, not its exit code or signal.
+            # E2B's code interpreter says a kernel restarted, not its exit code or signal,
+            # not even after exit().
             "exit_status",
+            "exit_call_status",
             # Its server drops output that no running cell owns.
             "late_output",
             # A deadline closes the execute stream, so the kernel's KeyboardInterrupt never
             # arrives; the cell ends with our CellTimeoutError output instead.
             "interrupt_output",
+        }
+    ),
+    "daytona": frozenset(
+        {
+            # Daytona's daemon only closes the execution with 1001 "worker process ended";
+            # exit() is still seen, as our runner inside the interpreter catches it.
+            "exit_status",
+            # Its interpreter drops what threads print between cells.
+            "late_output",
         }
     ),
 }
@@ -37,11 +49,12 @@ def cannot(sandbox: Sandbox, what: str) -> bool:
     return what in LIMITS.get(sandbox.handle.backend, frozenset())
 
 
-@pytest.fixture(params=["local", "e2b"])
+@pytest.fixture(params=["local", "e2b", "daytona"])
 def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """A backend block under test, with short grace periods so timeouts test quickly.
 
-    ``e2b`` drives the real E2B SDK against the session's offline emulator.
+    ``e2b`` and ``daytona`` drive the vendors' real SDKs against the session's offline
+    emulators.
     """
     if request.param == "local":
         return LocalKernelBackend(interrupt_grace_s=2.0)
@@ -51,6 +64,10 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
             api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
         )
         return E2BBackend(credentials=credentials, interrupt_grace_s=2.0, lifetime_s=120)
+    if request.param == "daytona":
+        # The real daytona SDK against the emulator, found through DAYTONA_* variables.
+        request.getfixturevalue("daytona_env")
+        return DaytonaBackend(interrupt_grace_s=2.0)
     raise AssertionError(f"unknown backend {request.param}")
 
 

@@ -1,0 +1,324 @@
+"""Runs notebook cells inside a Daytona interpreter context as a Jupyter kernel would.
+
+`DaytonaSandbox` sends this file's source into the context (at start and after each restart) and
+then sends every cell through `Runner.run`. Daytona's interpreter streams only stdout, stderr and
+errors, so the runner reports what a notebook needs beyond that as *marker records* written to
+stdout: ``MARKER_START + json + MARKER_END``. The JSON holds no raw control characters, so a
+record ends at the first ``MARKER_END`` after its start. Records (``kind`` and its fields):
+
+- ``ready``: ``pid`` of the interpreter process; sent once, by `install`.
+- ``start``: ``count`` (the cell's execution count) and ``pid``; first record of every cell.
+- ``result``: ``count``, ``data``, ``metadata``: the value of the cell's last expression.
+- ``display``: ``data``, ``metadata``: a ``display()`` call or a matplotlib figure.
+- ``error``: ``ename``, ``evalue``, ``traceback`` (lines): the exception the cell raised.
+- ``exit``: ``code``: the cell called ``exit()`` or ``quit()``.
+- ``lost``: sent by the per-cell wrapper instead of running the cell when the interpreter has
+  been restarted behind our back, so its variables and this runner are gone.
+
+It also makes matplotlib figures into PNG ``display`` records as Jupyter's inline backend does
+(on ``plt.show()`` and for figures left open at the end of a cell), and it refuses stdin reads,
+since the interpreter's stdin is its command pipe. Only the standard library is needed; IPython
+and matplotlib are used when present. Kept compatible with Python 3.9.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import json
+import linecache
+import os
+import sys
+import tokenize
+import traceback
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MARKER_START = "\x1e\x1fprefect-sandbox:"
+MARKER_END = "\x1e"
+FIGURE_BACKEND_MODULE = "_prefect_sandbox_figures"
+FIGURE_BACKEND = f"module://{FIGURE_BACKEND_MODULE}"
+RUNNER_FILENAME = "<prefect-sandbox>"
+NAMESPACE_KEY = "__prefect_sandbox__"
+
+_EMIT_PIECE_CHARS = 256 * 1024
+# IPython's display functions live here; each gets our `display` once imported.
+_DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
+
+
+class StdinNotImplementedError(NotImplementedError):
+    """Raised by ``input()`` and ``getpass()``: cells cannot read stdin (as in ipykernel)."""
+
+
+class _ExitRequested(SystemExit):
+    """Raised by our ``exit()``/``quit()``, so the runner can tell them from ``SystemExit``."""
+
+
+class _ExitCommand:
+    """``exit()`` and ``quit()``: end the interpreter after this cell, as in IPython."""
+
+    def __repr__(self) -> str:
+        return "Use exit() or quit() to end the interpreter"
+
+    def __call__(self, code: int = 0) -> None:
+        raise _ExitRequested(code)
+
+
+def _no_stdin(*args: object, **kwargs: object) -> str:
+    raise StdinNotImplementedError("raw_input was called, but this frontend does not support stdin")
+
+
+def ends_quietly(source: str) -> bool:
+    """Whether the cell's last code token is ``;``, which hides its result (IPython's rule)."""
+    last = ""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type not in (
+                tokenize.COMMENT,
+                tokenize.NL,
+                tokenize.NEWLINE,
+                tokenize.INDENT,
+                tokenize.DEDENT,
+                tokenize.ENDMARKER,
+            ):
+                last = token.string
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return last == ";"
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """The ``error`` record of an exception, without the runner's own frames."""
+    shown = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    if isinstance(exc, SyntaxError):
+        shown.stack = traceback.StackSummary.from_list([])
+    else:
+        shown.stack = traceback.StackSummary.from_list(
+            [frame for frame in shown.stack if frame.filename != RUNNER_FILENAME]
+        )
+    lines = "".join(shown.format()).rstrip("\n").split("\n")
+    return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": lines}
+
+
+def _json_default(value: object) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return repr(value)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls a hook after a module is first imported, and serves the figure backend module."""
+
+    def __init__(self, hooks: dict[str, Callable[[types.ModuleType], None]], runner: Runner):
+        self.hooks = hooks
+        self.runner = runner
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == FIGURE_BACKEND_MODULE:
+            return importlib.util.spec_from_loader(fullname, _FigureBackendLoader(self.runner))
+        if fullname not in self.hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _HookedLoader(spec.loader, self.hooks[fullname])
+                return spec
+        return None
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, hook: Callable[[types.ModuleType], None]):
+        self.loader = loader
+        self.hook = hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.hook(module)
+
+
+class _FigureBackendLoader(importlib.abc.Loader):
+    """A matplotlib backend: Agg canvases whose ``show()`` sends figures as PNG records."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        from matplotlib.backend_bases import FigureManagerBase
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        module.FigureCanvas = FigureCanvasAgg  # type: ignore[attr-defined]
+        module.FigureManager = FigureManagerBase  # type: ignore[attr-defined]
+        module.show = self.runner.show_figures  # type: ignore[attr-defined]
+
+
+class Runner:
+    """Runs cells in ``namespace`` (the interpreter's globals) and writes marker records."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.namespace = namespace
+        self.count = 0
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Write one marker record, after whatever the cell printed so far."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        record = MARKER_START + json.dumps({"kind": kind, **fields}, default=_json_default)
+        record += MARKER_END
+        # In pieces: the daemon reads its worker's output in lines of at most 1 MiB.
+        for start in range(0, len(record), _EMIT_PIECE_CHARS):
+            sys.stdout.write(record[start : start + _EMIT_PIECE_CHARS])
+            sys.stdout.flush()
+
+    def run(self, encoded_source: str) -> None:
+        """Run one cell, given as base64 of its UTF-8 source. Never raises."""
+        self.count += 1
+        count = self.count
+        self.emit("start", count=count, pid=os.getpid())
+        try:
+            self._execute(base64.b64decode(encoded_source).decode("utf-8"), count)
+        except _ExitRequested as exc:
+            self.emit("exit", code=exc.code if isinstance(exc.code, int) else 0)
+            return
+        except BaseException as exc:  # user code's exceptions are data, interrupts included
+            self.emit("error", **error_fields(exc))
+        self.show_figures()
+
+    def _execute(self, source: str, count: int) -> None:
+        filename = f"<cell-{count}>"
+        source = self._transform(source)
+        # So that tracebacks show the cell's lines.
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        tree = ast.parse(source, filename)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not ends_quietly(source):
+            last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
+        exec(compile(tree, filename, "exec"), self.namespace)
+        if last is None:
+            return
+        value = eval(compile(last, filename, "eval"), self.namespace)
+        if value is not None:
+            self.namespace["_"] = value
+            data, metadata = self.format(value)
+            self.emit("result", count=count, data=data, metadata=metadata)
+
+    def _transform(self, source: str) -> str:
+        """Apply IPython's input transformations (magics, dedent) when IPython is installed."""
+        shell = _shell()
+        if shell is not None:
+            return str(shell.transform_cell(source))
+        try:
+            from IPython.core.inputtransformer2 import TransformerManager
+        except ImportError:
+            return source
+        return str(TransformerManager().transform_cell(source))  # type: ignore[no-untyped-call]
+
+    def format(self, value: object) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The MIME bundle and metadata of a value, as IPython's display formatter makes them."""
+        shell = _shell()
+        if shell is not None:
+            data, metadata = shell.display_formatter.format(value)
+            return dict(data), dict(metadata)
+        try:
+            from IPython.core.formatters import DisplayFormatter
+        except ImportError:
+            return {"text/plain": repr(value)}, {}
+        data, metadata = DisplayFormatter().format(value)  # type: ignore[no-untyped-call]
+        return dict(data), dict(metadata)
+
+    def display(self, *objs: object, **kwargs: Any) -> None:
+        """``display()``: send each object as a ``display`` record."""
+        for obj in objs:
+            metadata: dict[str, Any] = {}
+            if kwargs.get("raw"):
+                data: dict[str, Any] = dict(obj)  # type: ignore[call-overload]
+            else:
+                data, metadata = self.format(obj)
+            metadata.update(kwargs.get("metadata") or {})
+            if data:
+                self.emit("display", data=data, metadata=metadata)
+
+    def show_figures(self, *args: object, **kwargs: object) -> None:
+        """Send every open matplotlib figure as a PNG, then close them all (the inline way)."""
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is None or str(pyplot.get_backend()) != FIGURE_BACKEND:
+            return
+        from matplotlib._pylab_helpers import Gcf
+
+        try:
+            for manager in Gcf.get_all_fig_managers():
+                figure = manager.canvas.figure
+                if not figure.axes and not figure.lines:
+                    continue
+                png = io.BytesIO()
+                figure.canvas.print_figure(
+                    png,
+                    format="png",
+                    facecolor=figure.get_facecolor(),
+                    edgecolor=figure.get_edgecolor(),
+                    dpi=figure.dpi,
+                    bbox_inches="tight",
+                )
+                data = {"image/png": png.getvalue(), "text/plain": repr(figure)}
+                self.emit("display", data=data, metadata={})
+        finally:
+            if Gcf.get_all_fig_managers():
+                pyplot.close("all")
+
+
+def _shell() -> Any:
+    """The running IPython shell, if this interpreter is one."""
+    ipython = sys.modules.get("IPython")
+    return None if ipython is None else ipython.get_ipython()
+
+
+def _patch_display(runner: Runner, module: types.ModuleType) -> None:
+    if hasattr(module, "display"):
+        module.display = runner.display  # type: ignore[attr-defined]
+
+
+def _use_figure_backend(matplotlib: types.ModuleType) -> None:
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].switch_backend(FIGURE_BACKEND)
+    else:
+        matplotlib.rcParams["backend"] = FIGURE_BACKEND
+
+
+def install(namespace: dict[str, Any]) -> Runner:
+    """Set the runner up in an interpreter whose globals are ``namespace``; send ``ready``."""
+    runner = Runner(namespace)
+    hooks: dict[str, Callable[[types.ModuleType], None]] = {"matplotlib": _use_figure_backend}
+    for name in _DISPLAY_MODULES:
+        if name in sys.modules:
+            _patch_display(runner, sys.modules[name])
+        else:
+            hooks[name] = lambda module: _patch_display(runner, module)
+    if "matplotlib" in sys.modules:
+        _use_figure_backend(sys.modules["matplotlib"])
+        del hooks["matplotlib"]
+    sys.meta_path.insert(0, _AfterImport(hooks, runner))
+    builtins.display = runner.display  # type: ignore[attr-defined]
+    namespace["exit"] = namespace["quit"] = _ExitCommand()
+    if _shell() is None:
+        # A plain interpreter's stdin is the daemon's command pipe: reading it would eat cells.
+        import getpass
+
+        builtins.input = _no_stdin
+        getpass.getpass = _no_stdin
+    runner.emit("ready", pid=os.getpid())
+    return runner

@@ -1,0 +1,1205 @@
+"""`DaytonaSandbox`: a Daytona sandbox driven through the daytona SDK's async client.
+
+Cells run in one stateful interpreter context of the sandbox (``code_interpreter.run_code``).
+Daytona's interpreter streams only stdout, stderr and errors, so a small runner is installed in
+the context at start (`prefect_sandbox.sandbox._runner`); it reports execution counts, results,
+``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records on stdout, which
+this module turns back into nbformat outputs. Files move through the SDK's bulk file API; paths
+are checked against the working directory, symlinks resolved inside the sandbox first.
+
+Deadlines are ours: at a cell's deadline the interpreter process gets SIGINT (via
+``process.exec``), a second one after the grace period, and then the context is deleted and made
+again (state lost). Errors of the SDK and of its transport are mapped to our tree in one place,
+`translate_error`; calls that are safe to repeat are retried on 429 and 5xx, an execute never is.
+
+The SDK is imported lazily: ``pip install 'prefect-sandbox[daytona]'`` adds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import importlib.resources
+import json
+import logging
+import math
+import posixpath
+import re
+import shlex
+import time
+import types
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from prefect_sandbox.sandbox._runner import (
+    MARKER_END,
+    MARKER_START,
+    NAMESPACE_KEY,
+    RUNNER_FILENAME,
+)
+from prefect_sandbox.sandbox.base import (
+    CellError,
+    CellResult,
+    OutputCallback,
+    RemoteFile,
+    Sandbox,
+    SandboxHandle,
+)
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxAuthError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+    UnsafePathError,
+)
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, OutputCollector
+from prefect_sandbox.sandbox.paths import checked_relative_path
+
+if TYPE_CHECKING:
+    from daytona import AsyncDaytona, AsyncSandbox
+    from daytona.common.code_interpreter import ExecutionError, OutputMessage
+    from daytona_toolbox_api_client_async import InterpreterContext
+
+__all__ = [
+    "CREATE_TOKEN_LABEL",
+    "DaytonaSandbox",
+    "DaytonaSandboxConfig",
+    "MarkerSplitter",
+    "close_code_of",
+    "daemon_error_content",
+    "import_sdk",
+    "record_content",
+    "retry_delay_s",
+    "translate_error",
+]
+
+BACKEND_SLUG = "daytona"
+CREATE_TOKEN_LABEL = "prefect-sandbox-create-token"
+"""A label unique to each create call, to find a sandbox a failed create left behind."""
+WORKDIR_NAME = "work"
+"""The working directory: this folder of the sandbox's own work directory."""
+
+_SECOND_INTERRUPT_S = 1.0
+_SERVER_TIMEOUT_MARGIN_S = 10
+_EXEC_TIMEOUT_S = 60
+_BOOTSTRAP_TIMEOUT_S = 120
+_MAX_RETRY_DELAY_S = 30.0
+_FIRST_RETRY_DELAY_S = 0.5
+_CLOSE_CODE = re.compile(r"\(close code (\d+)\)")
+_GONE_STATES = frozenset({"destroyed", "destroying", "error", "build_failed"})
+_STOPPED_STATES = frozenset({"stopped", "archived", "stopping", "archiving"})
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_LOST_RECORD = MARKER_START + json.dumps({"kind": "lost"}) + MARKER_END
+
+# Resolves paths inside the sandbox: prints [root, [[realpath, is_file], ...]] as JSON.
+_RESOLVE_SCRIPT = """
+import json, os, sys
+real = [os.path.realpath(path) for path in sys.argv[1:]]
+print(json.dumps([real[0], [[path, os.path.isfile(path)] for path in real[1:]]]))
+"""
+# Globs under the working directory: prints [[relative path, size], ...] as JSON.
+_GLOB_SCRIPT = """
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+print(json.dumps([[p.relative_to(root).as_posix(), p.lstat().st_size]
+                  for p in root.glob(sys.argv[2]) if p.is_file()]))
+"""
+
+
+def import_sdk() -> types.ModuleType:
+    """Import the daytona SDK.
+
+    Raises:
+        ImportError: it is not installed; the message names the extra to install.
+    """
+    try:
+        import daytona
+    except ImportError as exc:
+        raise ImportError(
+            "The Daytona backend needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
+        ) from exc
+    return daytona
+
+
+def _runner_source() -> str:
+    return (
+        importlib.resources.files("prefect_sandbox.sandbox")
+        .joinpath("_runner.py")
+        .read_text(encoding="utf-8")
+    )
+
+
+def _bootstrap_code() -> str:
+    return (
+        f"{NAMESPACE_KEY} = __import__('types').ModuleType('_prefect_sandbox_runner')\n"
+        f"exec(compile({_runner_source()!r}, {RUNNER_FILENAME!r}, 'exec'), "
+        f"{NAMESPACE_KEY}.__dict__)\n"
+        f"{NAMESPACE_KEY} = {NAMESPACE_KEY}.install(globals())\n"
+    )
+
+
+def _cell_code(source: str) -> str:
+    """The code sent for a cell: run it through the runner, or say the runner is gone."""
+    encoded = base64.b64encode(source.encode("utf-8")).decode("ascii")
+    return (
+        f"if {NAMESPACE_KEY!r} in globals():\n"
+        f"    {NAMESPACE_KEY}.run({encoded!r})\n"
+        f"else:\n"
+        f"    print({_LOST_RECORD!r}, end='', flush=True)\n"
+    )
+
+
+class MarkerSplitter:
+    """Splits an interpreter's stdout into plain text and the runner's marker records.
+
+    Text is passed on as soon as it cannot be the start of a record; a record split across
+    chunks is held until its end arrives.
+
+    Args:
+        max_record_chars: a record longer than this is not one (a cell printed the start
+            marker on its own); it is passed on as text.
+    """
+
+    def __init__(self, max_record_chars: int = 256 << 20) -> None:
+        self._pending = ""
+        self._max_record_chars = max_record_chars
+
+    def feed(self, text: str) -> list[str | dict[str, Any]]:
+        """Take the next chunk of stdout.
+
+        Returns:
+            Text (str) and records (dict) in the order they were written.
+        """
+        if not self._pending and MARKER_START[0] not in text:
+            return [text] if text else []
+        self._pending += text
+        items: list[str | dict[str, Any]] = []
+        while self._pending:
+            start = self._pending.find(MARKER_START)
+            if start < 0:
+                keep = _prefix_overlap(self._pending, MARKER_START)
+                self._take_text(items, len(self._pending) - keep)
+                break
+            self._take_text(items, start)
+            end = self._pending.find(MARKER_END, len(MARKER_START))
+            if end < 0:
+                if len(self._pending) > self._max_record_chars:
+                    self._take_text(items, len(MARKER_START))
+                    continue
+                break
+            raw = self._pending[len(MARKER_START) : end]
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                self._take_text(items, end + len(MARKER_END))
+                continue
+            items.append(record)
+            self._pending = self._pending[end + len(MARKER_END) :]
+        return items
+
+    def finish(self) -> list[str | dict[str, Any]]:
+        """The text still held back, once no more stdout will come."""
+        rest, self._pending = self._pending, ""
+        return [rest] if rest else []
+
+    def _take_text(self, items: list[str | dict[str, Any]], length: int) -> None:
+        if length > 0:
+            items.append(self._pending[:length])
+            self._pending = self._pending[length:]
+
+
+def _prefix_overlap(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def record_content(record: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The Jupyter message type and content of a runner record that is an output.
+
+    Returns:
+        ``(msg_type, content)`` for `OutputCollector.add`; None for records that are not
+        outputs (``start``, ``ready``, ``exit``, ``lost``).
+    """
+    kind = record.get("kind")
+    if kind == "display":
+        return "display_data", {"data": record["data"], "metadata": record.get("metadata", {})}
+    if kind == "result":
+        return "execute_result", {
+            "data": record["data"],
+            "metadata": record.get("metadata", {}),
+            "execution_count": record["count"],
+        }
+    if kind == "error":
+        return "error", {
+            "ename": record["ename"],
+            "evalue": record["evalue"],
+            "traceback": list(record["traceback"]),
+        }
+    return None
+
+
+def daemon_error_content(name: str, value: str, traceback: str) -> tuple[str, dict[str, Any]]:
+    """The Jupyter message type and content of an error the Daytona daemon reported itself."""
+    return "error", {"ename": name, "evalue": value, "traceback": traceback.splitlines()}
+
+
+def close_code_of(exc: BaseException) -> int | None:
+    """The WebSocket close code an SDK connection error names (``"... (close code 1001)"``)."""
+    match = _CLOSE_CODE.search(str(exc))
+    return int(match.group(1)) if match else None
+
+
+def _status_of(exc: BaseException) -> int | None:
+    """The HTTP status an SDK error or any exception in its cause chain carries."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        status = getattr(current, "status_code", None) or getattr(current, "status", None)
+        if isinstance(status, int):
+            return status
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _retry_after_of(exc: BaseException) -> float | None:
+    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them."""
+    current: BaseException | None = exc
+    while current is not None:
+        headers = getattr(current, "headers", None) or {}
+        for name, value in dict(headers).items():
+            if str(name).lower() == "retry-after":
+                try:
+                    return max(float(value), 0.0)
+                except (TypeError, ValueError):
+                    return None
+        current = current.__cause__
+    return None
+
+
+def translate_error(
+    exc: BaseException,
+    *,
+    operation: str,
+    sandbox_id: str | None = None,
+    path: str | None = None,
+) -> SandboxError:
+    """Map an exception from the daytona SDK (or its transport) to our error tree.
+
+    The SDK raises `DaytonaError` subclasses, but some failures reach us as a plain
+    `DaytonaError` whose status sits only on a cause (a raw toolbox ``ApiException``, an
+    aiohttp response error); the status is read from the whole cause chain.
+
+    Args:
+        exc: what the SDK raised.
+        operation: our name for the call (``"create"``, ``"upload"``, ...).
+        sandbox_id: the sandbox concerned, when known.
+        path: the file concerned, for file calls: then 404 is a `FileTransferError`.
+
+    Returns:
+        `SandboxAuthError` (401, 403), `SandboxUnavailableError` (429, 5xx, timeouts,
+        dropped connections), `SandboxNotFoundError` (404, 410 on sandbox calls),
+        `FileTransferError` (other failures of file calls) or `SandboxError`.
+    """
+    sdk = import_sdk()
+    status = _status_of(exc)
+    where = f" (sandbox {sandbox_id})" if sandbox_id else ""
+    message = f"Daytona {operation} failed{where}: {exc}"
+    if status in (401, 403) or isinstance(exc, sdk.DaytonaAuthenticationError):
+        return SandboxAuthError(
+            f"Daytona refused the credentials for {operation}{where}: {exc}",
+            sandbox_id=sandbox_id,
+        )
+    if status in (404, 410) or isinstance(exc, sdk.DaytonaNotFoundError):
+        if path is not None:
+            return FileTransferError(message, path=path, sandbox_id=sandbox_id)
+        return SandboxNotFoundError(message, sandbox_id=sandbox_id)
+    if (
+        status in (408, 429)
+        or (status is not None and status >= 500)
+        or (
+            status is None and isinstance(exc, sdk.DaytonaConnectionError | sdk.DaytonaTimeoutError)
+        )
+        or isinstance(exc, OSError | TimeoutError)
+    ):
+        return SandboxUnavailableError(
+            message,
+            status_code=status,
+            operation=operation,
+            retry_after_s=_retry_after_of(exc),
+            sandbox_id=sandbox_id,
+        )
+    if path is not None:
+        return FileTransferError(message, path=path, sandbox_id=sandbox_id)
+    return SandboxError(message, sandbox_id=sandbox_id)
+
+
+def retry_delay_s(error: SandboxUnavailableError, attempt: int) -> float:
+    """Seconds to wait before retrying after ``error`` on the ``attempt``-th try (1-based).
+
+    The backend's ``Retry-After`` wins; otherwise 0.5 s, doubling, at most 30 s.
+    """
+    if error.retry_after_s is not None:
+        return min(error.retry_after_s, _MAX_RETRY_DELAY_S)
+    return min(_FIRST_RETRY_DELAY_S * 2.0 ** (attempt - 1), _MAX_RETRY_DELAY_S)
+
+
+@dataclass(frozen=True)
+class DaytonaSandboxConfig:
+    """Settings of Daytona sandboxes.
+
+    Attributes:
+        client_factory: makes a connected ``AsyncDaytona`` client; the default reads the SDK's
+            environment variables (``DAYTONA_API_KEY``, ``DAYTONA_API_URL``,
+            ``DAYTONA_TARGET``).
+        snapshot: the snapshot to start from; None for Daytona's default.
+        image: a container image to build the sandbox from instead of a snapshot.
+        env: environment variables of the sandbox.
+        labels: labels every sandbox gets, besides the flow run's.
+        auto_stop_interval_min: minutes of inactivity before Daytona stops the sandbox (and
+            its interpreter state is lost); 0 never. Kept alive while a cell runs.
+        auto_delete_interval_min: minutes after a stop before Daytona deletes the sandbox;
+            0 at once, None never.
+        lifetime_min: minutes after creation when Daytona deletes it whatever it is doing;
+            None for no limit.
+        network_block_all: block all network access of the sandbox.
+        network_allow_list: comma-separated CIDRs the sandbox may reach.
+        cpu, memory_gib, disk_gib, gpu: resources; only with ``image``.
+        create_timeout_s: seconds a create may take, including the sandbox's start.
+        interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt;
+            then a second interrupt, and a new interpreter if that fails too.
+        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
+        activity_refresh_s: seconds between keep-alive calls while a cell runs; None for a
+            quarter of the auto-stop interval.
+        request_attempts: tries of a call that may be repeated, on 429 and 5xx answers.
+    """
+
+    client_factory: Callable[[], AsyncDaytona] | None = None
+    snapshot: str | None = None
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    auto_stop_interval_min: int = 15
+    auto_delete_interval_min: int | None = 0
+    lifetime_min: int | None = None
+    network_block_all: bool = False
+    network_allow_list: str | None = None
+    cpu: int | None = None
+    memory_gib: int | None = None
+    disk_gib: int | None = None
+    gpu: int | None = None
+    create_timeout_s: float = 120.0
+    interrupt_grace_s: float = 5.0
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    activity_refresh_s: float | None = None
+    request_attempts: int = 4
+
+    def __post_init__(self) -> None:
+        if self.snapshot and self.image:
+            raise ValueError("give a snapshot or an image, not both")
+        resources = (self.cpu, self.memory_gib, self.disk_gib, self.gpu)
+        if not self.image and any(value is not None for value in resources):
+            raise ValueError("cpu, memory_gib, disk_gib and gpu can only be set with an image")
+        for name in (
+            "create_timeout_s",
+            "interrupt_grace_s",
+            "max_output_bytes",
+            "activity_refresh_s",
+            "request_attempts",
+            "lifetime_min",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, not {value}")
+        if self.auto_stop_interval_min < 0:
+            raise ValueError("auto_stop_interval_min must be 0 or more")
+        if self.auto_delete_interval_min is not None and self.auto_delete_interval_min < 0:
+            raise ValueError("auto_delete_interval_min must be 0 or more, or None")
+
+    def new_client(self) -> AsyncDaytona:
+        """A new SDK client; close it when done.
+
+        Raises:
+            SandboxAuthError: no credentials were given or found in the environment.
+        """
+        sdk = import_sdk()
+        try:
+            if self.client_factory is not None:
+                return self.client_factory()
+            client: AsyncDaytona = sdk.AsyncDaytona()
+        except sdk.DaytonaError as exc:
+            raise translate_error(exc, operation="connect") from exc
+        return client
+
+    def refresh_period_s(self) -> float | None:
+        """Seconds between keep-alive calls while a cell runs; None when auto-stop is off."""
+        if self.auto_stop_interval_min == 0:
+            return None
+        if self.activity_refresh_s is not None:
+            return self.activity_refresh_s
+        return self.auto_stop_interval_min * 60 / 4
+
+    def create_params(self, labels: Mapping[str, str]) -> Any:
+        """The SDK's create parameters for a sandbox carrying ``labels``."""
+        sdk = import_sdk()
+        common: dict[str, Any] = {
+            "language": "python",
+            "env_vars": dict(self.env),
+            "labels": dict(labels),
+            "auto_stop_interval": self.auto_stop_interval_min,
+            "auto_delete_interval": (
+                -1 if self.auto_delete_interval_min is None else self.auto_delete_interval_min
+            ),
+            "ttl_minutes": self.lifetime_min,
+            "network_block_all": self.network_block_all,
+            "network_allow_list": self.network_allow_list,
+        }
+        if self.image:
+            resources = None
+            if any(v is not None for v in (self.cpu, self.memory_gib, self.disk_gib, self.gpu)):
+                resources = sdk.Resources(
+                    cpu=self.cpu, memory=self.memory_gib, disk=self.disk_gib, gpu=self.gpu
+                )
+            return sdk.CreateSandboxFromImageParams(image=self.image, resources=resources, **common)
+        return sdk.CreateSandboxFromSnapshotParams(snapshot=self.snapshot, **common)
+
+
+class _CellRun:
+    """One cell's outputs as they stream in: stdout split into text and runner records."""
+
+    def __init__(self, max_output_bytes: int | None, on_output: OutputCallback | None) -> None:
+        self.collector = OutputCollector(max_output_bytes)
+        self.splitter = MarkerSplitter()
+        self.on_output = on_output
+        self.count: int | None = None
+        self.pid: int | None = None
+        self.exit_code: int | None = None
+        self.lost = False
+
+    def stdout(self, message: OutputMessage) -> None:
+        self._take(self.splitter.feed(message.output))
+
+    def stderr(self, message: OutputMessage) -> None:
+        self._add("stream", {"name": "stderr", "text": message.output})
+
+    def daemon_error(self, error: ExecutionError) -> None:
+        self._add(*daemon_error_content(error.name, error.value, error.traceback))
+
+    def finish(self) -> None:
+        self._take(self.splitter.finish())
+
+    def _take(self, items: list[str | dict[str, Any]]) -> None:
+        for item in items:
+            if isinstance(item, str):
+                self._add("stream", {"name": "stdout", "text": item})
+                continue
+            kind = item.get("kind")
+            if kind == "start":
+                self.count, self.pid = item["count"], item["pid"]
+            elif kind == "exit":
+                self.exit_code = item["code"]
+            elif kind == "lost":
+                self.lost = True
+            content = record_content(item)
+            if content is not None:
+                self._add(*content)
+
+    def _add(self, msg_type: str, content: dict[str, Any]) -> None:
+        output = self.collector.add(msg_type, content)
+        if output is not None and self.on_output is not None:
+            self.on_output(output)
+
+
+class DaytonaSandbox(Sandbox):
+    """A sandbox that is a Daytona sandbox; cells run in one interpreter context of it.
+
+    Make one with `create`, reach it again with `attach`. Holds one SDK client, bound to the
+    event loop it was made on: attach once per loop.
+    """
+
+    def __init__(
+        self,
+        handle: SandboxHandle,
+        config: DaytonaSandboxConfig,
+        client: AsyncDaytona,
+        remote: AsyncSandbox,
+        context: InterpreterContext | None,
+    ) -> None:
+        self._handle = handle
+        self._config = config
+        self._client = client
+        self._remote = remote
+        self._context = context
+        self._workdir = handle.workdir
+        self._ended: str | None = None if context is not None else "no interpreter is running"
+        self._worker_pid: int | None = None
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The address of this sandbox (see `SandboxHandle`); it holds no API key."""
+        return self._handle
+
+    @classmethod
+    async def create(
+        cls, config: DaytonaSandboxConfig, labels: Mapping[str, str] | None = None
+    ) -> DaytonaSandbox:
+        """Create a Daytona sandbox, make its working directory and start its interpreter.
+
+        A create answered with 429 is retried after the ``Retry-After`` the API gives; one
+        answered with 5xx or a dropped connection is retried after deleting any sandbox the
+        failed try left behind (found by a label unique to the call). If anything fails after
+        the sandbox exists, it is deleted before the error is raised.
+
+        Args:
+            config: the sandbox settings.
+            labels: labels to find the sandbox by later (flow run id and name, our marker).
+
+        Returns:
+            The live sandbox.
+
+        Raises:
+            SandboxAuthError: the API key was refused.
+            SandboxUnavailableError: Daytona kept failing (``status_code``, ``operation``).
+            SandboxError: Daytona refused the settings, or the interpreter did not start.
+        """
+        all_labels = {**config.labels, **(labels or {}), CREATE_TOKEN_LABEL: uuid.uuid4().hex}
+        client = config.new_client()
+        try:
+            remote = await _create_remote(client, config, all_labels)
+        except BaseException:
+            await _close(client)
+            raise
+        sandbox_id = remote.id
+        try:
+            home = await _call(
+                "get_work_dir", sandbox_id, config, remote.get_work_dir, idempotent=True
+            )
+            workdir = posixpath.join(home, WORKDIR_NAME)
+            await _call(
+                "create_folder",
+                sandbox_id,
+                config,
+                lambda: remote.fs.create_folder(workdir, "755"),
+                idempotent=True,
+            )
+            handle = SandboxHandle(
+                backend=BACKEND_SLUG, sandbox_id=sandbox_id, workdir=workdir, labels=all_labels
+            )
+            sandbox = cls(handle, config, client, remote, None)
+            await sandbox._start_interpreter()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await remote.delete()
+            await _close(client)
+            raise
+        return sandbox
+
+    @classmethod
+    async def attach(cls, handle: SandboxHandle, config: DaytonaSandboxConfig) -> DaytonaSandbox:
+        """Reach a sandbox again, from this or another thread, process or machine.
+
+        A stopped sandbox (auto-stop) is started again; its files are kept but its interpreter
+        state is not, so `run_cell` raises `SandboxDiedError` until `restart`.
+
+        Args:
+            handle: the sandbox's handle.
+            config: the sandbox settings (they hold the credentials).
+
+        Returns:
+            A live sandbox, its interpreter state intact when it had any.
+
+        Raises:
+            SandboxNotFoundError: the sandbox was deleted or expired.
+            SandboxAuthError: the API key was refused.
+        """
+        client = config.new_client()
+        try:
+            remote = await _call(
+                "get", handle.sandbox_id, config, lambda: client.get(handle.sandbox_id), True
+            )
+            state = str(getattr(remote.state, "value", remote.state))
+            if state in _GONE_STATES:
+                raise SandboxNotFoundError(
+                    f"sandbox {handle.sandbox_id} is gone (state {state})",
+                    sandbox_id=handle.sandbox_id,
+                )
+            if state in _STOPPED_STATES:
+                await _call(
+                    "start",
+                    handle.sandbox_id,
+                    config,
+                    lambda: remote.start(timeout=config.create_timeout_s),
+                    idempotent=True,
+                )
+            workdir = handle.workdir or posixpath.join(
+                await _call("get_work_dir", remote.id, config, remote.get_work_dir, True),
+                WORKDIR_NAME,
+            )
+            contexts = await _call(
+                "list_contexts",
+                remote.id,
+                config,
+                remote.code_interpreter.list_contexts,
+                idempotent=True,
+            )
+        except BaseException:
+            await _close(client)
+            raise
+        ours = sorted(
+            (c for c in contexts if c.cwd == workdir and c.active),
+            key=lambda c: c.created_at,
+        )
+        handle = handle.model_copy(update={"workdir": workdir})
+        return cls(handle, config, client, remote, ours[-1] if ours else None)
+
+    @staticmethod
+    async def list_handles(
+        config: DaytonaSandboxConfig, labels: Mapping[str, str] | None = None
+    ) -> list[SandboxHandle]:
+        """Handles of live sandboxes whose labels include ``labels``.
+
+        Their ``workdir`` is empty; `attach` fills it in.
+
+        Raises:
+            SandboxAuthError: the API key was refused.
+            SandboxUnavailableError: Daytona kept failing.
+        """
+        sdk = import_sdk()
+        query = sdk.ListSandboxesQuery(labels=dict(labels or {}))
+        client = config.new_client()
+
+        async def listing() -> list[SandboxHandle]:
+            handles = []
+            async for remote in client.list(query):
+                state = str(getattr(remote.state, "value", remote.state))
+                if state not in _GONE_STATES:
+                    handles.append(
+                        SandboxHandle(
+                            backend=BACKEND_SLUG,
+                            sandbox_id=remote.id,
+                            workdir="",
+                            labels=dict(remote.labels),
+                        )
+                    )
+            return sorted(handles, key=lambda handle: handle.sandbox_id)
+
+        try:
+            return await _call("list", None, config, listing, idempotent=True)
+        finally:
+            await _close(client)
+
+    async def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> CellResult:
+        """Run one cell (see `Sandbox.run_cell`).
+
+        On the deadline the interpreter gets SIGINT; ``interrupt_grace_s`` later a second one;
+        if the cell still runs, the interpreter context is made again and the result says
+        ``state_lost``. The sandbox is kept from auto-stopping while the cell runs.
+
+        Raises:
+            ValueError: ``timeout_s`` is zero or negative.
+            SandboxDiedError: the interpreter ended (a crash, ``exit()``, an auto-stop), now
+                or before; `restart` gives a fresh one.
+            SandboxNotFoundError: the sandbox was deleted or expired.
+            SandboxUnavailableError: the connection dropped while the cell ran; the cell may
+                have run, and is not run again.
+        """
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        if self._ended is not None or self._context is None:
+            raise self._died(self._ended or "no interpreter is running")
+        sdk = import_sdk()
+        cell = _CellRun(self._config.max_output_bytes, on_output)
+        server_timeout_s = 0
+        if timeout_s is not None:
+            server_timeout_s = _SERVER_TIMEOUT_MARGIN_S + math.ceil(
+                timeout_s + self._config.interrupt_grace_s + _SECOND_INTERRUPT_S
+            )
+        started_at = datetime.now(UTC)
+        start = time.monotonic()
+        execution = asyncio.create_task(
+            self._remote.code_interpreter.run_code(
+                _cell_code(code),
+                context=self._context,
+                on_stdout=cell.stdout,
+                on_stderr=cell.stderr,
+                on_error=cell.daemon_error,
+                timeout=server_timeout_s,
+            )
+        )
+        keep_alive = self._keep_alive()
+        interrupts = 0
+        state_lost = False
+        try:
+            deadline = None if timeout_s is None else start + timeout_s
+            while True:
+                wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                done, _ = await asyncio.wait({execution}, timeout=wait_s)
+                if done:
+                    break
+                if interrupts == 2:
+                    logger.warning(
+                        "Sandbox %s: cell still busy after two interrupts; starting a new "
+                        "interpreter",
+                        self._handle.sandbox_id,
+                    )
+                    await _cancel(execution)
+                    await self.restart()
+                    state_lost = True
+                    break
+                interrupts += 1
+                await self._signal_interrupt(cell.pid)
+                grace_s = self._config.interrupt_grace_s if interrupts == 1 else _SECOND_INTERRUPT_S
+                deadline = time.monotonic() + grace_s
+        except BaseException:
+            await _cancel(execution)
+            raise
+        finally:
+            if keep_alive is not None:
+                await _cancel(keep_alive)
+        if not state_lost:
+            try:
+                execution.result()
+            except Exception as exc:
+                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                    exc, sdk.DaytonaConnectionError
+                )
+                if not timed_out:
+                    raise await self._run_failure(exc) from exc
+                # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
+                # may have killed the interpreter, or an interrupt escaped the runner.
+                if not interrupts:
+                    await self.restart()
+                    state_lost = True
+        cell.finish()
+        duration_s = time.monotonic() - start
+        if cell.pid is not None:
+            self._worker_pid = cell.pid
+        if cell.lost:
+            self._ended = "its interpreter was restarted behind our back"
+            raise self._died(self._ended)
+        if cell.exit_code is not None:
+            await self._end_interpreter()
+            self._ended = "the cell called exit()"
+            raise self._died(self._ended, exit_code=cell.exit_code)
+        return self._result(cell, timeout_s, interrupts, state_lost, started_at, duration_s)
+
+    def _result(
+        self,
+        cell: _CellRun,
+        timeout_s: float | None,
+        interrupts: int,
+        state_lost: bool,
+        started_at: datetime,
+        duration_s: float,
+    ) -> CellResult:
+        collector = cell.collector
+        status: Literal["ok", "error", "timeout"] = "ok"
+        error = None
+        if interrupts or state_lost:
+            status = "timeout"
+            how = (
+                "the interpreter was restarted, state lost"
+                if state_lost
+                else f"interrupted{' on the second try' if interrupts == 2 else ''}"
+            )
+            evalue = f"cell exceeded its {timeout_s} s timeout; {how}"
+            if state_lost or not collector.has_error():
+                collector.append_error("CellTimeoutError", evalue, [])
+            error = CellError(ename="CellTimeoutError", evalue=evalue)
+        elif collector.has_error():
+            status = "error"
+        outputs = collector.outputs
+        if status == "error":
+            last = [o for o in outputs if o["output_type"] == "error"][-1]
+            error = CellError(
+                ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
+            )
+        return CellResult(
+            status=status,
+            execution_count=cell.count,
+            outputs=outputs,
+            error=error,
+            started_at=started_at,
+            duration_s=duration_s,
+            interrupted=bool(interrupts) and not state_lost,
+            state_lost=state_lost,
+            msg_id=uuid.uuid4().hex,
+            output_bytes=collector.total_bytes,
+            omitted_bytes=collector.omitted_bytes,
+        )
+
+    async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """Always empty: Daytona's interpreter drops what threads print between cells.
+
+        Output a thread prints while a later cell runs lands in that cell's result.
+        """
+        return {}
+
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a local file into the working directory (see `Sandbox.upload`).
+
+        Raises:
+            UnsafePathError: ``dest`` leaves the working directory, a symlinked folder included.
+            FileTransferError: ``src`` is not a file, or the upload failed.
+            SandboxNotFoundError: the sandbox is gone.
+        """
+        remote_path = posixpath.join(self._workdir, checked_relative_path(dest).as_posix())
+        if not src.is_file():
+            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        await self._resolve_inside({dest: remote_path})
+        sdk = import_sdk()
+        upload = sdk.FileUpload(source=str(src), destination=remote_path)
+        await self._file_call(
+            "upload", dest, lambda: self._remote.fs.upload_files([upload]), idempotent=True
+        )
+
+    async def download(self, src: str, dest: Path) -> int:
+        """Copy a file out of the working directory (see `Sandbox.download`).
+
+        Raises:
+            UnsafePathError: ``src`` leaves the working directory, through a symlink included.
+            FileTransferError: the file is missing or the download failed.
+            SandboxNotFoundError: the sandbox is gone.
+        """
+        remote_path = posixpath.join(self._workdir, checked_relative_path(src).as_posix())
+        (is_file,) = await self._resolve_inside({src: remote_path})
+        if not is_file:
+            raise FileTransferError(
+                f"file {src!r} is not in sandbox {self._handle.sandbox_id}",
+                path=src,
+                sandbox_id=self._handle.sandbox_id,
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await self._file_call(
+            "download",
+            src,
+            lambda: self._remote.fs.download_file(remote_path, str(dest)),
+            idempotent=True,
+        )
+        return dest.stat().st_size
+
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """List files matching a glob (see `Sandbox.list_files`).
+
+        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        """
+        checked_relative_path(pattern)
+        rows = json.loads(await self._python(_GLOB_SCRIPT, self._workdir, pattern))
+        files = [RemoteFile(path=path, size_bytes=size) for path, size in rows]
+        return sorted(files, key=lambda remote: remote.path)
+
+    async def interrupt(self) -> None:
+        """Send SIGINT to the interpreter process, as Jupyter's stop button does.
+
+        Does nothing until this object has seen a cell start (it learns the process id then).
+        """
+        await self._signal_interrupt(self._worker_pid)
+
+    async def restart(self) -> None:
+        """Delete the interpreter context and start a new one: files kept, state lost."""
+        await self._end_interpreter()
+        await self._start_interpreter()
+
+    async def kill(self) -> bool:
+        """Delete the sandbox. Idempotent.
+
+        Returns:
+            True if this call deleted it, False if it was already gone.
+
+        Raises:
+            SandboxAuthError: the API key was refused.
+            SandboxUnavailableError: Daytona kept failing.
+        """
+        try:
+            await self._sandbox_call("delete", self._remote.delete, idempotent=True)
+        except SandboxNotFoundError:
+            return False
+        finally:
+            await self.close()
+        return True
+
+    async def close(self) -> None:
+        """Close this object's SDK client; the sandbox keeps running."""
+        await _close(self._client)
+
+    async def _start_interpreter(self) -> None:
+        """Make our interpreter context and install the runner in it."""
+        self._context = await self._sandbox_call(
+            "create_context",
+            lambda: self._remote.code_interpreter.create_context(cwd=self._workdir),
+            idempotent=False,
+        )
+        cell = _CellRun(None, None)
+        try:
+            await self._remote.code_interpreter.run_code(
+                _bootstrap_code(),
+                context=self._context,
+                on_stdout=cell.stdout,
+                on_stderr=cell.stderr,
+                on_error=cell.daemon_error,
+                timeout=_BOOTSTRAP_TIMEOUT_S,
+            )
+        except Exception as exc:
+            raise await self._run_failure(exc) from exc
+        cell.finish()
+        if cell.collector.has_error():
+            errors = [o for o in cell.collector.outputs if o["output_type"] == "error"]
+            raise SandboxError(
+                f"sandbox {self._handle.sandbox_id}: the interpreter did not start: "
+                f"{errors[-1]['ename']}: {errors[-1]['evalue']}",
+                sandbox_id=self._handle.sandbox_id,
+            )
+        self._ended = None
+
+    async def _end_interpreter(self) -> None:
+        """Delete our interpreter context, ending its process; gone already is fine."""
+        context, self._context = self._context, None
+        self._worker_pid = None
+        if context is None:
+            return
+        with contextlib.suppress(SandboxNotFoundError):
+            await self._sandbox_call(
+                "delete_context",
+                lambda: self._remote.code_interpreter.delete_context(context),
+                idempotent=True,
+            )
+
+    def _keep_alive(self) -> asyncio.Task[None] | None:
+        """While a cell runs, tell Daytona the sandbox is active, so auto-stop never hits."""
+        period_s = self._config.refresh_period_s()
+        if period_s is None:
+            return None
+        sdk = import_sdk()
+
+        async def refresh() -> None:
+            while True:
+                await asyncio.sleep(period_s)
+                try:
+                    await self._remote.refresh_activity()
+                except sdk.DaytonaError as exc:
+                    logger.warning(
+                        "Sandbox %s: keep-alive call failed: %s", self._handle.sandbox_id, exc
+                    )
+
+        return asyncio.create_task(refresh())
+
+    async def _signal_interrupt(self, pid: int | None) -> None:
+        if pid is None:
+            logger.warning(
+                "Sandbox %s: cannot interrupt, the interpreter's process id is not known yet",
+                self._handle.sandbox_id,
+            )
+            return
+        # Not retried: a repeated SIGINT could land in the next cell.
+        await self._sandbox_call(
+            "interrupt",
+            lambda: self._remote.process.exec(f"kill -INT {pid}", timeout=_EXEC_TIMEOUT_S),
+            idempotent=False,
+        )
+
+    async def _run_failure(self, exc: Exception) -> SandboxError:
+        """What a failed ``run_code`` means: the sandbox or interpreter ended, or the link."""
+        gone = await self._check_gone()
+        if gone is not None:
+            return gone
+        if close_code_of(exc) in (1001, 1008):
+            # 1001: the interpreter process ended; 1008: its context is gone.
+            self._ended = "its interpreter process ended"
+            return self._died(self._ended)
+        error = translate_error(exc, operation="run_cell", sandbox_id=self._handle.sandbox_id)
+        if isinstance(error, SandboxUnavailableError):
+            error.message = f"{error.message}; the cell may have run, so it is not run again"
+            error.args = (error.message,)
+        return error
+
+    async def _check_gone(self) -> SandboxError | None:
+        """`SandboxNotFoundError` if the sandbox is gone, `SandboxDiedError` if it stopped."""
+        try:
+            await self._sandbox_call("get", self._remote.refresh_data, idempotent=True)
+        except SandboxNotFoundError as exc:
+            return exc
+        state = str(getattr(self._remote.state, "value", self._remote.state))
+        if state in _GONE_STATES:
+            return SandboxNotFoundError(
+                f"sandbox {self._handle.sandbox_id} is gone (state {state})",
+                sandbox_id=self._handle.sandbox_id,
+            )
+        if state in _STOPPED_STATES:
+            self._ended = f"the sandbox was stopped (state {state}), by auto-stop or by hand"
+            return self._died(self._ended)
+        return None
+
+    def _died(self, reason: str, exit_code: int | None = None) -> SandboxDiedError:
+        return SandboxDiedError(
+            f"interpreter of sandbox {self._handle.sandbox_id} ended ({reason}); its state is "
+            "lost; restart() starts a fresh one",
+            exit_code=exit_code,
+            sandbox_id=self._handle.sandbox_id,
+        )
+
+    async def _python(self, script: str, *args: str) -> str:
+        """Run a short Python script in the sandbox and return what it printed."""
+        command = shlex.join(["python3", "-I", "-c", script, *args])
+
+        async def run() -> str:
+            response = await self._remote.process.exec(command, timeout=_EXEC_TIMEOUT_S)
+            if response.exit_code != 0:
+                raise SandboxError(
+                    f"sandbox {self._handle.sandbox_id}: helper script failed "
+                    f"(exit code {response.exit_code}): {response.result[-2000:]}",
+                    sandbox_id=self._handle.sandbox_id,
+                )
+            return str(response.result)
+
+        return await self._sandbox_call("exec", run, idempotent=True)
+
+    async def _resolve_inside(self, paths: Mapping[str, str]) -> list[bool]:
+        """Check that each path, symlinks resolved, stays in the working directory.
+
+        Args:
+            paths: the path as the user gave it to its absolute path in the sandbox.
+
+        Returns:
+            Whether each is an existing regular file.
+
+        Raises:
+            UnsafePathError: one leaves the working directory.
+        """
+        output = await self._python(_RESOLVE_SCRIPT, self._workdir, *paths.values())
+        root, rows = json.loads(output)
+        checked = []
+        for given, (real, is_file) in zip(paths, rows, strict=True):
+            if real != root and not real.startswith(root.rstrip("/") + "/"):
+                raise UnsafePathError(
+                    f"path {given!r} resolves outside the working directory (through a symlink)",
+                    path=given,
+                    sandbox_id=self._handle.sandbox_id,
+                )
+            checked.append(bool(is_file))
+        return checked
+
+    async def _sandbox_call(
+        self, operation: str, call: Callable[[], Awaitable[T]], *, idempotent: bool
+    ) -> T:
+        return await _call(operation, self._handle.sandbox_id, self._config, call, idempotent)
+
+    async def _file_call(
+        self, operation: str, path: str, call: Callable[[], Awaitable[T]], *, idempotent: bool
+    ) -> T:
+        try:
+            return await _call(
+                operation, self._handle.sandbox_id, self._config, call, idempotent, path=path
+            )
+        except FileTransferError:
+            gone = await self._check_gone()
+            if gone is not None:
+                raise gone from None
+            raise
+
+
+async def _call(
+    operation: str,
+    sandbox_id: str | None,
+    config: DaytonaSandboxConfig,
+    call: Callable[[], Awaitable[T]],
+    idempotent: bool,
+    *,
+    path: str | None = None,
+) -> T:
+    """Make an SDK call, translating its errors; repeat it on 429 (or 5xx when idempotent).
+
+    Raises:
+        SandboxError: the translated error of the last try (see `translate_error`).
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except SandboxError:
+            raise
+        except Exception as exc:
+            error = translate_error(exc, operation=operation, sandbox_id=sandbox_id, path=path)
+            retry = isinstance(error, SandboxUnavailableError) and (
+                idempotent or error.status_code == 429
+            )
+            if not retry or attempt >= config.request_attempts:
+                raise error from exc
+            assert isinstance(error, SandboxUnavailableError)
+            delay_s = retry_delay_s(error, attempt)
+            logger.info("Daytona %s failed (%s); trying again in %.1f s", operation, exc, delay_s)
+            await asyncio.sleep(delay_s)
+
+
+async def _create_remote(
+    client: AsyncDaytona, config: DaytonaSandboxConfig, labels: dict[str, str]
+) -> AsyncSandbox:
+    """Create the sandbox; a try that fails with 5xx may have made one, so delete it first."""
+    sdk = import_sdk()
+    token = labels[CREATE_TOKEN_LABEL]
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            remote: AsyncSandbox = await client.create(
+                config.create_params(labels), timeout=config.create_timeout_s
+            )
+            return remote
+        except Exception as exc:
+            error = translate_error(exc, operation="create")
+            if isinstance(exc, sdk.DaytonaTimeoutError) or (
+                isinstance(error, SandboxUnavailableError) and error.status_code != 429
+            ):
+                await _delete_by_label(client, config, token)
+            if not isinstance(error, SandboxUnavailableError) or attempt >= config.request_attempts:
+                raise error from exc
+            delay_s = retry_delay_s(error, attempt)
+            logger.info("Daytona create failed (%s); trying again in %.1f s", exc, delay_s)
+            await asyncio.sleep(delay_s)
+
+
+async def _delete_by_label(client: AsyncDaytona, config: DaytonaSandboxConfig, token: str) -> None:
+    """Delete the sandbox a failed create left behind, if it made one."""
+    sdk = import_sdk()
+    query = sdk.ListSandboxesQuery(labels={CREATE_TOKEN_LABEL: token})
+
+    async def orphans() -> list[AsyncSandbox]:
+        return [remote async for remote in client.list(query)]
+
+    for orphan in await _call("list", None, config, orphans, idempotent=True):
+        logger.warning("Deleting sandbox %s left behind by a failed create", orphan.id)
+        with contextlib.suppress(SandboxNotFoundError):
+            await _call("delete", orphan.id, config, orphan.delete, idempotent=True)
+
+
+async def _close(client: AsyncDaytona) -> None:
+    await client.close()  # type: ignore[no-untyped-call]
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel a task and wait for it to end; what it raises then no longer matters."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

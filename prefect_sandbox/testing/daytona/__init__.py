@@ -1,0 +1,18 @@
+"""An offline emulator of Daytona's API that the real daytona SDK talks to.
+
+``python -m prefect_sandbox.testing.daytona`` runs it in the foreground and prints the
+``DAYTONA_API_KEY``, ``DAYTONA_API_URL`` and ``DAYTONA_TARGET`` settings that point the SDK (and
+``prefect-sandbox run --backend daytona``) at it. In tests, use `DaytonaEmulator` directly or the
+``daytona_emulator`` fixture of `prefect_sandbox.testing.daytona.fixtures`.
+
+It emulates the control plane (create, get, list by labels, delete, start, stop, keep-alive),
+the toolbox (work directory, folders, shell commands, interpreter contexts, the interpreter
+WebSocket, bulk upload and download), auto-stop, auto-delete and lifetimes, and injects faults
+on demand (`Fault`). Code runs in real local Jupyter kernels: it is no security boundary.
+Unset ``HTTP(S)_PROXY`` (or set ``NO_PROXY=127.0.0.1``) so the SDK reaches it directly.
+"""
+
+from prefect_sandbox.testing.daytona.emulator import DaytonaEmulator
+from prefect_sandbox.testing.daytona.faults import OPERATIONS, Fault
+
+__all__ = ["OPERATIONS", "DaytonaEmulator", "Fault"]

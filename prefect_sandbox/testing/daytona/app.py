@@ -1,0 +1,590 @@
+"""The emulator's ASGI app: Daytona's control-plane REST API and the sandbox toolbox API.
+
+Wire formats follow what the daytona SDK 0.226.1 sends and expects: the control plane under
+``/api`` (create answers 200 with the full sandbox), the toolbox under
+``/toolbox/{sandbox_id}`` (the sandboxes' ``toolboxProxyUrl``), the interpreter WebSocket with
+its frames and close codes, and the bulk file transfer's multipart bodies. An outer gate checks
+the API key, records sandbox activity and injects faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Match, Route, WebSocketRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from prefect_sandbox.testing.daytona.faults import Fault, FaultBook
+from prefect_sandbox.testing.daytona.state import (
+    DEFAULT_CONTEXT,
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_RUN_TIMEOUT_S,
+    EmulatedSandbox,
+    World,
+)
+
+__all__ = ["build_app"]
+
+DOWNLOAD_BOUNDARY = "DAYTONA-FILE-BOUNDARY"
+# Stream text goes out in frames this long, or shorter to stay under the SDK's 4 MiB message
+# limit. Long frames matter: the SDK appends each frame to the text it got so far.
+_FRAME_TEXT_CHARS = 2 << 20
+_MAX_FRAME_BYTES = (4 << 20) - (64 << 10)
+_COPY_CHUNK_BYTES = 1 << 20
+# Control-plane calls that count as activity; every toolbox call does.
+_ACTIVITY = frozenset({"refresh_activity"})
+
+
+def _api_error(status: int, message: str) -> JSONResponse:
+    """The control plane's (NestJS) error envelope."""
+    body = {"statusCode": status, "message": message, "error": HTTPStatus(status).phrase}
+    return JSONResponse(body, status_code=status)
+
+
+def _daemon_error(
+    request: Request | WebSocket, status: int, message: str, code: str
+) -> JSONResponse:
+    """The toolbox daemon's error envelope."""
+    body = {
+        "statusCode": status,
+        "message": message,
+        "code": code,
+        "source": "DAYTONA_DAEMON",
+        "path": request.url.path,
+        "method": request.scope.get("method", "GET"),
+        "timestamp": datetime.now(UTC).isoformat(),
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def _frame(kind: str, text: str = "", **fields: str) -> str:
+    """An interpreter frame: the daemon always sends all five keys."""
+    frame = {"type": kind, "text": text, "name": "", "value": "", "traceback": ""}
+    frame.update(fields)
+    return json.dumps(frame, ensure_ascii=False)
+
+
+def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> ASGIApp:
+    """The emulator's ASGI app.
+
+    Args:
+        world: the emulated sandboxes.
+        api_key: the only API key accepted (``Authorization: Bearer <key>``).
+        target: the region sandboxes get when the create request names none.
+        faults: faults to inject.
+    """
+
+    def sandbox_or_none(request: Request | WebSocket) -> EmulatedSandbox | None:
+        return world.find(request.path_params["sid"])
+
+    def missing(request: Request) -> Response:
+        sandbox_id = request.path_params["sid"]
+        return _api_error(404, f"Sandbox with ID or name {sandbox_id} not found")
+
+    def toolbox_problem(request: Request | WebSocket) -> Response | None:
+        """The proxy's answer when the sandbox is not there to serve toolbox calls."""
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return _daemon_error(request, 404, "sandbox not found", "SANDBOX_NOT_FOUND")
+        if sandbox.state != "started":
+            return _daemon_error(
+                request, 400, f"sandbox is {sandbox.state}: is the Sandbox started?", "BAD_REQUEST"
+            )
+        return None
+
+    def started(request: Request | WebSocket) -> EmulatedSandbox:
+        sandbox = sandbox_or_none(request)
+        assert sandbox is not None
+        return sandbox
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    # -- control plane ----------------------------------------------------------------------
+
+    async def create(request: Request) -> Response:
+        return JSONResponse(world.create(await json_body(request), target).model())
+
+    async def list_sandboxes(request: Request) -> Response:
+        try:
+            wanted = json.loads(request.query_params.get("labels") or "{}")
+        except json.JSONDecodeError:
+            return _api_error(400, "labels must be a JSON object")
+        items = [
+            sandbox.model()
+            for sandbox in world.sandboxes.values()
+            if wanted.items() <= sandbox.labels.items()
+        ]
+        return JSONResponse({"items": items, "nextCursor": None})
+
+    async def get(request: Request) -> Response:
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return missing(request)
+        return JSONResponse(sandbox.model())
+
+    async def delete(request: Request) -> Response:
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return missing(request)
+        await world.delete(sandbox.id)
+        return JSONResponse(sandbox.model())
+
+    async def start(request: Request) -> Response:
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return missing(request)
+        sandbox.state, sandbox.stopped_at = "started", None
+        sandbox.touch()
+        return JSONResponse(sandbox.model())
+
+    async def stop(request: Request) -> Response:
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return missing(request)
+        await sandbox.stop()
+        return JSONResponse(sandbox.model())
+
+    async def refresh_activity(request: Request) -> Response:
+        sandbox = sandbox_or_none(request)
+        if sandbox is None:
+            return missing(request)
+        return Response(status_code=201)
+
+    # -- toolbox ----------------------------------------------------------------------------
+
+    async def work_dir(request: Request) -> Response:
+        return toolbox_problem(request) or JSONResponse({"dir": str(started(request).home)})
+
+    async def create_folder(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        path = world.inside(started(request), request.query_params.get("path", ""))
+        if path is None:
+            return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
+        path.mkdir(parents=True, exist_ok=True)
+        return Response(status_code=201)
+
+    async def execute_command(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        sandbox = started(request)
+        body = await json_body(request)
+        cwd = world.inside(sandbox, body.get("cwd") or str(sandbox.home))
+        if cwd is None or not cwd.is_dir():
+            return _daemon_error(request, 400, "invalid working directory", "INVALID_FILE_PATH")
+        outcome = await world.run_command(
+            sandbox,
+            str(body.get("command", "")),
+            cwd,
+            float(body.get("timeout") or DEFAULT_EXEC_TIMEOUT_S),
+        )
+        if outcome is None:
+            return _daemon_error(
+                request, 408, "command execution timeout", "PROCESS_EXECUTION_TIMEOUT"
+            )
+        exit_code, output = outcome
+        return JSONResponse({"exitCode": exit_code, "result": output})
+
+    async def create_context(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        sandbox = started(request)
+        body = await json_body(request)
+        cwd = None
+        if body.get("cwd"):
+            cwd = world.inside(sandbox, str(body["cwd"]))
+            if cwd is None or not cwd.is_dir():
+                return _daemon_error(request, 400, "invalid cwd", "INVALID_FILE_PATH")
+        context = await sandbox.create_context(cwd)
+        return JSONResponse(context.model())
+
+    async def list_contexts(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        contexts = [
+            context.model()
+            for context in started(request).contexts.values()
+            if context.id != DEFAULT_CONTEXT
+        ]
+        return JSONResponse({"contexts": contexts})
+
+    async def delete_context(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        context_id = request.path_params["cid"]
+        if context_id == DEFAULT_CONTEXT:
+            return _daemon_error(request, 400, "cannot delete the default context", "BAD_REQUEST")
+        context = started(request).contexts.pop(context_id, None)
+        if context is None:
+            return _daemon_error(request, 404, "context not found", "PROCESS_NOT_FOUND")
+        await context.close()
+        return JSONResponse({"message": "Context deleted"})
+
+    async def upload(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        sandbox = started(request)
+        form = await request.form(max_files=100_000, max_fields=100_000)
+        paths: dict[str, str] = {}
+        files: dict[str, UploadFile] = {}
+        for key, value in form.multi_items():
+            index, _, kind = key.removeprefix("files[").partition("].")
+            if kind == "path" and isinstance(value, str):
+                paths[index] = value
+            elif kind == "file" and isinstance(value, UploadFile):
+                files[index] = value
+        written = []
+        try:
+            for index, raw_path in paths.items():
+                target = world.inside(sandbox, raw_path)
+                if target is None or index not in files:
+                    return JSONResponse(
+                        {"errors": [f"{raw_path}: invalid path or no file"]}, status_code=400
+                    )
+                target.parent.mkdir(parents=True, exist_ok=True)
+                await asyncio.to_thread(_save, files[index], target)
+                written.append({"path": raw_path, "bytes": target.stat().st_size})
+        finally:
+            await form.close()
+        return JSONResponse({"files": written})
+
+    async def download(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        sandbox = started(request)
+        paths = (await json_body(request)).get("paths") or []
+        if not isinstance(paths, list) or not paths:
+            return JSONResponse({"error": 'request body must be {"paths": [...]}'}, 400)
+        resolved = [(str(raw), world.inside(sandbox, str(raw))) for raw in paths]
+        return StreamingResponse(
+            _multipart_files(resolved),
+            media_type=f"multipart/form-data; boundary={DOWNLOAD_BOUNDARY}",
+        )
+
+    async def run_code(websocket: WebSocket) -> None:
+        problem = toolbox_problem(websocket)
+        if problem is not None:
+            await websocket.send_denial_response(problem)
+            return
+        sandbox = started(websocket)
+        await websocket.accept()
+        try:
+            request = json.loads(await websocket.receive_text())
+        except (WebSocketDisconnect, json.JSONDecodeError):
+            return
+        context = sandbox.context(request.get("contextId"))
+        if context is None:
+            await websocket.close(1008, "context not found")
+            return
+        frames: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def on_output(output: dict[str, Any]) -> None:
+            if output["output_type"] != "stream":
+                return  # the daemon's worker only captures stdout and stderr
+            for frame in _stream_frames(output["name"], output["text"]):
+                frames.put_nowait(frame)
+
+        sender = asyncio.create_task(_send_frames(websocket, frames))
+        timeout = request.get("timeout")
+        timeout_s = DEFAULT_RUN_TIMEOUT_S if timeout is None else (float(timeout) or None)
+        outcome = await context.execute(str(request.get("code", "")), timeout_s, on_output)
+        if outcome.error is not None:
+            frames.put_nowait(_frame("error", **outcome.error))
+        if outcome.control is not None:
+            frames.put_nowait(_frame("control", outcome.control))
+        frames.put_nowait(None)
+        await sender
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await websocket.close(outcome.close_code, outcome.close_reason)
+
+    sandbox_path = "/api/sandbox/{sid}"
+    toolbox = "/toolbox/{sid}"
+    routes: list[BaseRoute] = [
+        Route("/api/sandbox", create, methods=["POST"], name="create"),
+        Route("/api/sandbox", list_sandboxes, methods=["GET"], name="list"),
+        Route(sandbox_path, get, methods=["GET"], name="get"),
+        Route(sandbox_path, delete, methods=["DELETE"], name="delete"),
+        Route(f"{sandbox_path}/start", start, methods=["POST"], name="start"),
+        Route(f"{sandbox_path}/stop", stop, methods=["POST"], name="stop"),
+        Route(
+            f"{sandbox_path}/last-activity",
+            refresh_activity,
+            methods=["POST"],
+            name="refresh_activity",
+        ),
+        Route(f"{toolbox}/work-dir", work_dir, methods=["GET"], name="work_dir"),
+        Route(f"{toolbox}/user-home-dir", work_dir, methods=["GET"], name="home_dir"),
+        Route(f"{toolbox}/files/folder", create_folder, methods=["POST"], name="create_folder"),
+        Route(f"{toolbox}/process/execute", execute_command, methods=["POST"], name="exec"),
+        Route(
+            f"{toolbox}/process/interpreter/context",
+            create_context,
+            methods=["POST"],
+            name="create_context",
+        ),
+        Route(
+            f"{toolbox}/process/interpreter/context",
+            list_contexts,
+            methods=["GET"],
+            name="list_contexts",
+        ),
+        Route(
+            f"{toolbox}/process/interpreter/context/{{cid}}",
+            delete_context,
+            methods=["DELETE"],
+            name="delete_context",
+        ),
+        WebSocketRoute(f"{toolbox}/process/interpreter/execute", run_code, name="run_code"),
+        Route(f"{toolbox}/files/bulk-upload", upload, methods=["POST"], name="upload"),
+        Route(f"{toolbox}/files/bulk-download", download, methods=["POST"], name="download"),
+    ]
+    return _Gate(Starlette(routes=routes), routes, world, api_key, faults)
+
+
+def _stream_frames(name: str, text: str) -> list[str]:
+    """Frames carrying ``text``, each under the SDK's WebSocket message limit."""
+    if len(text) > _FRAME_TEXT_CHARS:
+        return [
+            frame
+            for start in range(0, len(text), _FRAME_TEXT_CHARS)
+            for frame in _stream_frames(name, text[start : start + _FRAME_TEXT_CHARS])
+        ]
+    frame = _frame(name, text)
+    if len(frame.encode("utf-8")) <= _MAX_FRAME_BYTES or len(text) < 2:
+        return [frame]
+    half = len(text) // 2
+    return _stream_frames(name, text[:half]) + _stream_frames(name, text[half:])
+
+
+def _save(upload: UploadFile, target: Path) -> None:
+    upload.file.seek(0)
+    with target.open("wb") as out:
+        shutil.copyfileobj(upload.file, out, _COPY_CHUNK_BYTES)
+
+
+async def _multipart_files(paths: list[tuple[str, Path | None]]) -> AsyncIterator[bytes]:
+    """The bulk-download body: one part per requested path, a file or an error."""
+    for raw, path in paths:
+        # filename* keeps the requested path byte for byte, which the SDK matches on.
+        filename = urllib.parse.quote(raw, safe="")
+        if path is None or not path.is_file():
+            error = {
+                "message": f"file not found: {raw}",
+                "statusCode": 404,
+                "code": "FILE_NOT_FOUND",
+                "source": "DAYTONA_DAEMON",
+            }
+            yield (
+                f"--{DOWNLOAD_BOUNDARY}\r\n"
+                f"Content-Disposition: form-data; name=\"error\"; filename*=utf-8''{filename}\r\n"
+                "Content-Type: application/json\r\n\r\n"
+                f"{json.dumps(error)}\r\n"
+            ).encode()
+            continue
+        yield (
+            f"--{DOWNLOAD_BOUNDARY}\r\n"
+            f"Content-Disposition: form-data; name=\"file\"; filename*=utf-8''{filename}\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        with path.open("rb") as source:
+            while chunk := await asyncio.to_thread(source.read, _COPY_CHUNK_BYTES):
+                yield chunk
+        yield b"\r\n"
+    yield f"--{DOWNLOAD_BOUNDARY}--\r\n".encode()
+
+
+async def _send_frames(websocket: WebSocket, frames: asyncio.Queue[str | None]) -> None:
+    """Send frames until the end marker; once the client is gone, drop the rest."""
+    connected = True
+    while (frame := await frames.get()) is not None:
+        if not connected:
+            continue
+        try:
+            await websocket.send_text(frame)
+        except (WebSocketDisconnect, RuntimeError):
+            connected = False
+
+
+def _abort_connection(send: Send) -> None:
+    """Drop the TCP connection under an ASGI ``send`` without answering (uvicorn only)."""
+    protocol = getattr(send, "__self__", None)
+    transport = getattr(protocol, "transport", None)
+    if transport is None:
+        raise RuntimeError("this server does not let the emulator drop a connection")
+    transport.abort()
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any], websocket: bool) -> None:
+    prefix = "websocket.http.response" if websocket else "http.response"
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": f"{prefix}.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": f"{prefix}.body", "body": payload})
+
+
+class _Gate:
+    """Outer ASGI layer: API key, sandbox activity, injected faults."""
+
+    def __init__(
+        self, app: ASGIApp, routes: list[BaseRoute], world: World, api_key: str, faults: FaultBook
+    ) -> None:
+        self.app = app
+        self.routes = routes
+        self.world = world
+        self.authorization = f"Bearer {api_key}".encode()
+        self.faults = faults
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        websocket = scope["type"] == "websocket"
+        if websocket:
+            await receive()  # websocket.connect
+        if "/socket.io" in scope["path"]:
+            # The SDK's event stream: a 404 makes it fall back to polling.
+            await _send_json(send, 404, {"statusCode": 404, "message": "Not Found"}, websocket)
+            return
+        if dict(scope["headers"]).get(b"authorization") != self.authorization:
+            await _send_json(
+                send,
+                401,
+                {"statusCode": 401, "message": "Invalid API key", "error": "Unauthorized"},
+                websocket,
+            )
+            return
+        operation, sandbox_id = self._route_of(scope)
+        sandbox = self.world.find(sandbox_id) if sandbox_id else None
+        active = sandbox is not None and (
+            scope["path"].startswith("/toolbox/") or operation in _ACTIVITY
+        )
+        # An HTTP request is activity until it ends; an execution only when it starts, as
+        # Daytona documents no more (it may stop a sandbox whose only activity is a long cell).
+        busy = active and not websocket
+        if sandbox is not None and active:
+            sandbox.touch(busy=busy)
+        fault = self.faults.take(operation) if operation else None
+        if websocket:
+            receive = _replay_connect(receive)
+        try:
+            if fault is None:
+                await self.app(scope, receive, send)
+            else:
+                await self._inject(fault, scope, receive, send, websocket)
+        finally:
+            if sandbox is not None and busy:
+                sandbox.untouch()
+
+    def _route_of(self, scope: Scope) -> tuple[str | None, str | None]:
+        for route in self.routes:
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "name", None), child["path_params"].get("sid")
+        return None, None
+
+    async def _inject(
+        self, fault: Fault, scope: Scope, receive: Receive, send: Send, websocket: bool
+    ) -> None:
+        await asyncio.sleep(fault.delay_s)
+        if fault.status is not None and not fault.after_call:
+            await self._fail(fault, send, websocket)
+            return
+        if fault.close_code is not None:
+            await send({"type": "websocket.accept"})
+            await receive()  # the replayed websocket.connect
+            await receive()  # the execution request, never run
+            await send({"type": "websocket.close", "code": fault.close_code, "reason": ""})
+            return
+        if fault.drop and websocket:
+            await self.app(scope, _drop_after_request(receive, send), send)
+            return
+        if fault.drop or fault.after_call:
+            await self.app(scope, receive, _swallow)
+            if fault.drop:
+                _abort_connection(send)
+            else:
+                await self._fail(fault, send, websocket)
+            return
+        await self.app(scope, receive, send)
+
+    async def _fail(self, fault: Fault, send: Send, websocket: bool) -> None:
+        assert fault.status is not None
+        body = {
+            "statusCode": fault.status,
+            "message": f"injected fault: {HTTPStatus(fault.status).phrase}",
+            "error": HTTPStatus(fault.status).phrase,
+        }
+        payload = json.dumps(body).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+        ]
+        if fault.retry_after_s is not None:
+            headers.append((b"retry-after", f"{fault.retry_after_s:g}".encode()))
+        prefix = "websocket.http.response" if websocket else "http.response"
+        await send({"type": f"{prefix}.start", "status": fault.status, "headers": headers})
+        await send({"type": f"{prefix}.body", "body": payload})
+
+
+async def _swallow(message: Message) -> None:
+    """An ASGI send that discards the app's answer."""
+
+
+def _replay_connect(receive: Receive) -> Receive:
+    """Give the app the ``websocket.connect`` message the gate already read."""
+    replayed = False
+
+    async def wrapped() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "websocket.connect"}
+        return await receive()
+
+    return wrapped
+
+
+def _drop_after_request(receive: Receive, send: Send) -> Callable[[], Awaitable[Message]]:
+    """A receive that drops the connection once the execution request is in the app's hands."""
+
+    async def wrapped() -> Message:
+        message = await receive()
+        if message["type"] == "websocket.receive":
+            asyncio.get_running_loop().call_soon(_abort_connection, send)
+        return message
+
+    return wrapped

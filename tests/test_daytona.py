@@ -1,0 +1,506 @@
+"""What only the Daytona backend has: its pure translation logic, the in-sandbox runner, the
+blocks, and (against the emulator, with the real SDK) faults, keep-alive and figures.
+
+Behaviour every backend shares is in tests/contract/.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_sandbox import DaytonaBackend, DaytonaCredentials
+from prefect_sandbox.sandbox.base import Sandbox
+from prefect_sandbox.sandbox.daytona import (
+    MarkerSplitter,
+    _bootstrap_code,
+    _cell_code,
+    close_code_of,
+    daemon_error_content,
+    import_sdk,
+    record_content,
+    retry_delay_s,
+    translate_error,
+)
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxAuthError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+)
+from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
+from tests.conftest import stream_text
+
+START, END = "\x1e\x1fprefect-sandbox:", "\x1e"
+
+
+def _record(**fields: Any) -> str:
+    return START + json.dumps(fields) + END
+
+
+def test_marker_splitter_passes_text_and_holds_split_records() -> None:
+    splitter = MarkerSplitter()
+    record = _record(kind="start", count=1, pid=7)
+    assert splitter.feed("plain\n") == ["plain\n"]
+    # A record cut anywhere, even inside its start marker, comes out whole.
+    assert splitter.feed("a" + record[:3]) == ["a"]
+    assert splitter.feed(record[3:20]) == []
+    assert splitter.feed(record[20:] + "b") == [{"kind": "start", "count": 1, "pid": 7}, "b"]
+    # Not a record after all: a start marker with bad JSON is text.
+    assert splitter.feed(START + "{oops" + END) == [START + "{oops" + END]
+    assert splitter.feed("tail" + START[:4]) == ["tail"]
+    assert splitter.finish() == [START[:4]]
+
+
+def test_marker_splitter_releases_a_start_marker_that_never_ends() -> None:
+    splitter = MarkerSplitter(max_record_chars=50)
+    items = splitter.feed(START + "x" * 100)
+    assert (
+        "".join(i for i in items if isinstance(i, str))
+        + "".join(i for i in splitter.finish() if isinstance(i, str))
+        == START + "x" * 100
+    )
+
+
+def test_records_become_nbformat_message_contents() -> None:
+    assert record_content({"kind": "display", "data": {"text/plain": "x"}, "metadata": {}}) == (
+        "display_data",
+        {"data": {"text/plain": "x"}, "metadata": {}},
+    )
+    assert record_content({"kind": "result", "count": 3, "data": {}, "metadata": {}}) == (
+        "execute_result",
+        {"data": {}, "metadata": {}, "execution_count": 3},
+    )
+    error = {"kind": "error", "ename": "E", "evalue": "v", "traceback": ["t"]}
+    assert record_content(error) == ("error", {"ename": "E", "evalue": "v", "traceback": ["t"]})
+    assert record_content({"kind": "start", "count": 1, "pid": 2}) is None
+    assert daemon_error_content("E", "v", "line 1\nline 2\n") == (
+        "error",
+        {"ename": "E", "evalue": "v", "traceback": ["line 1", "line 2"]},
+    )
+
+
+def test_close_codes_are_read_from_sdk_errors() -> None:
+    sdk = import_sdk()
+    error = sdk.DaytonaConnectionError("Failed to run code: worker process ended (close code 1001)")
+    assert close_code_of(error) == 1001
+    assert close_code_of(sdk.DaytonaConnectionError("reset by peer")) is None
+
+
+def _daytona_error(cls_name: str, status: int | None, headers: dict[str, str] | None = None) -> Any:
+    sdk = import_sdk()
+    return getattr(sdk, cls_name)("Failed: boom", status_code=status, headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("error", "path", "expected", "status"),
+    [
+        (("DaytonaRateLimitError", 429), None, SandboxUnavailableError, 429),
+        (("DaytonaInternalServerError", 500), None, SandboxUnavailableError, 500),
+        (("DaytonaError", 502), "a.csv", SandboxUnavailableError, 502),
+        (("DaytonaTimeoutError", 504), None, SandboxUnavailableError, 504),
+        (("DaytonaConnectionError", None), None, SandboxUnavailableError, None),
+        (("DaytonaNotFoundError", 404), None, SandboxNotFoundError, None),
+        (("DaytonaNotFoundError", 404), "a.csv", FileTransferError, None),
+        (("DaytonaAuthenticationError", 401), None, SandboxAuthError, None),
+        (("DaytonaForbiddenError", 403), None, SandboxAuthError, None),
+        (("DaytonaBadRequestError", 400), None, SandboxError, None),
+    ],
+)
+def test_sdk_errors_map_to_our_tree(
+    error: tuple[str, int | None],
+    path: str | None,
+    expected: type[SandboxError],
+    status: int | None,
+) -> None:
+    translated = translate_error(
+        _daytona_error(*error), operation="upload", sandbox_id="sb-1", path=path
+    )
+    assert type(translated) is expected
+    assert translated.sandbox_id == "sb-1"
+    assert "boom" in str(translated)
+    if isinstance(translated, SandboxUnavailableError):
+        assert (translated.status_code, translated.operation) == (status, "upload")
+
+
+def test_statuses_on_causes_and_retry_after_are_found() -> None:
+    from daytona_toolbox_api_client_async.exceptions import ApiException
+
+    sdk = import_sdk()
+    raw = ApiException(status=408, reason="Request Timeout")
+    translated = translate_error(raw, operation="exec")
+    assert isinstance(translated, SandboxUnavailableError) and translated.status_code == 408
+    # The bulk-download path wraps aiohttp's response error in a status-less DaytonaError.
+    wrapped = sdk.DaytonaError("Failed to download file: 503, message='Service Unavailable'")
+    wrapped.__cause__ = _daytona_error("DaytonaError", 503)
+    assert translate_error(wrapped, operation="download").status_code == 503  # type: ignore[attr-defined]
+    limited = translate_error(
+        _daytona_error("DaytonaRateLimitError", 429, {"Retry-After": "2"}), operation="create"
+    )
+    assert isinstance(limited, SandboxUnavailableError) and limited.retry_after_s == 2.0
+    assert retry_delay_s(limited, 1) == 2.0
+    plain = SandboxUnavailableError("x", status_code=503)
+    assert [retry_delay_s(plain, n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert retry_delay_s(SandboxUnavailableError("x", retry_after_s=600), 1) == 30.0
+    copy = pickle.loads(pickle.dumps(limited))
+    assert (copy.status_code, copy.operation, copy.retry_after_s) == (429, "create", 2.0)
+
+
+def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "daytona", None)
+    with pytest.raises(ImportError, match=r"pip install 'prefect-sandbox\[daytona\]'"):
+        import_sdk()
+
+
+def test_backend_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="snapshot or an image"):
+        DaytonaBackend(snapshot="s", image="python:3.12")
+    with pytest.raises(ValueError, match="only be set with an image"):
+        DaytonaBackend(cpu=2)
+    params = DaytonaBackend(image="python:3.12", cpu=2, auto_delete_interval_min=None)._config()
+    created = params.create_params({"k": "v"})
+    assert (created.resources.cpu, created.auto_delete_interval, created.labels) == (
+        2,
+        -1,
+        {"k": "v"},
+    )
+    assert DaytonaBackend(auto_stop_interval_min=8)._config().refresh_period_s() == 120.0
+    assert DaytonaBackend(auto_stop_interval_min=0)._config().refresh_period_s() is None
+
+
+_WORKER = """
+import json, sys
+cells = json.loads(sys.stdin.read())
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+for code in cells:
+    exec(compile(code, "<string>", "exec"), namespace)
+    sys.stdout.write("\\n<<cell>>\\n")
+"""
+
+
+def _run_in_plain_worker(cells: list[str]) -> list[list[str | dict[str, Any]]]:
+    codes = [_bootstrap_code(), *(_cell_code(cell) for cell in cells)]
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER],
+        input=json.dumps(codes),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={name: value for name, value in os.environ.items() if name != "MPLBACKEND"},
+    )
+    assert done.returncode == 0, done.stderr
+    results = []
+    for chunk in done.stdout.split("\n<<cell>>\n")[:-1]:
+        splitter = MarkerSplitter()
+        results.append(splitter.feed(chunk) + splitter.finish())
+    return results
+
+
+def test_runner_gives_a_plain_worker_notebook_outputs() -> None:
+    ready, *cells = _run_in_plain_worker(
+        [
+            "x = 6\nx * 7",
+            "x * 7;",
+            "from IPython.display import display, HTML\ndisplay(HTML('<b>hi</b>'))\nprint('after')",
+            "input('name? ')",
+            "def f(:\n  pass",
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nprint('drawn')",
+            "import matplotlib\nmatplotlib.use('Agg')\nplt.plot([1, 2])",
+            "raise SystemExit(3)",
+            # A record written in several pieces, as the daemon reads lines of at most 1 MiB.
+            "display(HTML('<p>' + 'x' * 1_500_000 + '</p>'))",
+            "exit()",
+        ]
+    )
+    assert ready[0]["kind"] == "ready"  # type: ignore[index]
+    result, quiet, html, stdin, syntax, figure, agg, system_exit, large, exited = cells
+    assert result[0] == {"kind": "start", "count": 1, "pid": ready[0]["pid"]}  # type: ignore[index]
+    assert result[1] == {
+        "kind": "result",
+        "count": 1,
+        "data": {"text/plain": "42"},
+        "metadata": {},
+    }
+    assert quiet[1:] == []
+    assert html[1]["data"]["text/html"] == "<b>hi</b>"  # type: ignore[index]
+    assert html[2:] == ["after\n"]
+    assert stdin[1]["ename"] == "StdinNotImplementedError"  # type: ignore[index]
+    assert syntax[1]["ename"] == "SyntaxError"  # type: ignore[index]
+    assert "line 1" in syntax[1]["evalue"]  # type: ignore[index]
+    assert figure[1] == "drawn\n"
+    png = base64.b64decode(figure[2]["data"]["image/png"])  # type: ignore[index]
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert figure[2]["data"]["text/plain"].startswith("<Figure size")  # type: ignore[index]
+    assert [item for item in agg if isinstance(item, dict) and item["kind"] == "display"] == []
+    assert system_exit[1]["ename"] == "SystemExit"  # type: ignore[index]
+    assert len(large[1]["data"]["text/html"]) == 1_500_007  # type: ignore[index]
+    assert exited[1] == {"kind": "exit", "code": 0}
+
+
+def test_runner_traceback_shows_the_cell_not_the_runner() -> None:
+    (_, cell) = _run_in_plain_worker(
+        [
+            textwrap.dedent("""
+            def inner():
+                raise ValueError('deep')
+            inner()
+            """)
+        ]
+    )
+    error = cell[1]
+    assert isinstance(error, dict) and error["ename"] == "ValueError"
+    text = "\n".join(error["traceback"])
+    assert "<prefect-sandbox>" not in text
+    assert "raise ValueError('deep')" in text and text.endswith("ValueError: deep")
+
+
+# -- against the emulator, with the real SDK -------------------------------------------------
+
+LABELS = {"prefect-sandbox": "true", "suite": "daytona"}
+
+
+@pytest.fixture
+def emulator(daytona_env: DaytonaEmulator) -> Iterator[DaytonaEmulator]:
+    """The session's emulator; faults a test left unused are dropped afterwards."""
+    yield daytona_env
+    daytona_env.faults.clear()
+
+
+@pytest.fixture
+def backend(emulator: DaytonaEmulator) -> DaytonaBackend:
+    return DaytonaBackend(interrupt_grace_s=2.0)
+
+
+@pytest.fixture
+async def box(backend: DaytonaBackend) -> AsyncIterator[Sandbox]:
+    sandbox = await backend.create(LABELS)
+    try:
+        yield sandbox
+    finally:
+        await sandbox.kill()
+
+
+async def test_create_waits_out_429s_as_retry_after_says(
+    emulator: DaytonaEmulator, backend: DaytonaBackend
+) -> None:
+    emulator.inject(Fault("create", status=429, retry_after_s=1, times=2))
+    start = time.monotonic()
+    box = await backend.create(LABELS)
+    try:
+        assert time.monotonic() - start >= 2.0
+        assert emulator.faults.hits.count("create") >= 2
+        assert emulator.sandbox_ids(box.handle.labels) == [box.handle.sandbox_id]
+    finally:
+        await box.kill()
+
+
+async def test_a_504_for_a_created_sandbox_leaves_no_orphan(
+    emulator: DaytonaEmulator, backend: DaytonaBackend
+) -> None:
+    labels = {**LABELS, "case": "504-created"}
+    emulator.inject(Fault("create", status=504, after_call=True))
+    box = await backend.create(labels)
+    try:
+        assert emulator.sandbox_ids(labels) == [box.handle.sandbox_id]
+    finally:
+        await box.kill()
+    assert emulator.sandbox_ids(labels) == []
+
+
+async def test_idempotent_calls_are_retried_and_then_fail_with_status_and_operation(
+    emulator: DaytonaEmulator, box: Sandbox, tmp_path: Path
+) -> None:
+    source = tmp_path / "data.csv"
+    source.write_text("a,b\n1,2\n")
+    emulator.inject(Fault("upload", status=502))
+    await box.upload(source, "data.csv")
+    emulator.inject(Fault("download", status=503, times=2))
+    assert await box.download("data.csv", tmp_path / "back.csv") == source.stat().st_size
+    emulator.inject(Fault("download", status=503, times=4))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await box.download("data.csv", tmp_path / "never.csv")
+    assert (info.value.status_code, info.value.operation) == (503, "download")
+    assert info.value.sandbox_id == box.handle.sandbox_id
+
+
+async def test_a_dropped_execute_is_reported_and_never_replayed(
+    emulator: DaytonaEmulator, box: Sandbox
+) -> None:
+    await box.run_cell("acc = []")
+    emulator.inject(Fault("run_code", drop=True))
+    with pytest.raises(SandboxUnavailableError, match="not run again") as info:
+        await box.run_cell("acc.append(1); print(len(acc))")
+    assert (info.value.status_code, info.value.operation) == (None, "run_cell")
+    after = await box.run_cell("print(len(acc))")
+    assert stream_text(after.outputs) == "1\n"
+
+
+async def test_an_execution_closed_as_timed_out_gets_a_fresh_interpreter(
+    emulator: DaytonaEmulator, box: Sandbox
+) -> None:
+    await box.run_cell("x = 1")
+    emulator.inject(Fault("run_code", close_code=4008))
+    result = await box.run_cell("x = 2", timeout_s=30)
+    assert (result.status, result.state_lost, result.interrupted) == ("timeout", True, False)
+    assert result.error is not None and result.error.ename == "CellTimeoutError"
+    after = await box.run_cell("print('x' in globals())")
+    assert stream_text(after.outputs) == "False\n"
+
+
+async def test_a_slow_api_is_waited_for(
+    emulator: DaytonaEmulator, backend: DaytonaBackend, box: Sandbox
+) -> None:
+    emulator.inject(Fault("get", delay_s=1.0))
+    start = time.monotonic()
+    again = await backend.attach(box.handle)
+    try:
+        assert time.monotonic() - start >= 1.0
+        assert stream_text((await again.run_cell("print(6 * 7)")).outputs) == "42\n"
+    finally:
+        await again.close()
+
+
+async def test_an_expired_sandbox_is_not_found_everywhere(
+    emulator: DaytonaEmulator, backend: DaytonaBackend, tmp_path: Path
+) -> None:
+    box = await backend.create(LABELS)
+    sandbox_id = box.handle.sandbox_id
+    emulator.expire(sandbox_id)
+    with pytest.raises(SandboxNotFoundError) as info:
+        await box.run_cell("1")
+    assert info.value.sandbox_id == sandbox_id
+    source = tmp_path / "a.txt"
+    source.write_text("a")
+    with pytest.raises(SandboxNotFoundError):
+        await box.upload(source, "a.txt")
+    with pytest.raises(SandboxNotFoundError, match=sandbox_id):
+        await backend.attach(box.handle)
+    assert await box.kill() is False
+
+
+async def test_a_refused_api_key_is_an_auth_error_that_never_shows_the_key(
+    emulator: DaytonaEmulator,
+) -> None:
+    secret = "dtn_not_the_right_key_1234567890"
+    backend = DaytonaBackend(
+        credentials=DaytonaCredentials(
+            api_key=secret, api_url=emulator.api_url, target=emulator.target
+        )
+    )
+    with pytest.raises(SandboxAuthError) as info:
+        await backend.create(LABELS)
+    for text in (str(info.value), repr(info.value), pickle.dumps(info.value).hex()):
+        assert secret not in text and secret.encode().hex() not in text
+    assert secret not in backend.model_dump_json()
+
+
+@pytest.fixture(scope="module")
+def fast_clock() -> Iterator[DaytonaEmulator]:
+    """An emulator whose lifecycle minutes last 0.5 s, so auto-stop acts within a test."""
+    with DaytonaEmulator(minute_s=0.5) as emulator:
+        yield emulator
+
+
+def _fast_backend(emulator: DaytonaEmulator, refresh_s: float) -> DaytonaBackend:
+    credentials = DaytonaCredentials(
+        api_key=emulator.api_key, api_url=emulator.api_url, target=emulator.target
+    )
+    return DaytonaBackend(
+        credentials=credentials,
+        auto_stop_interval_min=1,
+        auto_delete_interval_min=None,
+        activity_refresh_s=refresh_s,
+    )
+
+
+async def test_auto_stop_never_stops_a_running_cell(fast_clock: DaytonaEmulator) -> None:
+    box = await _fast_backend(fast_clock, refresh_s=0.1).create(LABELS)
+    try:
+        result = await box.run_cell("import time; time.sleep(2); print('awake')")
+        assert stream_text(result.outputs) == "awake\n"
+        assert fast_clock.sandbox_state(box.handle.sandbox_id) == "started"
+    finally:
+        await box.kill()
+
+
+async def test_without_keep_alive_auto_stop_ends_the_interpreter(
+    fast_clock: DaytonaEmulator,
+) -> None:
+    # The control for the test above: the emulator does stop a busy, silent sandbox.
+    box = await _fast_backend(fast_clock, refresh_s=60).create(LABELS)
+    try:
+        with pytest.raises(SandboxDiedError, match="stopped"):
+            await box.run_cell("import time; time.sleep(2)")
+        assert fast_clock.sandbox_state(box.handle.sandbox_id) in ("stopping", "stopped")
+    finally:
+        await box.kill()
+
+
+_FIGURE_CELLS = [
+    # H10: a figure left open, no plt.show(), with a last-expression value.
+    "import matplotlib.pyplot as plt; fig, ax = plt.subplots(); "
+    "ax.plot([1, 2, 3], [3, 1, 2]); ax.set_title('no-show')",
+    "print('x')",
+    "print('before'); plt.plot([1, 2]); plt.show(); print('after')",
+    "plt.figure(); plt.bar([1, 2], [3, 4]); plt.figure(figsize=(3, 2)); plt.plot([0, 1]);",
+]
+
+
+async def test_h10_figures_are_the_same_as_on_the_local_kernel(
+    sandbox: LocalKernelSandbox, box: Sandbox
+) -> None:
+    for code in _FIGURE_CELLS:
+        local = await sandbox.run_cell(code)
+        remote = await box.run_cell(code)
+        assert remote.status == local.status == "ok"
+        assert [o["output_type"] for o in remote.outputs] == [
+            o["output_type"] for o in local.outputs
+        ]
+        for ours, theirs in zip(remote.outputs, local.outputs, strict=True):
+            if "image/png" in ours.get("data", {}):
+                assert base64.b64decode(ours["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+            # Same matplotlib, same settings: the very same PNG bytes.
+            assert {k: v for k, v in ours.items() if k != "execution_count"} == {
+                k: v for k, v in theirs.items() if k != "execution_count"
+            }
+
+
+async def test_emulator_runs_in_the_foreground_and_prints_the_sdk_settings() -> None:
+    command = [sys.executable, "-m", "prefect_sandbox.testing.daytona", "--api-key", "dtn_fg"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            lines = [process.stdout.readline().strip() for _ in range(3)]
+            settings = dict(line.split("=", 1) for line in lines)
+            assert list(settings) == ["DAYTONA_API_KEY", "DAYTONA_API_URL", "DAYTONA_TARGET"]
+            assert settings["DAYTONA_API_KEY"] == "dtn_fg"
+            assert settings["DAYTONA_API_URL"].startswith("http://127.0.0.1:")
+            sdk = import_sdk()
+            client = sdk.AsyncDaytona(
+                sdk.DaytonaConfig(
+                    api_key=settings["DAYTONA_API_KEY"],
+                    api_url=settings["DAYTONA_API_URL"],
+                    target=settings["DAYTONA_TARGET"],
+                )
+            )
+            try:
+                assert [sandbox async for sandbox in client.list()] == []
+            finally:
+                await client.close()
+        finally:
+            process.terminate()
+            assert process.wait(timeout=30) == 0
