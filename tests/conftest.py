@@ -15,6 +15,7 @@ os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
 from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.daytona import DaytonaEmulator
+from prefect_sandbox.testing.s3 import MotoServer
 
 pytest_plugins = ["prefect_sandbox.testing.daytona.fixtures"]
 
@@ -60,6 +61,16 @@ def daytona_env(daytona_emulator: DaytonaEmulator) -> Iterator[DaytonaEmulator]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    """moto's S3 server in its own process, for one test module."""
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def kernel_processes() -> list[psutil.Process]:

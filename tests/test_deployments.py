@@ -127,15 +127,6 @@ async def client(stack: PrefectStack) -> AsyncIterator[PrefectClient]:
             yield prefect
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def _s3_bucket_ref(client: PrefectClient, moto: MotoServer) -> dict[str, Any]:
     """Save an S3Bucket block (with a secret key) on the server; return the UI's $ref form."""
     from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket

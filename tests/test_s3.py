@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,6 @@ from prefect_sandbox.testing.s3 import FaultProxy, MotoServer, access_denied
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _credentials(endpoint: str) -> AwsCredentials:
