@@ -104,18 +104,19 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind() -> None:
             box = await LocalKernelSandbox.create(LocalKernelConfig())
             await box.run_cell("import subprocess; child = subprocess.Popen(['sleep', '300'])")
             result = await box.run_cell("import os; print(os.getpid(), child.pid)")
-            print(json.dumps([box.handle.connection["runtime_dir"], result.outputs[0]["text"]]))
+            runtime_dir = box.handle.connection["runtime_dir"]
+            print(json.dumps([runtime_dir, box.handle.workdir, result.outputs[0]["text"]]))
             time.sleep(300)
 
         asyncio.run(main())
         """
     )
-    runtime_dir = ""
+    runtime_dir = workdir = ""
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None
         line = await asyncio.to_thread(holder.stdout.readline)
-        runtime_dir, pids = json.loads(line)
+        runtime_dir, workdir, pids = json.loads(line)
         kernel_pid, sleeper_pid = (int(pid) for pid in pids.split())
         kernel, sleeper = psutil.Process(kernel_pid), psutil.Process(sleeper_pid)
         holder.send_signal(signal.SIGKILL)
@@ -130,8 +131,10 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind() -> None:
         holder.wait()
         assert holder.stdout is not None
         holder.stdout.close()
-        if runtime_dir:
-            shutil.rmtree(runtime_dir, ignore_errors=True)
+        # The SIGKILLed process could not remove its sandbox's folders.
+        for folder in (runtime_dir, workdir):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 async def test_memory_bomb_ends_in_memory_error_not_a_dead_host() -> None:

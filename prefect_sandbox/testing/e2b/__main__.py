@@ -1,13 +1,15 @@
 """``python -m prefect_sandbox.testing.e2b [--port PORT]``: the E2B emulator, in the foreground.
 
 Prints ``E2B_API_KEY=...``, ``E2B_API_URL=...`` and ``E2B_SANDBOX_URL=...``, one per line, then
-serves until Ctrl-C, which kills every emulated sandbox.
+serves until Ctrl-C or SIGTERM, which kill every emulated sandbox.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 
 from prefect_sandbox.testing.e2b.server import E2BEmulator
 
@@ -20,6 +22,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
     emulator = E2BEmulator(api_key=args.api_key, port=args.port, log_level="info")
+
+    # uvicorn re-raises SIGTERM after its shutdown, under the handler found before it started:
+    # exit through Python then, so the sandboxes' files are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 
     def announce() -> None:
         for name, value in emulator.settings.items():
