@@ -50,7 +50,9 @@ case "$command" in
     bench)
         setup
         "$venv/bin/python" -m pytest -m slow -s --timeout 900
-        exec "$venv/bin/python" bench/bench_local.py "$@"
+        "$venv/bin/python" bench/bench_local.py "$@"
+        "$venv/bin/python" bench/bench_output.py
+        exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)
         echo "usage: ./dev.sh main|test|lint|bench [args...]" >&2
