@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,6 @@ import pytest
 # jupyter_core warns about its coming path change unless told which to use.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
-from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.s3 import MotoServer
 
@@ -83,26 +82,6 @@ def kernel_processes() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
     return found
-
-
-@pytest.fixture
-async def sandbox() -> AsyncIterator[LocalKernelSandbox]:
-    """A fresh local kernel sandbox, killed afterwards."""
-    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=3.0))
-    try:
-        yield box
-    finally:
-        await box.kill()
-
-
-@pytest.fixture(scope="module")
-async def shared_sandbox() -> AsyncIterator[LocalKernelSandbox]:
-    """One kernel for a module's tests that leave no state another test reads."""
-    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=3.0))
-    try:
-        yield box
-    finally:
-        await box.kill()
 
 
 def stream_text(outputs: list[dict[str, object]], name: str = "stdout") -> str:
