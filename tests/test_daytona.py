@@ -41,7 +41,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
-from prefect_sandbox.sandbox.local import LocalKernelSandbox
+from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from tests.conftest import stream_text
 
@@ -460,11 +460,21 @@ _FIGURE_CELLS = [
 ]
 
 
+@pytest.fixture
+async def local_box() -> AsyncIterator[LocalKernelSandbox]:
+    """A local kernel to compare the emulated Daytona sandbox against."""
+    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        yield box
+    finally:
+        await box.kill()
+
+
 async def test_h10_figures_are_the_same_as_on_the_local_kernel(
-    sandbox: LocalKernelSandbox, box: Sandbox
+    local_box: LocalKernelSandbox, box: Sandbox
 ) -> None:
     for code in _FIGURE_CELLS:
-        local = await sandbox.run_cell(code)
+        local = await local_box.run_cell(code)
         remote = await box.run_cell(code)
         assert remote.status == local.status == "ok"
         assert [o["output_type"] for o in remote.outputs] == [
