@@ -66,7 +66,29 @@ async def test_kernel_env_holds_only_what_it_was_given(monkeypatch: pytest.Monke
         "MPLBACKEND",
         "PYDEVD_USE_FRAME_EVAL",
     }
-    assert set(env) <= set(HOST_ENV_ALLOW_LIST) | {"MODEL_SEED"} | added_by_jupyter
+    ours = {"IPYTHONDIR"}
+    assert set(env) <= set(HOST_ENV_ALLOW_LIST) | {"MODEL_SEED"} | added_by_jupyter | ours
+
+
+async def test_one_sandboxs_history_is_not_visible_in_the_next() -> None:
+    first = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        await first.run_cell("token = 'history-canary-' + 'f00d'")
+        # IPython writes history from a saving thread; ask it to write now.
+        await first.run_cell("get_ipython().history_manager.writeout_cache()")
+    finally:
+        await first.kill()
+    second = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        result = await second.run_cell("%history -g history-canary")
+        own = await second.run_cell("import IPython; print(IPython.paths.get_ipython_dir())")
+    finally:
+        await second.kill()
+    assert result.status == "ok"
+    assert "f00d" not in stream_text(result.outputs)
+    assert stream_text(own.outputs).strip() == str(
+        Path(second.handle.connection["runtime_dir"]) / "ipython"
+    )
 
 
 async def test_interrupted_kernel_is_idle_afterwards() -> None:

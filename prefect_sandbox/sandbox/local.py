@@ -568,8 +568,13 @@ def _new_client(runtime_dir: Path) -> AsyncKernelClient:
     return client
 
 
-def _kernel_env(spec_env: Mapping[str, str], config: LocalKernelConfig) -> dict[str, str]:
+def _kernel_env(
+    spec_env: Mapping[str, str], config: LocalKernelConfig, runtime_dir: Path
+) -> dict[str, str]:
     env = {name: os.environ[name] for name in HOST_ENV_ALLOW_LIST if name in os.environ}
+    # IPython's own folder per sandbox: no cell's history (`%history -g`) or the host user's
+    # startup scripts cross from one sandbox to another.
+    env["IPYTHONDIR"] = str(runtime_dir / "ipython")
     env.update(spec_env)
     env.update(config.env)
     return env
@@ -595,7 +600,7 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
             stdin=subprocess.DEVNULL,
             stdout=log.fileno(),
             stderr=log.fileno(),
-            env=_kernel_env(spec.env, config),
+            env=_kernel_env(spec.env, config, runtime_dir),
             cwd=handle.workdir,
         )
     _launched[handle.sandbox_id] = process
