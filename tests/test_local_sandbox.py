@@ -18,10 +18,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from jupyter_client.asynchronous import AsyncKernelClient
 
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.local import (
     HOST_ENV_ALLOW_LIST,
+    STREAM_MESSAGE_CHARS,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
@@ -207,3 +209,34 @@ async def test_workdir_root_and_unknown_kernel(tmp_path: Path) -> None:
     with pytest.raises(SandboxError, match="no-such-kernel"):
         await LocalKernelSandbox.create(LocalKernelConfig(kernel_name="no-such-kernel"))
     assert os.listdir(tmp_path / "home") == []
+
+
+async def test_a_flood_of_stdout_reaches_the_client_in_bounded_messages() -> None:
+    # ipykernel alone would send this cell's 16 MB as one message (it flushes every 0.2 s).
+    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    observer = AsyncKernelClient()
+    observer.load_connection_file(
+        str(Path(box.handle.connection["runtime_dir"]) / "connection.json")
+    )
+    observer.start_channels(shell=False, iopub=True, stdin=False, hb=False, control=False)
+    try:
+        await asyncio.sleep(0.5)  # let the observer's subscription take effect
+        code = "import sys\nfor _ in range(256): sys.stdout.write('y' * 65535 + '\\n')"
+        result = await box.run_cell(code)
+        sizes = []
+        while True:
+            msg = await observer.get_iopub_msg(timeout=5)
+            if msg["header"]["msg_type"] == "stream":
+                sizes.append(len(msg["content"]["text"]))
+            elif msg["header"]["msg_type"] == "status" and (
+                msg["parent_header"].get("msg_id") == result.msg_id
+                and msg["content"]["execution_state"] == "idle"
+            ):
+                break
+    finally:
+        observer.stop_channels()
+        await box.kill()
+    assert result.status == "ok"
+    assert sum(sizes) == 256 * 65536
+    assert len(sizes) >= 256 * 65536 // (STREAM_MESSAGE_CHARS + 65536)
+    assert max(sizes) <= STREAM_MESSAGE_CHARS + 65536

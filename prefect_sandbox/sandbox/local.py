@@ -7,6 +7,9 @@ its own when the process that started it dies (ipykernel's parent poller, via ``
 
 Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
 labels), so ``attach(handle)`` works from another thread or another process on this machine.
+The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
+the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`); a user's ``IPYTHONDIR`` in the
+configured env replaces it, and that bound with it.
 """
 
 from __future__ import annotations
@@ -97,6 +100,37 @@ while True:
     time.sleep(0.5)
 """
 _CPU_HARD_MARGIN_S = 5
+
+STREAM_MESSAGE_CHARS = 256 * 1024
+"""Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
+
+# ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
+# us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
+# file in every kernel of the sandbox (restarts too): a write that fills the buffer past the
+# limit waits for it to be sent, which bounds each message. It leaves no name behind.
+_STARTUP_CODE = f"""
+def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if not hasattr(stream, "pub_thread"):
+            continue  # not ipykernel's OutStream
+        unsent = [0]
+
+        def write(text, _write=stream.write, _stream=stream, _unsent=unsent):
+            count = _write(text)
+            _unsent[0] += len(text)
+            if _unsent[0] >= limit:
+                _unsent[0] = 0
+                _stream.flush()
+            return count
+
+        stream.write = write
+
+
+_prefect_sandbox_bound_stream_messages()
+del _prefect_sandbox_bound_stream_messages
+"""
 
 
 @dataclass(frozen=True)
@@ -583,6 +617,9 @@ def _kernel_env(
 def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
     """Start the kernel process for ``handle`` and record its pid."""
     runtime_dir = Path(handle.connection["runtime_dir"])
+    startup = runtime_dir / "ipython" / "profile_default" / "startup" / "00-prefect-sandbox.py"
+    startup.parent.mkdir(parents=True, exist_ok=True)
+    startup.write_text(_STARTUP_CODE)
     try:
         spec = KernelSpecManager().get_kernel_spec(config.kernel_name)
     except NoSuchKernel:
