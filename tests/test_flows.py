@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
 import json
@@ -165,6 +166,45 @@ async def test_h10_inline_figure_is_stored_once_as_png(tmp_path: Path) -> None:
     pngs = [a for a in result.artifacts if a.path.endswith(".png")]
     assert [a.path for a in pngs] == ["inline-figures/cell-000-1.png"]
     assert Path(pngs[0].location).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_summary_shows_local_figures_inline_within_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from prefect_sandbox.flows import pipeline
+
+    draw = (
+        "import os, matplotlib.pyplot as plt; os.makedirs('figures'); plt.plot([1, 2]); "
+        "plt.savefig('figures/a.png'); plt.savefig('figures/b.png'); plt.close('all'); "
+        "open('figures/c.png', 'w').write('not a png')"
+    )
+    first = await amodeling_pipeline(
+        stages={"draw": [draw]}, artifacts=["figures/*.png"], storage=str(tmp_path / "probe")
+    )
+    png_bytes = next(a.bytes for a in first.artifacts if a.path == "figures/a.png")
+    # Room for one of the two PNGs only.
+    monkeypatch.setattr(pipeline, "INLINE_FIGURES_BYTES", png_bytes)
+    result = await amodeling_pipeline(
+        stages={"draw": [draw]}, artifacts=["figures/*.png"], storage=str(tmp_path / "out")
+    )
+    async with get_client() as client:
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[result.flow_run_id])
+            )
+        )
+    summary = next(str(a.data) for a in artifacts if a.key == "pipeline-summary")
+    stored = {a.path: a for a in result.artifacts}
+    inline = Path(stored["figures/a.png"].location).read_bytes()
+    assert f"![figures/a.png](data:image/png;base64,{base64.b64encode(inline).decode()})" in (
+        summary
+    )
+    assert f"- `figures/b.png`: `{stored['figures/b.png'].location}`" in summary
+    assert f"- `figures/c.png`: `{stored['figures/c.png'].location}`" in summary
+    assert summary.count("data:image/png") == 1
 
 
 async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) -> None:

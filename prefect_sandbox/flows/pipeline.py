@@ -13,6 +13,7 @@ sync twins run them from plain Python.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import shutil
 import tempfile
@@ -55,6 +56,7 @@ from prefect_sandbox.sandbox.notebook import (
     read_notebook,
     split_stages,
 )
+from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     download_artifacts,
@@ -62,7 +64,7 @@ from prefect_sandbox.tasks.sandbox import (
     run_stage,
     upload_inputs,
 )
-from prefect_sandbox.tasks.storage import resolve_storage, store_artifacts
+from prefect_sandbox.tasks.storage import ArtifactStore, resolve_storage, store_artifacts
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -77,6 +79,9 @@ __all__ = [
 DEFAULT_OUTPUT_DIR = "prefect-sandbox-output"
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
 SUMMARY_NAME = "summary.json"
+INLINE_FIGURES_BYTES = 2 << 20
+"""Bytes of PNGs at most that the run summary embeds when the store has no URL to show them."""
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -159,6 +164,7 @@ async def _run_pipeline(
     failure: SandboxError | None = None
     downloaded: list[str] = []
     stored: list[StoredArtifact] = []
+    figures: dict[str, str | None] = {}
     progress_id = await acreate_progress_artifact(
         progress=0.0, description=f"0 of {len(stages)} stage(s) done"
     )
@@ -201,6 +207,7 @@ async def _run_pipeline(
             stored, storage_failures = await store_artifacts(
                 str(outputs), [*downloaded, *written], store
             )
+            figures = await asyncio.to_thread(_figure_urls, stored, store, outputs)
         if storage_failures and failure is None:
             failure = FileTransferError(
                 f"{len(storage_failures)} artifact(s) could not be stored in "
@@ -221,7 +228,6 @@ async def _run_pipeline(
         await asyncio.to_thread(store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    figures = {a.path: store.view_url(a) for a in stored if a.path.lower().endswith(".png")}
     await acreate_markdown_artifact(
         key="pipeline-summary",
         markdown=summary_markdown(result, figures),
@@ -237,6 +243,29 @@ async def _run_pipeline(
             sandbox_id=handle.sandbox_id,
         ) from failure
     return result
+
+
+def _figure_urls(
+    stored: list[StoredArtifact], store: ArtifactStore, staged: Path
+) -> dict[str, str | None]:
+    """Each stored PNG's path to a URL the Prefect UI can show it from, or None.
+
+    The store's own URL when it has one (S3: presigned); otherwise a ``data:`` URI of the staged
+    copy, while the PNGs embedded so far stay within `INLINE_FIGURES_BYTES`.
+    """
+    urls: dict[str, str | None] = {}
+    budget = INLINE_FIGURES_BYTES
+    for artifact in stored:
+        if not artifact.path.lower().endswith(".png"):
+            continue
+        url = store.view_url(artifact)
+        if url is None and artifact.bytes <= budget:
+            data = resolve_inside(staged, artifact.path).read_bytes()
+            if data.startswith(_PNG_SIGNATURE):
+                url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
+                budget -= artifact.bytes
+        urls[artifact.path] = url
+    return urls
 
 
 @flow(

@@ -20,8 +20,9 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
 
     Args:
         result: the pipeline's result.
-        figure_urls: stored PNG's path to a URL a browser can open (shown as an image), or
-            None (only its location is listed; a local path does not open from the UI).
+        figure_urls: stored PNG's path to a URL a browser can open, ``data:`` URIs included
+            (shown as an image), or None (only its location is listed; a local path does not
+            open from the UI).
 
     Returns:
         Markdown for a Prefect markdown artifact.
