@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import nbformat
@@ -59,6 +60,37 @@ def test_streams_coalesce_and_clear_output_waits() -> None:
     assert len(collector.outputs) == 3
     collector.add("display_data", {"data": {"text/plain": "1"}, "metadata": {}})
     assert [o["output_type"] for o in collector.outputs] == ["display_data"]
+
+
+def test_progress_bar_output_past_the_cap_keeps_its_last_state() -> None:
+    # A tqdm-like loop: 200,000 "\r<i>" updates, more than the cap in all, arriving in several
+    # messages. A terminal shows only the last state; so must we, with nothing omitted.
+    collector = OutputCollector(max_output_bytes=1000)
+    updates = "".join(f"\r{i}" for i in range(200_000))
+    for start in range(0, len(updates), 100_000):
+        collector.add("stream", {"name": "stdout", "text": updates[start : start + 100_000]})
+    collector.add("stream", {"name": "stdout", "text": "\ndone\n"})
+    assert collector.outputs == [
+        {"output_type": "stream", "name": "stdout", "text": "199999\ndone\n"}
+    ]
+    assert collector.omitted_bytes == 0
+
+
+def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None:
+    text = "".join(f"step {i}: 0%\rstep {i}: 100%\n" for i in range(3000))
+    for chunk in (1, 7, 100, 5000, len(text)):
+        collector = OutputCollector(max_output_bytes=1000)
+        for start in range(0, len(text), chunk):
+            collector.add("stream", {"name": "stdout", "text": text[start : start + chunk]})
+        (output,) = collector.outputs
+        head, marker, tail = re.split(
+            r"(\n\.\.\. \[output truncated: .*\] \.\.\.\n)", output["text"]
+        )
+        assert head.startswith("step 0: 100%\nstep 1: 100%\n"), chunk
+        assert tail.endswith("step 2998: 100%\nstep 2999: 100%\n"), chunk
+        assert "0%\r" not in head + tail and "%step" not in head + tail, chunk
+        assert 400 <= len(head) <= 500 and 400 <= len(tail) <= 500, (chunk, len(head), len(tail))
+        assert f"{len(text)} bytes in all" in marker and collector.omitted_bytes > 0
 
 
 def test_update_display_data_replaces_the_shown_output() -> None:

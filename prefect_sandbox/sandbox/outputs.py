@@ -51,7 +51,8 @@ def collapse_carriage_returns(text: str) -> str:
     """Apply ``\\r`` as a terminal does: later text overwrites the start of the line.
 
     ``"50%\\r100%\\n"`` becomes ``"100%\\n"``; ``"abc\\rX"`` becomes ``"Xbc"``; ``\\r\\n`` is a
-    newline.
+    newline. An unfinished last line keeps where the cursor is: ``"abc\\rX"`` at the very end
+    becomes ``"Xbc\\rX"``, so text appended later (the next message) still overwrites ``bc``.
     """
     if "\r" not in text:
         return text
@@ -62,6 +63,11 @@ def collapse_carriage_returns(text: str) -> str:
             for segment in line.split("\r"):
                 shown = segment + shown[len(segment) :]
             lines[index] = shown
+    unfinished = text.rsplit("\n", 1)[-1]
+    if "\r" in unfinished:
+        cursor = unfinished.rsplit("\r", 1)[1]
+        if len(cursor) < len(lines[-1]):
+            lines[-1] = f"{lines[-1]}\r{cursor}"
     return "\n".join(lines)
 
 
@@ -199,19 +205,36 @@ class OutputCollector:
         size = _size(output)
         self.total_bytes += size
         if self._half is None or (not self._tail and self._head_bytes + size <= self._half):
-            self._keep_in_head(output, content, size)
+            self._keep_in_head(output, content)
+        elif not self._tail and output["output_type"] == "stream" and "\r" in output["text"]:
+            self._keep_overwriting_text(output)
         else:
-            self._keep_in_tail(output, size)
+            self._keep_in_tail(output)
         return output
 
-    def _keep_in_head(self, output: dict[str, Any], content: dict[str, Any], size: int) -> None:
+    def _keep_in_head(self, output: dict[str, Any], content: dict[str, Any]) -> None:
         display_id = (content.get("transient") or {}).get("display_id")
         if display_id:
             self._display_indexes.setdefault(display_id, []).append(len(self._head))
-        _append_coalescing(self._head, output)
-        self._head_bytes += size
+        self._head_bytes += _append_coalescing(self._head, output)
 
-    def _keep_in_tail(self, output: dict[str, Any], size: int) -> None:
+    def _keep_overwriting_text(self, output: dict[str, Any]) -> None:
+        """Stream text with ``\\r``: what counts is its size once overwritten, so a progress
+        bar's thousands of updates stay one short line; only what is left past the head's half
+        goes on to the tail."""
+        assert self._half is not None
+        self._head_bytes += _append_coalescing(self._head, output)
+        excess = self._head_bytes - self._half
+        if excess <= 0:
+            return
+        last = self._head[-1]
+        keep = len(last["text"]) - excess
+        spill = dict(last, text=last["text"][keep:])
+        last["text"] = last["text"][:keep]
+        self._head_bytes = self._half
+        self._keep_in_tail(spill)
+
+    def _keep_in_tail(self, output: dict[str, Any]) -> None:
         assert self._half is not None
         if output["output_type"] == "stream":
             text, start = output["text"], 0
@@ -219,16 +242,15 @@ class OutputCollector:
                 # Fill the head up to its half with the start of the text.
                 start = max(self._half - self._head_bytes, 0)
                 if start:
-                    _append_coalescing(self._head, dict(output, text=text[:start]))
-                    self._head_bytes += start
+                    self._head_bytes += _append_coalescing(
+                        self._head, dict(output, text=text[:start])
+                    )
             # Copy no more of a huge text than the tail can keep.
             if len(text) - start > self._half:
                 self.omitted_bytes += len(text) - start - self._half
                 start = len(text) - self._half
             output = dict(output, text=text[start:])
-            size = len(output["text"])
-        _append_coalescing(self._tail, output)
-        self._tail_bytes += size
+        self._tail_bytes += _append_coalescing(self._tail, output)
         while self._tail_bytes > self._half and self._tail:
             first = self._tail[0]
             excess = self._tail_bytes - self._half
@@ -267,16 +289,22 @@ class OutputCollector:
 
 def _append_coalescing(
     outputs: list[dict[str, Any]] | deque[dict[str, Any]], new: dict[str, Any]
-) -> None:
-    """Append ``new``, merging it into the last output when both are the same stream."""
+) -> int:
+    """Append ``new``, merging it into the last output when both are the same stream.
+
+    Returns:
+        How much the stored size grew (may be negative: ``\\r`` overwrites the last line).
+    """
     if outputs and new["output_type"] == "stream":
         last = outputs[-1]
         if last["output_type"] == "stream" and last["name"] == new["name"]:
+            before = len(last["text"])
             cut = last["text"].rfind("\n") + 1
             last["text"] = last["text"][:cut] + collapse_carriage_returns(
                 last["text"][cut:] + new["text"]
             )
-            return
+            return len(last["text"]) - before
     if new["output_type"] == "stream":
         new["text"] = collapse_carriage_returns(new["text"])
     outputs.append(new)
+    return _size(new)
