@@ -21,6 +21,7 @@ import atexit
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from prefect_sandbox.sandbox.errors import NotebookError
-    from prefect_sandbox.sandbox.notebook import parse_parameter
+    from prefect_sandbox.sandbox.notebook import parse_parameter, read_notebook, split_stages
 
     try:
         parameters = dict(parse_parameter(item) for item in args.parameter)
@@ -99,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _usage_problem(args)
     if problem:
         return _usage_error(problem)
+    try:
+        split_stages(read_notebook(Path(args.notebook)))
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    # Registered before the flow starts Prefect's temporary API server, whose own exit handler
+    # logs its shutdown: handlers run last-in first-out, so our reason still comes last.
+    atexit.register(_print_reason)
     os.environ.setdefault(
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", _EPHEMERAL_STARTUP_TIMEOUT_S
     )
@@ -212,13 +220,17 @@ def _usage_error(message: str) -> int:
     return 2
 
 
-def _say_last(message: str) -> None:
-    """Print ``message`` to stderr at exit, after Prefect's own shutdown lines.
+_reason: list[str] = []
 
-    Prefect stops its ephemeral API server in an ``atexit`` handler registered when the flow
-    started; handlers run last-in first-out, so one registered now runs after it.
-    """
-    atexit.register(print, f"prefect-sandbox: {message}", file=sys.stderr)
+
+def _say_last(message: str) -> None:
+    """Print ``message`` to stderr at exit, after Prefect's own shutdown lines."""
+    _reason.append(f"prefect-sandbox: {message}")
+
+
+def _print_reason() -> None:
+    for line in _reason:
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

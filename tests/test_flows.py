@@ -389,6 +389,40 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     missing = _cli("run", "missing.ipynb", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+    (tmp_path / "notes.ipynb").write_text("just some text")
+    not_json = _cli("run", "notes.ipynb", cwd=tmp_path)
+    assert not_json.returncode == 2
+    assert not_json.stderr.startswith(
+        "prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook"
+    )
+    split = nbformat.v4.new_notebook()
+    split.cells = [
+        nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["stage:A"]}),
+        nbformat.v4.new_code_cell("b = 1", metadata={"tags": ["stage:B"]}),
+        nbformat.v4.new_code_cell("c = 1", metadata={"tags": ["stage:A"]}),
+    ]
+    nbformat.write(split, tmp_path / "split.ipynb")
+    scattered = _cli("run", "split.ipynb", cwd=tmp_path)
+    assert scattered.returncode == 2
+    assert "whose cells are not consecutive" in scattered.stderr.strip().splitlines()[-1]
+
+
+def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path: Path) -> None:
+    source = _staged_notebook(tmp_path / "staged.ipynb")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), "-p", "rows=3"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "Stopping temporary server" in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
 
 
 async def test_timeout_in_a_task_on_the_thread_pool_runner(tmp_path: Path) -> None:

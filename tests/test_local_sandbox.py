@@ -240,3 +240,52 @@ async def test_a_flood_of_stdout_reaches_the_client_in_bounded_messages() -> Non
     assert sum(sizes) == 256 * 65536
     assert len(sizes) >= 256 * 65536 // (STREAM_MESSAGE_CHARS + 65536)
     assert max(sizes) <= STREAM_MESSAGE_CHARS + 65536
+
+
+async def test_a_slow_output_callback_keeps_up_with_thousands_of_flushed_writes() -> None:
+    # 20,000 flushed progress updates are 20,000 iopub messages. One call per message at 5 ms
+    # (a log record each) would take 100 s: the cell would run into its timeout and lose state.
+    calls: list[str] = []
+
+    def slow_callback(output: dict[str, object]) -> None:
+        calls.append(str(output.get("text", "")))
+        time.sleep(0.005)
+
+    code = (
+        "import sys\nfor i in range(20000):\n"
+        "    sys.stdout.write(f'\\rstep {i}'); sys.stdout.flush()\nprint('\\nend')"
+    )
+    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=2.0))
+    try:
+        result = await box.run_cell(code, timeout_s=30, on_output=slow_callback)
+        after = await box.run_cell("print(i)")
+    finally:
+        await box.kill()
+    assert result.status == "ok" and not result.state_lost
+    assert stream_text(result.outputs) == "step 19999\nend\n"
+    assert stream_text(after.outputs) == "19999\n"
+    assert len(calls) < 2000
+    # Every write reaches the callback exactly once, in order.
+    assert "".join(calls) == "".join(f"\rstep {i}" for i in range(20000)) + "\nend\n"
+
+
+async def test_a_cell_that_ended_in_time_is_not_interrupted_while_its_output_is_read() -> None:
+    # The callback holds the reader past the deadline; the kernel had long replied by then.
+    stalled: list[dict[str, object]] = []
+
+    def stall_once(output: dict[str, object]) -> None:
+        if not stalled:
+            time.sleep(2.0)
+        stalled.append(output)
+
+    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=1.0))
+    try:
+        result = await box.run_cell(
+            "x = 41\nprint('hi')\nx += 1", timeout_s=0.5, on_output=stall_once
+        )
+        after = await box.run_cell("print(x)")
+    finally:
+        await box.kill()
+    assert result.status == "ok" and not result.interrupted and not result.state_lost
+    assert stream_text(result.outputs) == "hi\n"
+    assert stream_text(after.outputs) == "42\n"

@@ -21,7 +21,8 @@ __all__ = [
 ]
 
 OutputCallback = Callable[[dict[str, Any]], None]
-"""Called with each nbformat output dict as it arrives from the kernel, before coalescing."""
+"""Called with nbformat output dicts as they arrive from the kernel, before the cell's outputs
+are coalesced and capped; stream text that arrived back to back may come merged into one."""
 
 
 class SandboxHandle(BaseModel):

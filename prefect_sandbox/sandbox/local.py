@@ -34,6 +34,7 @@ from pathlib import Path
 from queue import Empty
 from typing import Any, Literal
 
+import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
@@ -73,6 +74,9 @@ _EXIT_WAIT_S = 5.0
 _HANDSHAKE_POLL_S = 0.2
 _REPLY_WAIT_S = 5.0
 _REAP_WAIT_S = 10.0
+_IDLE_LOST_S = 2.0
+_HAND_OVER_OUTPUTS = 1000
+_HAND_OVER_CHARS = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -345,8 +349,19 @@ class LocalKernelSandbox(Sandbox):
         collector = OutputCollector(self._config.max_output_bytes)
         interrupts = 0
         state_lost = False
+        reply_msg: dict[str, Any] | None = None
+        # Outputs already read but not yet handed to on_output: a slow callback (one log
+        # record per output) must not make us fall behind a kernel that prints fast.
+        unsent: list[dict[str, Any]] = []
+        unsent_chars = 0
+        last_message_at = time.monotonic()
         while True:
             if deadline is not None and time.monotonic() >= deadline:
+                reply_msg = reply_msg or await self._poll_execute_reply(msg_id)
+                if reply_msg is not None:
+                    # The cell ended in time; only its output is still on its way to us.
+                    deadline = None
+                    continue
                 if interrupts == 2:
                     logger.warning(
                         "Sandbox %s: cell still busy after two interrupts; restarting the kernel",
@@ -363,10 +378,23 @@ class LocalKernelSandbox(Sandbox):
             if deadline is not None:
                 wait_s = min(wait_s, max(deadline - time.monotonic(), 0.0))
             try:
-                msg = await self._client.get_iopub_msg(timeout=wait_s)
+                msg = await self._client.get_iopub_msg(timeout=0 if unsent else wait_s)
             except Empty:
+                if unsent:
+                    _hand_over(unsent, on_output)
+                    unsent_chars = 0
+                    continue
                 self._check_alive()
+                reply_msg = reply_msg or await self._poll_execute_reply(msg_id)
+                if reply_msg is not None and time.monotonic() - last_message_at > _IDLE_LOST_S:
+                    logger.warning(
+                        "Sandbox %s: the kernel replied but its idle status never came; "
+                        "some output of the cell may be missing",
+                        self._handle.sandbox_id,
+                    )
+                    break
                 continue
+            last_message_at = time.monotonic()
             if msg["parent_header"].get("msg_id") != msg_id:
                 self._keep_late_output(msg)
                 continue
@@ -376,8 +404,17 @@ class LocalKernelSandbox(Sandbox):
                 break
             output = collector.add(msg_type, content)
             if output is not None and on_output is not None:
-                on_output(output)
-        reply = {} if state_lost else (await self._execute_reply(msg_id))["content"]
+                unsent.append(output)
+                unsent_chars += len(output.get("text", ""))
+                if unsent_chars >= _HAND_OVER_CHARS or len(unsent) >= _HAND_OVER_OUTPUTS:
+                    _hand_over(unsent, on_output)
+                    unsent_chars = 0
+        if unsent:
+            _hand_over(unsent, on_output)
+        if state_lost:
+            reply: dict[str, Any] = {}
+        else:
+            reply = (reply_msg or await self._execute_reply(msg_id))["content"]
         duration_s = time.monotonic() - start
         if _asked_to_exit(reply):
             await self._wait_for_exit()
@@ -459,6 +496,16 @@ class LocalKernelSandbox(Sandbox):
         while time.monotonic() < deadline:
             self._check_alive("the cell called exit()")
             await asyncio.sleep(0.02)
+
+    async def _poll_execute_reply(self, msg_id: str) -> dict[str, Any] | None:
+        """The cell's ``execute_reply`` if it has arrived, without waiting; else None."""
+        while True:
+            try:
+                reply: dict[str, Any] = await self._client.get_shell_msg(timeout=0)
+            except Empty:
+                return None
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     async def _execute_reply(self, msg_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + _REPLY_WAIT_S
@@ -597,9 +644,28 @@ class LocalKernelSandbox(Sandbox):
 
 def _new_client(runtime_dir: Path) -> AsyncKernelClient:
     client = AsyncKernelClient()
+    # Past 1,000 queued messages zmq DROPS iopub messages for a slow reader (one that logs each
+    # output), the closing idle status among them. Unlimited: our side queues them all instead.
+    client.context.setsockopt(zmq.RCVHWM, 0)
     client.load_connection_file(str(runtime_dir / "connection.json"))
     client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
     return client
+
+
+def _hand_over(unsent: list[dict[str, Any]], on_output: OutputCallback | None) -> None:
+    """Give ``on_output`` the outputs read so far, back-to-back stream text merged, and clear."""
+    assert on_output is not None
+    merged: list[tuple[dict[str, Any], list[str]]] = []
+    for output in unsent:
+        if output["output_type"] == "stream" and merged:
+            last, texts = merged[-1]
+            if last["output_type"] == "stream" and last["name"] == output["name"]:
+                texts.append(output["text"])
+                continue
+        merged.append((output, [output["text"]] if output["output_type"] == "stream" else []))
+    unsent.clear()
+    for output, texts in merged:
+        on_output(dict(output, text="".join(texts)) if texts else output)
 
 
 def _kernel_env(

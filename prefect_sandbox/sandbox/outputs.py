@@ -204,12 +204,13 @@ class OutputCollector:
         output = _sanitised(output_from_content(msg_type, content))
         size = _size(output)
         self.total_bytes += size
+        kept = dict(output)  # later output may still be merged into it; the caller's stays
         if self._half is None or (not self._tail and self._head_bytes + size <= self._half):
-            self._keep_in_head(output, content)
+            self._keep_in_head(kept, content)
         elif not self._tail and output["output_type"] == "stream" and "\r" in output["text"]:
-            self._keep_overwriting_text(output)
+            self._keep_overwriting_text(kept)
         else:
-            self._keep_in_tail(output)
+            self._keep_in_tail(kept)
         return output
 
     def _keep_in_head(self, output: dict[str, Any], content: dict[str, Any]) -> None:

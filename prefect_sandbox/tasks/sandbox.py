@@ -23,7 +23,7 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
-from prefect_sandbox.sandbox.outputs import strip_ansi
+from prefect_sandbox.sandbox.outputs import collapse_carriage_returns, strip_ansi
 from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
@@ -120,10 +120,13 @@ def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> Outp
         else:
             text = output.get("data", {}).get("text/plain", f"<{kind}>")
         logged += len(text)
-        text = strip_ansi(text)
+        # Each line as a terminal ends up showing it: a progress bar's updates as one line.
+        lines = collapse_carriage_returns(strip_ansi(text)).split("\n")
+        text = "\n".join(line.split("\r", 1)[0] for line in lines).strip("\n")
         if len(text) > _LOG_TEXT_LIMIT:
             text = f"{text[:_LOG_TEXT_LIMIT]}... [{len(text) - _LOG_TEXT_LIMIT} more characters]"
-        logger.info("%s %s", prefix, text.rstrip("\n"))
+        if text.strip():
+            logger.info("%s %s", prefix, text)
         if budget_bytes is not None and logged >= budget_bytes:
             logger.warning("%s output past %d bytes is not logged", prefix, budget_bytes)
 
