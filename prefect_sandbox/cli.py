@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, found before any flow starts; None if nothing."""
+    from prefect_sandbox.sandbox.errors import UnsafePathError
+    from prefect_sandbox.sandbox.paths import checked_relative_path
+
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         return "--cell-timeout must be positive"
     if args.backend == "daytona":
@@ -151,6 +154,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             return "--backend daytona needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
     if not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
+    for pattern in args.artifact:
+        try:
+            checked_relative_path(pattern)
+        except UnsafePathError as exc:
+            return f"--artifact {exc}"
     for item in args.input:
         if not os.path.exists(item):
             return f"--input {item!r} does not exist"

@@ -382,6 +382,11 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         (["--input", "no/such.csv"], "--input 'no/such.csv' does not exist"),
         (["--out", str(source)], f"--out {str(source)!r} is not a folder"),
         (["--cell-timeout", "0"], "--cell-timeout must be positive"),
+        (["--artifact", "../x"], "--artifact path '../x' leaves the working directory"),
+        (
+            ["--artifact", "/etc/passwd"],
+            "--artifact path '/etc/passwd' must be relative to the working directory",
+        ),
     ]
     for extra, message in usage_cases:
         usage = _cli("run", str(source), *extra, cwd=tmp_path)

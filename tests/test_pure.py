@@ -93,6 +93,22 @@ def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None
         assert f"{len(text)} bytes in all" in marker and collector.omitted_bytes > 0
 
 
+def test_undeclared_parameters_are_the_names_the_parameters_cell_does_not_set() -> None:
+    from prefect_sandbox.sandbox.notebook import undeclared_parameters
+
+    tagged = nbformat.v4.new_code_cell(
+        "alpha = 0.5\nrows: int = 10\nfor beta in []: pass", metadata={"tags": ["parameters"]}
+    )
+    notebook = _notebook(nbformat.v4.new_code_cell("x = 1"), tagged)
+    wanted = {"rows": 3, "alhpa": 0.1, "beta": 1, "gamma": 2}
+    assert undeclared_parameters(notebook, wanted) == ["alhpa", "gamma"]
+    assert undeclared_parameters(_notebook(nbformat.v4.new_code_cell("x = 1")), wanted) == list(
+        wanted
+    )
+    magic = nbformat.v4.new_code_cell("%matplotlib inline", metadata={"tags": ["parameters"]})
+    assert undeclared_parameters(_notebook(magic), wanted) == []
+
+
 def test_update_display_data_replaces_the_shown_output() -> None:
     collector = OutputCollector()
     transient = {"display_id": "d1"}

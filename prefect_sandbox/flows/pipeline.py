@@ -55,6 +55,7 @@ from prefect_sandbox.sandbox.notebook import (
     notebook_from_stages,
     read_notebook,
     split_stages,
+    undeclared_parameters,
 )
 from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.tasks.sandbox import (
@@ -309,7 +310,15 @@ async def arun_notebook(
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
         PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
     """
-    source = inject_parameters(read_notebook(Path(notebook)), parameters or {})
+    original = read_notebook(Path(notebook))
+    source = inject_parameters(original, parameters or {})
+    unknown = undeclared_parameters(original, parameters or {})
+    if unknown:
+        get_run_logger().warning(
+            "Parameter(s) %s are not assigned in the notebook's cell tagged 'parameters' "
+            "(or it has none); injected anyway",
+            ", ".join(unknown),
+        )
     return await _run_pipeline(
         source,
         split_stages(source),

@@ -5,6 +5,7 @@ Pure functions over nbformat nodes; only `read_notebook` and `ExecutedNotebook.w
 
 from __future__ import annotations
 
+import ast
 import base64
 import copy
 import json
@@ -30,6 +31,7 @@ __all__ = [
     "parse_parameter",
     "read_notebook",
     "split_stages",
+    "undeclared_parameters",
 ]
 
 STAGE_TAG_PREFIX = "stage:"
@@ -128,6 +130,31 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
         else:
             value = raw
     return name, value
+
+
+def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> list[str]:
+    """The parameter names that the notebook's cell tagged ``parameters`` does not assign.
+
+    papermill warns of these too: a misspelt name is injected but changes nothing.
+
+    Returns:
+        The names, in ``parameters`` order; all of them if no cell is tagged ``parameters``, none
+        if that cell is not plain Python (magics), so nothing can be said.
+    """
+    for cell in notebook.cells:
+        if PARAMETERS_TAG not in _tags(cell):
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            return []
+        assigned = {
+            node.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+        }
+        return [name for name in parameters if name not in assigned]
+    return list(parameters)
 
 
 def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> NotebookNode:
