@@ -58,6 +58,7 @@ from prefect_sandbox.sandbox.outputs import (
     DEFAULT_MAX_OUTPUT_BYTES,
     OUTPUT_MSG_TYPES,
     OutputCollector,
+    merged_streams,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
 
@@ -655,17 +656,9 @@ def _new_client(runtime_dir: Path) -> AsyncKernelClient:
 def _hand_over(unsent: list[dict[str, Any]], on_output: OutputCallback | None) -> None:
     """Give ``on_output`` the outputs read so far, back-to-back stream text merged, and clear."""
     assert on_output is not None
-    merged: list[tuple[dict[str, Any], list[str]]] = []
-    for output in unsent:
-        if output["output_type"] == "stream" and merged:
-            last, texts = merged[-1]
-            if last["output_type"] == "stream" and last["name"] == output["name"]:
-                texts.append(output["text"])
-                continue
-        merged.append((output, [output["text"]] if output["output_type"] == "stream" else []))
+    for output in merged_streams(unsent):
+        on_output(output)
     unsent.clear()
-    for output, texts in merged:
-        on_output(dict(output, text="".join(texts)) if texts else output)
 
 
 def _kernel_env(

@@ -20,6 +20,7 @@ __all__ = [
     "OutputCollector",
     "collapse_carriage_returns",
     "error_output",
+    "merged_streams",
     "output_from_content",
     "strip_ansi",
     "valid_text",
@@ -286,6 +287,20 @@ class OutputCollector:
         output = error_output(ename, evalue, traceback)
         target = self._tail if self._tail else self._head
         target.append(_sanitised(output))
+
+
+def merged_streams(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``outputs`` with back-to-back text of one stream joined into one output, as sent: unlike
+    the stored outputs, no ``\\r`` is applied. The dicts given are not changed."""
+    merged: list[tuple[dict[str, Any], list[str]]] = []
+    for output in outputs:
+        if output["output_type"] == "stream" and merged:
+            last, texts = merged[-1]
+            if last["output_type"] == "stream" and last["name"] == output["name"]:
+                texts.append(output["text"])
+                continue
+        merged.append((output, [output["text"]] if output["output_type"] == "stream" else []))
+    return [dict(output, text="".join(texts)) if texts else output for output, texts in merged]
 
 
 def _append_coalescing(
