@@ -153,7 +153,7 @@ async def bench_per_cell(sizes: Sizes) -> dict[str, Any]:
     Each round runs one cell on each contender in turn, ``cells_per_round`` times, so that
     drift (other processes, Prefect's threads) hits all of them alike.
     """
-    from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+    from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 
     ipc_dir = Path(tempfile.mkdtemp(prefix="bench-raw-ipc-"))
     sandbox = None
@@ -382,7 +382,7 @@ async def bench_flow_overhead(sizes: Sizes, work: Path) -> dict[str, Any]:
     kernel work the flow cannot avoid; the difference is the flow's own overhead.
     """
     from prefect_sandbox.flows import amodeling_pipeline
-    from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+    from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 
     out_kwargs = output_kwargs(amodeling_pipeline, work / "out-flow")
 

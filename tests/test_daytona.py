@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
-from prefect_sandbox.sandbox.base import Sandbox
-from prefect_sandbox.sandbox.daytona import (
+from prefect_sandbox.sandbox.backends.daytona import (
     MarkerSplitter,
     _bootstrap_code,
     _cell_code,
@@ -33,6 +32,8 @@ from prefect_sandbox.sandbox.daytona import (
     retry_delay_s,
     translate_error,
 )
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxAuthError,
@@ -41,7 +42,6 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
-from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from tests.conftest import stream_text
 

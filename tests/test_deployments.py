@@ -29,8 +29,8 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
+from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
-from prefect_sandbox.sandbox.local import LocalKernelSandbox
 from prefect_sandbox.testing.s3 import MotoServer, free_port
 from tests.conftest import ROOT
 

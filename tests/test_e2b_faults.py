@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
-from prefect_sandbox.sandbox.e2b import E2BConfig, E2BSandbox
+from prefect_sandbox.sandbox.backends.e2b import E2BConfig, E2BSandbox
 from prefect_sandbox.sandbox.errors import (
     SandboxAuthError,
     SandboxNotFoundError,

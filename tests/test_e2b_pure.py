@@ -10,7 +10,7 @@ import pytest
 from e2b import exceptions as e2b_errors
 from e2b_code_interpreter.models import Result
 
-from prefect_sandbox.sandbox.e2b import (
+from prefect_sandbox.sandbox.backends.e2b import (
     E2BConfig,
     error_output,
     glob_match,

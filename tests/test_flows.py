@@ -16,8 +16,8 @@ import pytest
 
 from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox.flows import amodeling_pipeline, arun_notebook, modeling_pipeline, run_notebook
+from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, PipelineFailedError
-from prefect_sandbox.sandbox.local import LocalKernelSandbox
 from tests.conftest import ROOT, kernel_processes
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

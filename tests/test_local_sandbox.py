@@ -20,13 +20,13 @@ import psutil
 import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
-from prefect_sandbox.sandbox.local import (
+from prefect_sandbox.sandbox.backends.local import (
     HOST_ENV_ALLOW_LIST,
     STREAM_MESSAGE_CHARS,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
 from tests.conftest import kernel_processes, stream_text
 
 GIB = 1 << 30
@@ -122,7 +122,7 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind() -> None:
     script = textwrap.dedent(
         """
         import asyncio, json, time
-        from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
+        from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 
         async def main():
             box = await LocalKernelSandbox.create(LocalKernelConfig())

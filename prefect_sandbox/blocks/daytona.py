@@ -12,8 +12,12 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr, model_validator
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.sandbox.backends.daytona import (
+    DaytonaSandbox,
+    DaytonaSandboxConfig,
+    import_sdk,
+)
 from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.daytona import DaytonaSandbox, DaytonaSandboxConfig, import_sdk
 
 if TYPE_CHECKING:
     from daytona import AsyncDaytona

@@ -9,8 +9,8 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.sandbox.backends.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, import_sdk
 from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, import_sdk
 
 __all__ = ["E2BBackend", "E2BCredentials"]
 

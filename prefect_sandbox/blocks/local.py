@@ -8,8 +8,8 @@ from pathlib import Path
 from pydantic import Field
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 
 __all__ = ["LocalKernelBackend"]
 

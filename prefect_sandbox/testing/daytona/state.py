@@ -21,13 +21,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from prefect_sandbox.sandbox.base import CellResult
-from prefect_sandbox.sandbox.errors import SandboxDiedError
-from prefect_sandbox.sandbox.local import (
+from prefect_sandbox.sandbox.backends.local import (
     HOST_ENV_ALLOW_LIST,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
+from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
 __all__ = ["EMULATOR_LABEL", "EmulatedContext", "EmulatedSandbox", "ExecOutcome", "World"]

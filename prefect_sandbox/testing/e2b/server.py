@@ -59,9 +59,9 @@ from e2b.envd.filesystem.filesystem_pb import (
     StatResponse,
 )
 
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import CellResult
 from prefect_sandbox.sandbox.errors import SandboxDiedError
-from prefect_sandbox.sandbox.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.e2b.wire import execute_lines, operation_of
 
 __all__ = ["E2BEmulator", "Fault", "RequestRecord"]

@@ -2,10 +2,11 @@
 
 Cells run in one stateful interpreter context of the sandbox (``code_interpreter.run_code``).
 Daytona's interpreter streams only stdout, stderr and errors, so a small runner is installed in
-the context at start (`prefect_sandbox.sandbox._runner`); it reports execution counts, results,
-``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records on stdout, which
-this module turns back into nbformat outputs. Files move through the SDK's bulk file API; paths
-are checked against the working directory, symlinks resolved inside the sandbox first.
+the context at start (`prefect_sandbox.sandbox.backends._daytona_runner`); it reports execution
+counts, results, ``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records
+on stdout, which this module turns back into nbformat outputs. Files move through the SDK's bulk
+file API; paths are checked against the working directory, symlinks resolved inside the sandbox
+first.
 
 Deadlines are ours: at a cell's deadline the interpreter process gets SIGINT (via
 ``process.exec``), a second one after the grace period, and then the context is deleted and made
@@ -36,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from prefect_sandbox.sandbox._runner import (
+from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
     MARKER_START,
     NAMESPACE_KEY,
@@ -135,8 +136,8 @@ def import_sdk() -> types.ModuleType:
 
 def _runner_source() -> str:
     return (
-        importlib.resources.files("prefect_sandbox.sandbox")
-        .joinpath("_runner.py")
+        importlib.resources.files("prefect_sandbox.sandbox.backends")
+        .joinpath("_daytona_runner.py")
         .read_text(encoding="utf-8")
     )
 
