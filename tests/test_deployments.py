@@ -29,7 +29,7 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
-from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.s3 import MotoServer, free_port
 from tests.conftest import ROOT
@@ -214,7 +214,7 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
     label = {FLOW_RUN_ID_LABEL: str(flow_run.id)}
     deadline = time.monotonic() + 180
     while True:
-        handles = LocalKernelSandbox.list_handles(label)
+        handles = await LocalKernelSandbox.list_handles(LocalKernelConfig(), label)
         pid_file = Path(handles[0].connection["runtime_dir"]) / "kernel.pid" if handles else None
         if pid_file is not None and pid_file.exists():
             break
@@ -229,8 +229,8 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
     final = await _wait_for_state(client, flow_run.id, {StateType.CANCELLED}, 30)
     assert final == StateType.CANCELLED
     while time.monotonic() - cancel_at < 30 and (
-        LocalKernelSandbox.list_handles(label) or kernel.is_running()
+        await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) or kernel.is_running()
     ):
         await asyncio.sleep(0.5)
-    assert LocalKernelSandbox.list_handles(label) == []
+    assert await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) == []
     assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE

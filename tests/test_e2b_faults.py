@@ -126,9 +126,9 @@ async def test_file_call_that_stays_rate_limited_gives_up_with_429(
 async def test_slow_file_listing_times_out_as_unavailable(
     e2b_emulator: E2BEmulator, box: E2BSandbox
 ) -> None:
-    client = _credentials(e2b_emulator, request_timeout_s=0.5).get_client()
-    config = E2BConfig(file_retries=1, retry_backoff_s=0.05)
-    impatient = await E2BSandbox.attach(client, config, box.handle)
+    credentials = _credentials(e2b_emulator, request_timeout_s=0.5)
+    config = E2BConfig(client_factory=credentials.get_client, file_retries=1, retry_backoff_s=0.05)
+    impatient = await E2BSandbox.attach(box.handle, config)
     e2b_emulator.inject(Fault("files.list", delay_s=2.0, times=2))
     start = time.monotonic()
     with pytest.raises(SandboxUnavailableError) as info:

@@ -16,7 +16,7 @@ import pytest
 
 from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox.flows import amodeling_pipeline, arun_notebook, modeling_pipeline, run_notebook
-from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, PipelineFailedError
 from tests.conftest import ROOT, kernel_processes
 
@@ -66,7 +66,12 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
     assert [c.execution_count for c in cells] == [1, 2, 3, 4]
     summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert LocalKernelSandbox.list_handles({"prefect-flow-run-id": result.flow_run_id}) == []
+    assert (
+        await LocalKernelSandbox.list_handles(
+            LocalKernelConfig(), {"prefect-flow-run-id": result.flow_run_id}
+        )
+        == []
+    )
 
 
 def _staged_notebook(path: Path) -> Path:

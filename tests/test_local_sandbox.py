@@ -192,9 +192,16 @@ def test_limits_must_be_positive() -> None:
 async def test_list_handles_finds_sandboxes_by_label() -> None:
     box = await LocalKernelSandbox.create(LocalKernelConfig(), {"prefect-flow-run-id": "run-1"})
     try:
-        found = LocalKernelSandbox.list_handles({"prefect-flow-run-id": "run-1"})
+        found = await LocalKernelSandbox.list_handles(
+            LocalKernelConfig(), {"prefect-flow-run-id": "run-1"}
+        )
         assert [h.sandbox_id for h in found] == [box.handle.sandbox_id]
-        assert LocalKernelSandbox.list_handles({"prefect-flow-run-id": "other"}) == []
+        assert (
+            await LocalKernelSandbox.list_handles(
+                LocalKernelConfig(), {"prefect-flow-run-id": "other"}
+            )
+            == []
+        )
     finally:
         await box.kill()
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
+from prefect_sandbox.sandbox.base import Sandbox, SandboxConfig, SandboxHandle
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = ["SandboxBackend"]
@@ -17,9 +18,14 @@ __all__ = ["SandboxBackend"]
 class SandboxBackend(Block, ABC):
     """Settings of one kind of sandbox, and the factory for its sandboxes.
 
-    Subclasses are the blocks users save: `LocalKernelBackend`, and later the E2B and Daytona
-    backends. Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
+    Subclasses are the blocks users save: `LocalKernelBackend`, `E2BBackend`, `DaytonaBackend`.
+    Each names its `Sandbox` class and turns its fields into that class's config; the factories
+    here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
+    Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
     """
+
+    _sandbox_class: ClassVar[type[Sandbox]]
+    """The backend's `Sandbox` class."""
 
     cell_timeout_s: float | None = Field(
         default=600.0,
@@ -35,9 +41,33 @@ class SandboxBackend(Block, ABC):
         description="Cap on each cell's stored and logged output; start and end are kept.",
     )
 
+    interrupt_grace_s: float = Field(
+        default=5.0,
+        gt=0,
+        title="Interrupt grace (s)",
+        description=(
+            "Seconds a timed-out cell gets to stop after an interrupt before the sandbox "
+            "escalates (a second interrupt where it has one, then a restart, state lost)."
+        ),
+    )
+
+    def _common_settings(self) -> dict[str, Any]:
+        """The `SandboxConfig` fields every backend's config takes from these blocks."""
+        return {
+            "interrupt_grace_s": self.interrupt_grace_s,
+            "max_output_bytes": self.max_output_bytes,
+        }
+
     @abstractmethod
+    def _config(self) -> SandboxConfig:
+        """The settings of `_sandbox_class`, built from this block's fields.
+
+        Raises:
+            ValueError: a field holds a value the backend cannot use.
+        """
+
     async def create(self, labels: Mapping[str, str]) -> Sandbox:
-        """Make a new sandbox carrying ``labels``.
+        """Make a new sandbox carrying ``labels`` (see `Sandbox.create`).
 
         Returns:
             The live sandbox.
@@ -45,15 +75,17 @@ class SandboxBackend(Block, ABC):
         Raises:
             SandboxError: the backend could not make it.
         """
+        return await self._sandbox_class.create(self._config(), labels)
 
-    @abstractmethod
     async def attach(self, handle: SandboxHandle) -> Sandbox:
-        """Reach the sandbox behind ``handle`` again.
+        """Reach the sandbox behind ``handle`` again (see `Sandbox.attach`).
 
         Raises:
             SandboxNotFoundError: it was killed or expired.
         """
+        return await self._sandbox_class.attach(handle, self._config())
 
-    @abstractmethod
     async def list_sandboxes(self, labels: Mapping[str, str]) -> list[SandboxHandle]:
-        """Handles of live sandboxes whose labels include ``labels`` (for cleanup)."""
+        """Handles of live sandboxes whose labels include ``labels``, for cleanup (see
+        `Sandbox.list_handles`)."""
+        return await self._sandbox_class.list_handles(self._config(), labels)

@@ -5,7 +5,6 @@ Needs the daytona SDK: ``pip install 'prefect-sandbox[daytona]'``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefect.blocks.abstract import CredentialsBlock
@@ -17,7 +16,6 @@ from prefect_sandbox.sandbox.backends.daytona import (
     DaytonaSandboxConfig,
     import_sdk,
 )
-from prefect_sandbox.sandbox.base import SandboxHandle
 
 if TYPE_CHECKING:
     from daytona import AsyncDaytona
@@ -64,7 +62,7 @@ class DaytonaCredentials(CredentialsBlock):
         """A new async Daytona client; close it (``await client.close()``) when done.
 
         Raises:
-            ImportError: the daytona SDK is not installed.
+            BackendNotInstalledError: the ``daytona`` extra is not installed.
         """
         sdk = import_sdk()
         config = sdk.DaytonaConfig(
@@ -95,6 +93,7 @@ class DaytonaBackend(SandboxBackend):
     _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in a Daytona sandbox that lives for one flow run."
+    _sandbox_class = DaytonaSandbox
 
     credentials: DaytonaCredentials | None = Field(
         default=None,
@@ -179,12 +178,6 @@ class DaytonaBackend(SandboxBackend):
         title="Create timeout (s)",
         description="Seconds creating a sandbox may take, until it has started.",
     )
-    interrupt_grace_s: float = Field(
-        default=5.0,
-        gt=0,
-        title="Interrupt grace (s)",
-        description="Seconds a timed-out cell gets to stop after an interrupt before a restart.",
-    )
     activity_refresh_s: float | None = Field(
         default=None,
         gt=0,
@@ -202,6 +195,7 @@ class DaytonaBackend(SandboxBackend):
 
     def _config(self) -> DaytonaSandboxConfig:
         return DaytonaSandboxConfig(
+            **self._common_settings(),
             client_factory=self.credentials.get_client if self.credentials else None,
             snapshot=self.snapshot,
             image=self.image,
@@ -217,19 +211,5 @@ class DaytonaBackend(SandboxBackend):
             disk_gib=self.disk_gib,
             gpu=self.gpu,
             create_timeout_s=self.create_timeout_s,
-            interrupt_grace_s=self.interrupt_grace_s,
-            max_output_bytes=self.max_output_bytes,
             activity_refresh_s=self.activity_refresh_s,
         )
-
-    async def create(self, labels: Mapping[str, str]) -> DaytonaSandbox:
-        """Create a sandbox (see `DaytonaSandbox.create`)."""
-        return await DaytonaSandbox.create(self._config(), labels)
-
-    async def attach(self, handle: SandboxHandle) -> DaytonaSandbox:
-        """Reach a sandbox again (see `DaytonaSandbox.attach`)."""
-        return await DaytonaSandbox.attach(handle, self._config())
-
-    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[SandboxHandle]:
-        """Handles of live Daytona sandboxes carrying ``labels``."""
-        return await DaytonaSandbox.list_handles(self._config(), labels)

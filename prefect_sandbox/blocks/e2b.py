@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from prefect.blocks.abstract import CredentialsBlock
@@ -10,7 +9,6 @@ from pydantic import Field, SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, import_sdk
-from prefect_sandbox.sandbox.base import SandboxHandle
 
 __all__ = ["E2BBackend", "E2BCredentials"]
 
@@ -70,7 +68,7 @@ class E2BCredentials(CredentialsBlock):
         """An ``e2b_code_interpreter.E2B`` client bound to these credentials.
 
         Raises:
-            SandboxError: the ``e2b`` extra is not installed.
+            BackendNotInstalledError: the ``e2b`` extra is not installed.
         """
         sdk = import_sdk()
         options: dict[str, Any] = {"api_key": self.api_key.get_secret_value()}
@@ -104,6 +102,7 @@ class E2BBackend(SandboxBackend):
     _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in an E2B cloud sandbox that lives for one flow run."
+    _sandbox_class = E2BSandbox
 
     credentials: E2BCredentials = Field(
         title="Credentials", description="The E2B credentials block to use."
@@ -139,12 +138,6 @@ class E2BBackend(SandboxBackend):
         title="Working directory",
         description="Absolute path inside the sandbox where cells run and files go.",
     )
-    interrupt_grace_s: float = Field(
-        default=5.0,
-        gt=0,
-        title="Interrupt grace (s)",
-        description="Seconds a timed-out cell gets to stop before its kernel is restarted.",
-    )
     file_retries: int = Field(
         default=3,
         ge=0,
@@ -154,25 +147,13 @@ class E2BBackend(SandboxBackend):
 
     def _config(self) -> E2BConfig:
         return E2BConfig(
+            **self._common_settings(),
+            client_factory=self.credentials.get_client,
             template=self.template,
             lifetime_s=self.lifetime_s,
             envs=self.env,
             metadata=self.metadata,
             allow_internet_access=self.allow_internet_access,
             workdir=self.workdir,
-            interrupt_grace_s=self.interrupt_grace_s,
-            max_output_bytes=self.max_output_bytes,
             file_retries=self.file_retries,
         )
-
-    async def create(self, labels: Mapping[str, str]) -> E2BSandbox:
-        """Make a sandbox (see `E2BSandbox.create`)."""
-        return await E2BSandbox.create(self.credentials.get_client(), self._config(), labels)
-
-    async def attach(self, handle: SandboxHandle) -> E2BSandbox:
-        """Reach a sandbox again by its id (see `E2BSandbox.attach`)."""
-        return await E2BSandbox.attach(self.credentials.get_client(), self._config(), handle)
-
-    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[SandboxHandle]:
-        """Handles of running or paused sandboxes whose metadata includes ``labels``."""
-        return await E2BSandbox.list_handles(self.credentials.get_client(), self._config(), labels)

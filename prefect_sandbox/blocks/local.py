@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
-from prefect_sandbox.sandbox.base import SandboxHandle
 
 __all__ = ["LocalKernelBackend"]
 
@@ -35,6 +33,7 @@ class LocalKernelBackend(SandboxBackend):
     _logo_url = "https://jupyter.org/assets/homepage/main-logo.svg"  # type: ignore[assignment]
     _documentation_url = "https://jupyter-client.readthedocs.io/en/stable/"  # type: ignore[assignment]
     _description = "Runs notebook cells in a local Jupyter kernel that lives for one flow run."
+    _sandbox_class = LocalKernelSandbox
 
     kernel_name: str = Field(
         default="python3",
@@ -60,12 +59,6 @@ class LocalKernelBackend(SandboxBackend):
         title="Start-up timeout (s)",
         description="Seconds a kernel may take to start and answer.",
     )
-    interrupt_grace_s: float = Field(
-        default=5.0,
-        gt=0,
-        title="Interrupt grace (s)",
-        description="Seconds a timed-out cell gets to stop after an interrupt before a restart.",
-    )
 
     memory_limit_bytes: int | None = Field(
         default=None,
@@ -82,24 +75,11 @@ class LocalKernelBackend(SandboxBackend):
 
     def _config(self) -> LocalKernelConfig:
         return LocalKernelConfig(
+            **self._common_settings(),
             kernel_name=self.kernel_name,
             workdir_root=Path(self.workdir_root) if self.workdir_root else None,
             env=self.env,
             startup_timeout_s=self.startup_timeout_s,
-            interrupt_grace_s=self.interrupt_grace_s,
-            max_output_bytes=self.max_output_bytes,
             memory_limit_bytes=self.memory_limit_bytes,
             cpu_time_limit_s=self.cpu_time_limit_s,
         )
-
-    async def create(self, labels: Mapping[str, str]) -> LocalKernelSandbox:
-        """Start a kernel (see `LocalKernelSandbox.create`)."""
-        return await LocalKernelSandbox.create(self._config(), labels)
-
-    async def attach(self, handle: SandboxHandle) -> LocalKernelSandbox:
-        """Reach a kernel again (see `LocalKernelSandbox.attach`)."""
-        return await LocalKernelSandbox.attach(handle, self._config())
-
-    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[SandboxHandle]:
-        """Handles of this machine's live local sandboxes carrying ``labels``."""
-        return LocalKernelSandbox.list_handles(labels)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, Field
+
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = [
     "CellError",
@@ -17,6 +20,7 @@ __all__ = [
     "OutputCallback",
     "RemoteFile",
     "Sandbox",
+    "SandboxConfig",
     "SandboxHandle",
 ]
 
@@ -99,16 +103,118 @@ class RemoteFile(BaseModel):
     size_bytes: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    """Settings every backend has; each backend's config subclasses this one.
+
+    Configs hold what a sandbox needs to be made, reached and driven, credentials included
+    (through a client factory, never as plain fields of a handle). They are built by the
+    backend blocks (`prefect_sandbox.blocks`) from what a user saved.
+
+    Attributes:
+        interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt
+            before the backend escalates (a second interrupt, then a restart).
+        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
+
+    Raises:
+        ValueError: a duration or a limit is zero or negative.
+    """
+
+    interrupt_grace_s: float = 5.0
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+
+    def __post_init__(self) -> None:
+        self._check_positive("interrupt_grace_s", "max_output_bytes")
+
+    def _check_positive(self, *names: str) -> None:
+        """Raise `ValueError` for each named field that is set but zero or negative."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, not {value}")
+
+
 class Sandbox(abc.ABC):
     """One live execution environment whose state persists between cells.
 
-    Made by a backend's ``create(labels)`` or reached again with ``attach(handle)``. Every path
-    inside the sandbox is relative to its working directory; paths that leave it raise
-    `UnsafePathError`. User code that raises is data, not an exception: `run_cell` returns a
-    `CellResult` with ``error`` set, and the caller decides what to do.
+    Made by `create` or reached again with `attach`; the backend blocks
+    (`prefect_sandbox.blocks`) call these with their config, and tasks pass the resulting
+    `handle` around, never the live object. Every path inside the sandbox is relative to its
+    working directory; paths that leave it raise `UnsafePathError`. User code that raises is
+    data, not an exception: `run_cell` returns a `CellResult` with ``error`` set, and the caller
+    decides what to do.
 
     ``async with sandbox:`` kills it on exit.
+
+    A backend whose SDK is an optional extra imports it lazily, and raises
+    `BackendNotInstalledError` (naming the extra) from the first call that needs it.
     """
+
+    @classmethod
+    @abc.abstractmethod
+    async def create(cls, config: Any, labels: Mapping[str, str] | None = None) -> Self:
+        """Make a new sandbox and wait until it can run cells.
+
+        Called by the backend block's ``create`` (the ``create-sandbox`` task). A failure
+        halfway through kills what was started before the error is raised.
+
+        Args:
+            config: the backend's settings, an instance of its `SandboxConfig` subclass.
+            labels: labels to find the sandbox by later (flow run id and name, our marker).
+
+        Returns:
+            The live sandbox.
+
+        Raises:
+            BackendNotInstalledError: the backend's extra is not installed.
+            SandboxAuthError: the backend refused the credentials.
+            SandboxUnavailableError: the backend stayed busy or unreachable through retries.
+            SandboxDiedError: the sandbox's kernel ended while starting.
+            SandboxError: the backend refused the settings.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    async def attach(cls, handle: SandboxHandle, config: Any) -> Self:
+        """Reach a sandbox again from its handle, from any task, thread or process.
+
+        Called by the backend block's ``attach`` (every task after ``create-sandbox``, and the
+        flow's cancellation hooks). Never makes a new sandbox in place of a gone one.
+
+        Args:
+            handle: the sandbox's handle, as `handle` gave it.
+            config: the backend's settings, as for `create`.
+
+        Returns:
+            A live sandbox with its state as it was.
+
+        Raises:
+            BackendNotInstalledError: the backend's extra is not installed.
+            SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxAuthError, SandboxUnavailableError: as for `create`.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    async def list_handles(
+        cls, config: Any, labels: Mapping[str, str] | None = None
+    ) -> list[SandboxHandle]:
+        """Handles of live sandboxes whose labels include ``labels``.
+
+        Called by the backend block's ``list_sandboxes``, for cleanup (the flow's
+        cancellation and crash hooks, the reaper).
+
+        Args:
+            config: the backend's settings, as for `create`.
+            labels: labels every returned sandbox carries; None or empty for all.
+
+        Returns:
+            Handles sorted by sandbox id.
+
+        Raises:
+            BackendNotInstalledError: the backend's extra is not installed.
+            SandboxAuthError, SandboxUnavailableError: as for `create`.
+        """
 
     @property
     @abc.abstractmethod

@@ -12,6 +12,7 @@
     ├── UnsafePathError           a path that leaves the working directory (also a ValueError)
     ├── FileTransferError         an upload or download failed
     ├── NotebookError             a notebook or stage list that cannot be run (also a ValueError)
+    ├── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
     └── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
 
 Every error keeps its structured fields through pickling, since Prefect's task runners pickle
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BackendNotInstalledError",
     "CellExecutionError",
     "CellTimeoutError",
     "FileTransferError",
@@ -250,6 +252,19 @@ class NotebookError(SandboxError, ValueError):
     ) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.cell_index = cell_index
+
+
+class BackendNotInstalledError(SandboxError, ImportError):
+    """A backend needs an optional extra that is not installed.
+
+    Args:
+        message: a sentence naming the backend and the command that installs the extra.
+        extra: the extra to install (``"e2b"``, ``"daytona"``).
+    """
+
+    def __init__(self, message: str, *, extra: str = "", sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.extra = extra
 
 
 class PipelineFailedError(SandboxError):

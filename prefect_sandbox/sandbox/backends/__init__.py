@@ -5,5 +5,38 @@
 - `daytona`: `DaytonaSandbox`, a Daytona sandbox (``pip install 'prefect-sandbox[daytona]'``);
   `_daytona_runner` is the code it installs in the sandbox's interpreter.
 
-Nothing is imported here, so importing one backend never imports another's SDK.
+No backend is imported here, so importing one never imports another's SDK.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from prefect_sandbox.sandbox.errors import BackendNotInstalledError
+
+__all__ = ["import_extra"]
+
+
+def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
+    """Import a backend's SDK, which comes with one of the package's extras.
+
+    Args:
+        module: the SDK's module name (``"daytona"``).
+        extra: the extra that installs it (``"daytona"``).
+        backend: the backend's name for people (``"Daytona"``).
+
+    Returns:
+        The imported module.
+
+    Raises:
+        BackendNotInstalledError: it is not installed; the message says what to install.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BackendNotInstalledError(
+            f"the {backend} backend needs the {extra} extra: "
+            f"pip install 'prefect-sandbox[{extra}]'",
+            extra=extra,
+        ) from exc

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from prefect_sandbox.sandbox.backends import import_extra
 from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
     MARKER_START,
@@ -49,6 +50,7 @@ from prefect_sandbox.sandbox.base import (
     OutputCallback,
     RemoteFile,
     Sandbox,
+    SandboxConfig,
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import (
@@ -60,7 +62,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, OutputCollector
+from prefect_sandbox.sandbox.outputs import OutputCollector
 from prefect_sandbox.sandbox.paths import checked_relative_path
 
 if TYPE_CHECKING:
@@ -123,15 +125,9 @@ def import_sdk() -> types.ModuleType:
     """Import the daytona SDK.
 
     Raises:
-        ImportError: it is not installed; the message names the extra to install.
+        BackendNotInstalledError: it is not installed; the message names the extra to install.
     """
-    try:
-        import daytona
-    except ImportError as exc:
-        raise ImportError(
-            "The Daytona backend needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
-        ) from exc
-    return daytona
+    return import_extra("daytona", extra="daytona", backend="Daytona")
 
 
 def _runner_source() -> str:
@@ -360,9 +356,9 @@ def retry_delay_s(error: SandboxUnavailableError, attempt: int) -> float:
     return min(_FIRST_RETRY_DELAY_S * 2.0 ** (attempt - 1), _MAX_RETRY_DELAY_S)
 
 
-@dataclass(frozen=True)
-class DaytonaSandboxConfig:
-    """Settings of Daytona sandboxes.
+@dataclass(frozen=True, kw_only=True)
+class DaytonaSandboxConfig(SandboxConfig):
+    """Settings of Daytona sandboxes (besides those of `SandboxConfig`).
 
     Attributes:
         client_factory: makes a connected ``AsyncDaytona`` client; the default reads the SDK's
@@ -382,9 +378,6 @@ class DaytonaSandboxConfig:
         network_allow_list: comma-separated CIDRs the sandbox may reach.
         cpu, memory_gib, disk_gib, gpu: resources; only with ``image``.
         create_timeout_s: seconds a create may take, including the sandbox's start.
-        interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt;
-            then a second interrupt, and a new interpreter if that fails too.
-        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
         activity_refresh_s: seconds between keep-alive calls while a cell runs; None for a
             quarter of the auto-stop interval.
         request_attempts: tries of a call that may be repeated, on 429 and 5xx answers.
@@ -405,28 +398,19 @@ class DaytonaSandboxConfig:
     disk_gib: int | None = None
     gpu: int | None = None
     create_timeout_s: float = 120.0
-    interrupt_grace_s: float = 5.0
-    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
     activity_refresh_s: float | None = None
     request_attempts: int = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.snapshot and self.image:
             raise ValueError("give a snapshot or an image, not both")
         resources = (self.cpu, self.memory_gib, self.disk_gib, self.gpu)
         if not self.image and any(value is not None for value in resources):
             raise ValueError("cpu, memory_gib, disk_gib and gpu can only be set with an image")
-        for name in (
-            "create_timeout_s",
-            "interrupt_grace_s",
-            "max_output_bytes",
-            "activity_refresh_s",
-            "request_attempts",
-            "lifetime_min",
-        ):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive or None, not {value}")
+        self._check_positive(
+            "create_timeout_s", "activity_refresh_s", "request_attempts", "lifetime_min"
+        )
         if self.auto_stop_interval_min < 0:
             raise ValueError("auto_stop_interval_min must be 0 or more")
         if self.auto_delete_interval_min is not None and self.auto_delete_interval_min < 0:
@@ -668,9 +652,9 @@ class DaytonaSandbox(Sandbox):
         handle = handle.model_copy(update={"workdir": workdir})
         return cls(handle, config, client, remote, ours[-1] if ours else None)
 
-    @staticmethod
+    @classmethod
     async def list_handles(
-        config: DaytonaSandboxConfig, labels: Mapping[str, str] | None = None
+        cls, config: DaytonaSandboxConfig, labels: Mapping[str, str] | None = None
     ) -> list[SandboxHandle]:
         """Handles of live sandboxes whose labels include ``labels``.
 

@@ -2,7 +2,7 @@
 
 Cells run in one code context (a Jupyter kernel inside the sandbox) made at creation, so state
 persists between cells, tasks and processes; the context's id travels in the handle. The SDK is
-imported only when used; without the extra, a `SandboxError` says what to install.
+imported only when used; without the extra, `BackendNotInstalledError` says what to install.
 
 Timeouts: the SDK's own ``run_code`` deadline fires at about twice the value asked (its
 transport adds two phases), so we keep our own. On the deadline we close the ``/execute``
@@ -38,12 +38,14 @@ from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any, Literal, TypeVar
 
+from prefect_sandbox.sandbox.backends import import_extra
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
     OutputCallback,
     RemoteFile,
     Sandbox,
+    SandboxConfig,
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import (
@@ -55,7 +57,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, OutputCollector
+from prefect_sandbox.sandbox.outputs import OutputCollector
 from prefect_sandbox.sandbox.paths import checked_relative_path
 
 __all__ = [
@@ -106,21 +108,19 @@ def import_sdk() -> ModuleType:
     """Import ``e2b_code_interpreter``.
 
     Raises:
-        SandboxError: the ``e2b`` extra is not installed (the message says how to install it).
+        BackendNotInstalledError: the ``e2b`` extra is not installed (the message says how to
+            install it).
     """
-    try:
-        import e2b_code_interpreter
-    except ImportError as exc:
-        raise SandboxError(f"the E2B backend needs the e2b extra: {EXTRA_HINT}") from exc
-    module: ModuleType = e2b_code_interpreter
-    return module
+    return import_extra("e2b_code_interpreter", extra="e2b", backend="E2B")
 
 
-@dataclass(frozen=True)
-class E2BConfig:
-    """Settings of E2B sandboxes (credentials live in the client, never here).
+@dataclass(frozen=True, kw_only=True)
+class E2BConfig(SandboxConfig):
+    """Settings of E2B sandboxes (besides those of `SandboxConfig`).
 
     Attributes:
+        client_factory: makes an ``e2b_code_interpreter.E2B`` client holding the credentials;
+            None for the SDK's environment variables (``E2B_API_KEY``, ``E2B_DOMAIN``, ...).
         template: the sandbox template; None for the SDK's default, ``code-interpreter-v1``.
         lifetime_s: seconds the sandbox lives past the last extension; set at creation and
             renewed before and during each cell.
@@ -128,32 +128,37 @@ class E2BConfig:
         metadata: metadata besides the labels (flow run id and name, our marker).
         allow_internet_access: False to cut the sandbox off the internet; None for the default.
         workdir: the working directory inside the sandbox; made if missing.
-        interrupt_grace_s: seconds a timed-out cell gets to stop before the context restarts.
-        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
         file_retries: retries of an idempotent file or context call that met a transient error.
         retry_backoff_s: the first wait between those retries, doubled each time (max 10 s).
     """
 
+    client_factory: Callable[[], Any] | None = None
     template: str | None = None
     lifetime_s: int = 600
     envs: Mapping[str, str] = field(default_factory=dict)
     metadata: Mapping[str, str] = field(default_factory=dict)
     allow_internet_access: bool | None = None
     workdir: str = DEFAULT_WORKDIR
-    interrupt_grace_s: float = 5.0
-    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
     file_retries: int = 3
     retry_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("lifetime_s", "interrupt_grace_s", "max_output_bytes", "retry_backoff_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive or None, not {value}")
+        super().__post_init__()
+        self._check_positive("lifetime_s", "retry_backoff_s")
         if self.file_retries < 0:
             raise ValueError(f"file_retries must be zero or more, not {self.file_retries}")
         if not PurePosixPath(self.workdir).is_absolute():
             raise ValueError(f"workdir must be an absolute path, not {self.workdir!r}")
+
+    def new_client(self) -> Any:
+        """An ``e2b_code_interpreter.E2B`` client, from ``client_factory`` or the environment.
+
+        Raises:
+            BackendNotInstalledError: the ``e2b`` extra is not installed.
+        """
+        if self.client_factory is not None:
+            return self.client_factory()
+        return import_sdk().E2B()
 
 
 # --- pure conversions -------------------------------------------------------------------
@@ -338,24 +343,23 @@ class E2BSandbox(Sandbox):
         return self._handle.sandbox_id
 
     @classmethod
-    async def create(
-        cls, client: Any, config: E2BConfig, labels: Mapping[str, str] | None = None
-    ) -> E2BSandbox:
-        """Make a sandbox, its working directory and its code context.
+    async def create(cls, config: E2BConfig, labels: Mapping[str, str] | None = None) -> E2BSandbox:
+        """Make a sandbox, its working directory and its code context (see `Sandbox.create`).
 
         Args:
-            client: an ``e2b_code_interpreter.E2B`` client holding the credentials.
-            config: the sandbox settings.
+            config: the sandbox settings; its client factory holds the credentials.
             labels: labels stored as the sandbox's metadata (flow run id and name, marker).
 
         Returns:
             The live sandbox.
 
         Raises:
+            BackendNotInstalledError: the ``e2b`` extra is not installed.
             SandboxAuthError: the API key was refused.
             SandboxUnavailableError: E2B stayed busy or unreachable through the SDK's retries.
             SandboxError: E2B refused the request (a bad template, a limit).
         """
+        client = config.new_client()
         metadata = {**config.metadata, **(labels or {})}
         # The key makes a create that the SDK retries after a lost answer return the same sandbox.
         with _translated("create"):
@@ -394,24 +398,26 @@ class E2BSandbox(Sandbox):
         )
 
     @classmethod
-    async def attach(cls, client: Any, config: E2BConfig, handle: SandboxHandle) -> E2BSandbox:
+    async def attach(cls, handle: SandboxHandle, config: E2BConfig) -> E2BSandbox:
         """Reach a sandbox again by its id, from any task, thread or process.
 
         Connecting extends the sandbox's lifetime to ``lifetime_s`` from now, if that is later.
 
         Raises:
             SandboxNotFoundError: the sandbox was killed or expired.
-            SandboxAuthError, SandboxUnavailableError: as for `create`.
+            BackendNotInstalledError, SandboxAuthError, SandboxUnavailableError: as for
+                `create`.
         """
+        client = config.new_client()
         with _translated("attach", sandbox_id=handle.sandbox_id):
             sdk_sandbox = await client.AsyncSandbox.connect(
                 handle.sandbox_id, timeout=config.lifetime_s
             )
         return cls(sdk_sandbox, config, handle)
 
-    @staticmethod
+    @classmethod
     async def list_handles(
-        client: Any, config: E2BConfig, labels: Mapping[str, str] | None = None
+        cls, config: E2BConfig, labels: Mapping[str, str] | None = None
     ) -> list[SandboxHandle]:
         """Handles of running or paused sandboxes whose metadata includes ``labels``.
 
@@ -419,9 +425,11 @@ class E2BSandbox(Sandbox):
             Handles sorted by sandbox id; their code context is found again when first used.
 
         Raises:
-            SandboxAuthError, SandboxUnavailableError: as for `create`.
+            BackendNotInstalledError, SandboxAuthError, SandboxUnavailableError: as for
+                `create`.
         """
         sdk = import_sdk()
+        client = config.new_client()
         handles = []
         with _translated("list"):
             paginator = client.AsyncSandbox.list(

@@ -46,6 +46,7 @@ from prefect_sandbox.sandbox.base import (
     OutputCallback,
     RemoteFile,
     Sandbox,
+    SandboxConfig,
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import (
@@ -55,7 +56,6 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
 )
 from prefect_sandbox.sandbox.outputs import (
-    DEFAULT_MAX_OUTPUT_BYTES,
     OUTPUT_MSG_TYPES,
     OutputCollector,
     merged_streams,
@@ -138,9 +138,9 @@ del _prefect_sandbox_bound_stream_messages
 """
 
 
-@dataclass(frozen=True)
-class LocalKernelConfig:
-    """Settings of local kernel sandboxes.
+@dataclass(frozen=True, kw_only=True)
+class LocalKernelConfig(SandboxConfig):
+    """Settings of local kernel sandboxes (besides those of `SandboxConfig`).
 
     Attributes:
         kernel_name: the Jupyter kernelspec to launch (``python3`` is this Python's ipykernel).
@@ -148,9 +148,6 @@ class LocalKernelConfig:
             for a fresh temporary directory.
         env: variables the kernel gets besides `HOST_ENV_ALLOW_LIST`.
         startup_timeout_s: seconds a kernel may take to start and answer.
-        interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt;
-            then a second interrupt, and a restart if that fails too.
-        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
         memory_limit_bytes: address-space limit (``RLIMIT_AS``) of the kernel and its children;
             None for none. Past it allocations fail with ``MemoryError``.
         cpu_time_limit_s: CPU-time limit (``RLIMIT_CPU``) of the kernel process, in seconds
@@ -161,22 +158,12 @@ class LocalKernelConfig:
     workdir_root: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 60.0
-    interrupt_grace_s: float = 5.0
-    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
     memory_limit_bytes: int | None = None
     cpu_time_limit_s: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "startup_timeout_s",
-            "interrupt_grace_s",
-            "max_output_bytes",
-            "memory_limit_bytes",
-            "cpu_time_limit_s",
-        ):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive or None, not {value}")
+        super().__post_init__()
+        self._check_positive("startup_timeout_s", "memory_limit_bytes", "cpu_time_limit_s")
 
 
 def _asked_to_exit(reply: dict[str, Any]) -> bool:
@@ -304,11 +291,14 @@ class LocalKernelSandbox(Sandbox):
             )
         return cls(handle, config, _new_client(runtime_dir))
 
-    @staticmethod
-    def list_handles(labels: Mapping[str, str] | None = None) -> list[SandboxHandle]:
+    @classmethod
+    async def list_handles(
+        cls, config: LocalKernelConfig, labels: Mapping[str, str] | None = None
+    ) -> list[SandboxHandle]:
         """Handles of this machine's live local sandboxes whose labels include ``labels``.
 
         Args:
+            config: the sandbox settings (unused: every local sandbox is found the same way).
             labels: labels every returned sandbox carries; None or empty for all.
 
         Returns:
