@@ -3,7 +3,8 @@
 ``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona] [--backend-block NAME]
 [--input PATH]... [--artifact GLOB]... [--out DIR|s3://bucket/prefix] [--aws-credentials NAME]
 [-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes
-``DIR/<flow-run-name>/`` (or S3 keys ``prefix/run-notebook/<flow-run-name>/``):
+``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
+the flow-run name's slug and 8 hex digits of its id):
 ``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
 failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
 before any flow starts.

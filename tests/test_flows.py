@@ -240,11 +240,41 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
         for p in (tmp_path / "out").rglob("*")
         if p.is_file()
     }
-    run = result.flow_run_name
+    run = Path(result.output_dir).name
     assert out_files == {
         f"{run}/{p}" for p in [*names, "résumé plot.png", "executed.ipynb", "summary.json"]
     }
     assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "escape.txt").exists()
+
+
+async def test_b12_each_run_stores_in_its_own_folder_inside_storage(tmp_path: Path) -> None:
+    storage = tmp_path / "out" / "inner"
+    same = amodeling_pipeline.with_options(flow_run_name="nightly-report")
+    first = await same(
+        stages={"s": ["open('a.txt','w').write('run1'); open('b.txt','w').write('run1')"]},
+        artifacts=["*.txt"],
+        storage=str(storage),
+    )
+    second = await same(
+        stages={"s": ["open('a.txt','w').write('run2')"]}, artifacts=["*.txt"], storage=str(storage)
+    )
+    assert first.flow_run_name == second.flow_run_name == "nightly-report"
+    assert first.output_dir != second.output_dir
+    for result, files in [(first, {"a.txt", "b.txt"}), (second, {"a.txt"})]:
+        folder = Path(result.output_dir)
+        assert folder.parent == storage and folder.name.startswith("nightly-report-")
+        assert {p.name for p in folder.iterdir()} == {*files, "executed.ipynb", "summary.json"}
+        assert (folder / "a.txt").read_text() == ("run1" if result is first else "run2")
+        assert json.loads((folder / "summary.json").read_text())["flow_run_id"] == (
+            result.flow_run_id
+        )
+    for name in ["../escaped", "/abs/escaped", "..", "a/../../b"]:
+        odd = await amodeling_pipeline.with_options(flow_run_name=name)(
+            stages={"s": ["print(1)"]}, storage=str(storage)
+        )
+        assert Path(odd.output_dir).parent == storage, name
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"inner"}
+    assert not Path("/abs/escaped").exists()
 
 
 async def test_bad_notebook_is_a_clear_error(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import nbformat
 import pytest
@@ -26,7 +26,12 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
 )
 from prefect_sandbox.sandbox.outputs import OutputCollector
-from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.paths import (
+    checked_relative_path,
+    path_segment,
+    resolve_inside,
+    run_folder_name,
+)
 
 
 @pytest.mark.parametrize("bad", ["", "/etc/passwd", "../x", "a/../../x", "~/x", ".", "a/.."])
@@ -43,6 +48,27 @@ def test_symlink_out_of_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsafePathError, match="symlink"):
         resolve_inside(root, "link/passwd")
     assert resolve_inside(root, "inner/données 年.csv") == root / "données 年.csv"
+
+
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [
+        ("happy-cat", "happy-cat-456789ab"),
+        ("../escaped", "escaped-456789ab"),
+        ("/abs/path", "abs-path-456789ab"),
+        ("..", "456789ab"),
+        ("nightly report: 2024/05", "nightly-report-2024-05-456789ab"),
+        ("données 年", "données-年-456789ab"),
+        ("a\\b\x00c", "a-b-c-456789ab"),
+        ("x" * 200, "x" * 64 + "-456789ab"),
+    ],
+)
+def test_run_folder_is_one_safe_segment_unique_per_run(name: str, folder: str) -> None:
+    run_id = "01234567-0123-7123-8123-0123456789ab"
+    assert run_folder_name(name, run_id) == folder
+    assert run_folder_name(name, "01234567-0123-7123-8123-0123ffffffff") != folder
+    assert PurePosixPath(folder).parts == (folder,) and folder not in (".", "..")
+    assert path_segment("run-notebook") == "run-notebook"
 
 
 def test_streams_coalesce_and_clear_output_waits() -> None:

@@ -90,8 +90,9 @@ async def test_inputs_from_s3_and_odd_artifacts_round_trip(
     listing = notebook.cells[0].outputs[0]["text"]
     for name in ["./raw/données 1.csv", "./raw/sub/empty.txt", "./single.json"]:
         assert repr(name) in listing
-    prefix = f"results/modeling-pipeline/{result.flow_run_name}"
+    prefix = f"results/modeling-pipeline/{result.output_dir.rsplit('/', 1)[1]}"
     assert result.output_dir == f"s3://{bucket.bucket_name}/{prefix}"
+    assert prefix.split("/")[-1].startswith(f"{result.flow_run_name}-")
     expected = {"zero.bin", "résumé plot.png", "out dir/年 report.txt", "executed.ipynb"}
     assert {a.path for a in result.artifacts} == expected
     keys = _keys(moto, bucket.bucket_name)

@@ -33,7 +33,12 @@ from tenacity import (
 
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
-from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.paths import (
+    checked_relative_path,
+    path_segment,
+    resolve_inside,
+    run_folder_name,
+)
 
 __all__ = [
     "MULTIPART_THRESHOLD_BYTES",
@@ -145,7 +150,7 @@ class ArtifactStore(ABC):
 
 
 class LocalFolderStore(ArtifactStore):
-    """Files under ``<folder>/<flow-run-name>/``."""
+    """Files under one run's folder, e.g. ``<folder>/<run-folder>/``."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
@@ -187,7 +192,7 @@ class S3Store(ArtifactStore):
 
     Args:
         bucket: the prefect-aws block; its credentials (and endpoint) are used as they are.
-        prefix: the run's part of the key, e.g. ``run-notebook/happy-cat``.
+        prefix: the run's part of the key, e.g. ``run-notebook/happy-cat-1f2e3d4c``.
     """
 
     def __init__(self, bucket: S3Bucket, prefix: str) -> None:
@@ -298,8 +303,13 @@ class S3Store(ArtifactStore):
             )
 
 
-def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str) -> ArtifactStore:
+def resolve_storage(
+    storage: S3Bucket | str, flow_name: str, flow_run_name: str, flow_run_id: str
+) -> ArtifactStore:
     """Turn a flow's ``storage`` argument into a store for this run.
+
+    Each run gets its own folder (or key prefix), one path segment named by `run_folder_name`:
+    unique even for runs with equal names, and never outside ``storage``.
 
     Args:
         storage: an `S3Bucket` block; ``"s3-bucket/<name>"``, a saved block's name;
@@ -307,14 +317,17 @@ def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str)
             a local folder.
         flow_name: the flow's name (part of S3 keys).
         flow_run_name: the flow run's name.
+        flow_run_id: the flow run's UUID as a string.
 
     Returns:
-        The store; S3 keys are ``<bucket_folder>/<flow-name>/<flow-run-name>/<path>``, local
-        files ``<folder>/<flow-run-name>/<path>``.
+        The store; S3 keys are ``<bucket_folder>/<flow-name>/<run-folder>/<path>``, local
+        files ``<folder>/<run-folder>/<path>``, where ``<run-folder>`` is e.g.
+        ``happy-cat-1f2e3d4c``.
 
     Raises:
         ValueError: a malformed ``s3://`` URI.
     """
+    run_folder = run_folder_name(flow_run_name, flow_run_id)
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
         storage = S3Bucket.load(storage[len(S3_BLOCK_PREFIX) :])  # type: ignore[assignment]
     elif isinstance(storage, str) and storage.startswith("s3://"):
@@ -323,8 +336,8 @@ def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str)
             bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
         )
     if isinstance(storage, S3Bucket):
-        return S3Store(storage, f"{flow_name}/{flow_run_name}")
-    return LocalFolderStore(Path(storage) / flow_run_name)
+        return S3Store(storage, f"{path_segment(flow_name) or 'flow'}/{run_folder}")
+    return LocalFolderStore(Path(storage) / run_folder)
 
 
 @task(name="store-artifacts", cache_policy=NO_CACHE)
