@@ -277,6 +277,55 @@ async def test_b12_each_run_stores_in_its_own_folder_inside_storage(tmp_path: Pa
     assert not Path("/abs/escaped").exists()
 
 
+async def test_links_that_leave_an_input_folder_are_skipped_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    outside = tmp_path / "outside"
+    (outside / "etc").mkdir(parents=True)
+    (outside / "etc" / "passwd").write_text("root:x:0:0")
+    (outside / "id_rsa").write_text("PRIVATE KEY")
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.csv").write_text("a\n1\n")
+    (data / "sub" / "b.txt").write_text("bee")
+    (data / "alias.csv").symlink_to(data / "a.csv")
+    (data / "etc").symlink_to(outside / "etc")
+    (data / "sub" / "key").symlink_to(outside / "id_rsa")
+    (data / "sub" / "loop").symlink_to(data)
+    (data / "broken").symlink_to(tmp_path / "nowhere")
+    result = await amodeling_pipeline(
+        stages={
+            "list": [
+                "import os\n"
+                "print(sorted(os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs))"
+            ]
+        },
+        inputs=[str(data)],
+        storage=str(tmp_path / "out"),
+    )
+    listing = _cells(Path(result.output_dir) / "executed.ipynb")[0].outputs[0]["text"]
+    uploaded = ["./data/a.csv", "./data/alias.csv", "./data/sub/b.txt"]
+    assert listing.strip() == repr(uploaded)
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        logs = await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[result.flow_run_id]))
+        )
+    warnings = [log.message for log in logs if log.message.startswith("Input link skipped")]
+    for link, why in [
+        ("etc", "a link that leaves"),
+        ("sub/key", "a link that leaves"),
+        ("sub/loop", "a link to a folder"),
+        ("broken", "a link that leaves"),
+    ]:
+        assert any(f"{str(data / link)!r} ({why}" in w for w in warnings), (link, warnings)
+    assert len(warnings) == 4
+
+
 async def test_bad_notebook_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{not json")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -381,15 +382,18 @@ def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tupl
     """Download an ``s3://`` object, or every object under a ``s3://.../`` prefix, to disk."""
     bucket_name, key = parse_s3_uri(uri)
     bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
+    staging.mkdir(parents=True, exist_ok=True)
+    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     if key and not key.endswith("/"):
         name = PurePosixPath(key).name
         bucket.download_object_to_path(key, resolve_inside(staging, name), _sync=True)  # type: ignore[arg-type]
         return [(staging / name, name)]
     folder = PurePosixPath(key.rstrip("/")).name or bucket_name
     pairs = []
-    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
     for item in listing:
+        if item["Key"].endswith("/"):
+            continue  # a console's empty "folder" marker, not a file
         relative = f"{folder}/{PurePosixPath(item['Key']).relative_to(key or '.').as_posix()}"
         target = resolve_inside(staging, relative)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -400,26 +404,61 @@ def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tupl
     return pairs
 
 
+def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[str]]:
+    """A local folder's files, and the links in it that are skipped, each with why.
+
+    A link to a file inside the folder is followed; a link that leaves the folder, a link to a
+    folder (never descended: its target, if inside, is uploaded already) and a broken link are
+    skipped, so a link to ``/etc`` or to a key file never uploads what it points at.
+    """
+    source = Path(item)
+    root = source.resolve()
+    pairs: list[tuple[Path, str]] = []
+    skipped: list[str] = []
+    for folder, dirs, files in os.walk(source):  # followlinks=False
+        here = Path(folder)
+        for entry in sorted([*dirs, *files]):
+            path = here / entry
+            shown = (Path(item) / path.relative_to(source)).as_posix()
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(root):
+                    skipped.append(f"{shown!r} (a link that leaves {item!r})")
+                    continue
+                if entry in dirs:
+                    skipped.append(f"{shown!r} (a link to a folder)")
+                    continue
+                if not target.is_file():
+                    skipped.append(f"{shown!r} (a link to no file)")
+                    continue
+            if entry in files and path.is_file():
+                pairs.append((path, (Path(name) / path.relative_to(source)).as_posix()))
+    return sorted(pairs, key=lambda pair: pair[1]), skipped
+
+
 def fetch_inputs(
     inputs: list[str], staging: Path, credentials: S3Credentials | None
-) -> list[tuple[Path, str]]:
+) -> tuple[list[tuple[Path, str]], list[str]]:
     """Resolve inputs to local files and the paths they get inside the sandbox.
 
-    Local files keep their name; local folders their name and tree; ``s3://`` objects and
-    prefixes are streamed to ``staging`` on disk first, keeping their relative names.
+    Local files keep their name; local folders their name and tree, where links that leave
+    the folder, links to folders and broken links are skipped; ``s3://`` objects and prefixes
+    are streamed to ``staging`` on disk first, keeping their relative names.
 
     Args:
         inputs: local paths or ``s3://`` URIs.
-        staging: a local folder for downloaded objects.
+        staging: a local folder for downloaded objects; made when needed.
         credentials: AWS credentials for ``s3://`` inputs; None for the standard environment.
 
     Returns:
-        ``(local file, path inside the sandbox)`` pairs.
+        ``(local file, path inside the sandbox)`` pairs, and one line per skipped link naming
+        it and why.
 
     Raises:
         FileTransferError: an input does not exist (names it).
     """
     pairs: list[tuple[Path, str]] = []
+    skipped: list[str] = []
     for item in inputs:
         if item.startswith("s3://"):
             try:
@@ -433,13 +472,11 @@ def fetch_inputs(
         # Resolved, so that "." or "../data" land under the folder's real name.
         name = source.resolve().name
         if source.is_dir():
-            pairs.extend(
-                (path, (Path(name) / path.relative_to(source)).as_posix())
-                for path in sorted(source.rglob("*"))
-                if path.is_file()
-            )
+            found, refused = _folder_inputs(item, name)
+            pairs.extend(found)
+            skipped.extend(refused)
         elif source.is_file():
             pairs.append((source, name))
         else:
             raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
-    return pairs
+    return pairs, skipped
