@@ -38,7 +38,7 @@ from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
-from prefect_sandbox.flows.report import summary_markdown
+from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -190,7 +190,8 @@ async def _run_pipeline(
                         await aupdate_progress_artifact(
                             progress_id,
                             progress=100.0 * done / len(stages),
-                            description=f"{done} of {len(stages)} stage(s) done: {stage.name}",
+                            description=f"{done} of {len(stages)} stage(s) done: "
+                            f"{escape_markdown(stage.name)}",
                         )
                 except SandboxError as exc:
                     failure = exc

@@ -50,6 +50,7 @@ __all__ = [
     "parse_s3_uri",
     "resolve_storage",
     "store_artifacts",
+    "stored_table_rows",
 ]
 
 MULTIPART_THRESHOLD_BYTES = 8 << 20
@@ -62,6 +63,8 @@ _TRANSIENT_CODES = frozenset(
 )
 S3_BLOCK_PREFIX = "s3-bucket/"
 PRESIGNED_URL_LIFETIME_S = 7 * 24 * 3600  # S3's maximum for signature v4
+TABLE_ROWS_SHOWN = 500
+"""Stored files listed in the run's table artifact at most (10,000 rows weigh about 2 MB)."""
 
 S3Credentials = AwsCredentials | MinIOCredentials
 
@@ -341,6 +344,28 @@ def resolve_storage(
     return LocalFolderStore(Path(storage) / run_folder)
 
 
+def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]]:
+    """Rows of the stored-files table artifact: the first `TABLE_ROWS_SHOWN` files, then one
+    row saying how many more there are (and their bytes), all of them being in summary.json.
+
+    Returns:
+        ``{"key": location, "bytes": size, "sha256": hex digest}`` rows.
+    """
+    rows: list[dict[str, str | int]] = [
+        {"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored[:TABLE_ROWS_SHOWN]
+    ]
+    rest = stored[TABLE_ROWS_SHOWN:]
+    if rest:
+        rows.append(
+            {
+                "key": f"… and {len(rest)} more file(s), all listed in summary.json",
+                "bytes": sum(a.bytes for a in rest),
+                "sha256": "",
+            }
+        )
+    return rows
+
+
 @task(name="store-artifacts", cache_policy=NO_CACHE)
 async def store_artifacts(
     staging_dir: str, paths: list[str], store: ArtifactStore
@@ -372,7 +397,7 @@ async def store_artifacts(
     if stored:
         await acreate_table_artifact(
             key="stored-artifacts",
-            table=[{"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored],
+            table=stored_table_rows(stored),
             description=f"Files stored under {store.location}",
         )
     return stored, failures
