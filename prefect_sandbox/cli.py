@@ -1,12 +1,15 @@
 """The ``prefect-sandbox`` command.
 
 ``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona] [--backend-block NAME]
-[--input PATH]... [--artifact GLOB]... [--out DIR|s3://bucket/prefix] [--aws-credentials NAME]
-[-p NAME=VALUE]... [--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes
-``DIR/<flow-run-name>/`` (or S3 keys ``prefix/run-notebook/<flow-run-name>/``):
+[--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
+[--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
+[--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes
+``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
+the flow-run name's slug and 8 hex digits of its id):
 ``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
 failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
-before any flow starts.
+before any flow starts. ``s3://`` inputs are read with the ``--out`` bucket's credentials, or
+else the standard AWS environment.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -48,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         "--backend-block", metavar="NAME", help="a saved backend block of that kind to use"
     )
     run.add_argument(
-        "--input", action="append", default=[], metavar="PATH", help="file or folder to upload"
+        "--input",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="file or folder to upload, or s3://bucket/key or s3://bucket/prefix/",
     )
     run.add_argument(
         "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
@@ -160,7 +167,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         except UnsafePathError as exc:
             return f"--artifact {exc}"
     for item in args.input:
-        if not os.path.exists(item):
+        if item.startswith("s3://"):
+            if not item[5:].split("/", 1)[0]:
+                return f"--input {item!r} names no bucket"
+        elif not os.path.exists(item):
             return f"--input {item!r} does not exist"
     if args.out.startswith("s3://"):
         if not args.out[5:].split("/", 1)[0]:

@@ -74,7 +74,7 @@ class PipelineResult(BaseModel):
 
     Attributes:
         flow_run_id: the flow run's id.
-        flow_run_name: the flow run's name; also the folder its files are stored in.
+        flow_run_name: the flow run's name (its files' folder is named from it and its id).
         status: ``"completed"`` or ``"failed"``.
         stages: one summary per stage, in order, including stages that never ran.
         artifacts: the stored files, the executed notebook included.

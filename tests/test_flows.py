@@ -245,11 +245,90 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
         for p in (tmp_path / "out").rglob("*")
         if p.is_file()
     }
-    run = result.flow_run_name
+    run = Path(result.output_dir).name
     assert out_files == {
         f"{run}/{p}" for p in [*names, "résumé plot.png", "executed.ipynb", "summary.json"]
     }
     assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "escape.txt").exists()
+
+
+async def test_b12_each_run_stores_in_its_own_folder_inside_storage(tmp_path: Path) -> None:
+    storage = tmp_path / "out" / "inner"
+    same = amodeling_pipeline.with_options(flow_run_name="nightly-report")
+    first = await same(
+        stages={"s": ["open('a.txt','w').write('run1'); open('b.txt','w').write('run1')"]},
+        artifacts=["*.txt"],
+        storage=str(storage),
+    )
+    second = await same(
+        stages={"s": ["open('a.txt','w').write('run2')"]}, artifacts=["*.txt"], storage=str(storage)
+    )
+    assert first.flow_run_name == second.flow_run_name == "nightly-report"
+    assert first.output_dir != second.output_dir
+    for result, files in [(first, {"a.txt", "b.txt"}), (second, {"a.txt"})]:
+        folder = Path(result.output_dir)
+        assert folder.parent == storage and folder.name.startswith("nightly-report-")
+        assert {p.name for p in folder.iterdir()} == {*files, "executed.ipynb", "summary.json"}
+        assert (folder / "a.txt").read_text() == ("run1" if result is first else "run2")
+        assert json.loads((folder / "summary.json").read_text())["flow_run_id"] == (
+            result.flow_run_id
+        )
+    for name in ["../escaped", "/abs/escaped", "..", "a/../../b"]:
+        odd = await amodeling_pipeline.with_options(flow_run_name=name)(
+            stages={"s": ["print(1)"]}, storage=str(storage)
+        )
+        assert Path(odd.output_dir).parent == storage, name
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"inner"}
+    assert not Path("/abs/escaped").exists()
+
+
+async def test_links_that_leave_an_input_folder_are_skipped_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    outside = tmp_path / "outside"
+    (outside / "etc").mkdir(parents=True)
+    (outside / "etc" / "passwd").write_text("root:x:0:0")
+    (outside / "id_rsa").write_text("PRIVATE KEY")
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.csv").write_text("a\n1\n")
+    (data / "sub" / "b.txt").write_text("bee")
+    (data / "alias.csv").symlink_to(data / "a.csv")
+    (data / "etc").symlink_to(outside / "etc")
+    (data / "sub" / "key").symlink_to(outside / "id_rsa")
+    (data / "sub" / "loop").symlink_to(data)
+    (data / "broken").symlink_to(tmp_path / "nowhere")
+    result = await amodeling_pipeline(
+        stages={
+            "list": [
+                "import os\n"
+                "print(sorted(os.path.join(d, f) for d, _, fs in os.walk('.') for f in fs))"
+            ]
+        },
+        inputs=[str(data)],
+        storage=str(tmp_path / "out"),
+    )
+    listing = _cells(Path(result.output_dir) / "executed.ipynb")[0].outputs[0]["text"]
+    uploaded = ["./data/a.csv", "./data/alias.csv", "./data/sub/b.txt"]
+    assert listing.strip() == repr(uploaded)
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        logs = await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[result.flow_run_id]))
+        )
+    warnings = [log.message for log in logs if log.message.startswith("Input link skipped")]
+    for link, why in [
+        ("etc", "a link that leaves"),
+        ("sub/key", "a link that leaves"),
+        ("sub/loop", "a link to a folder"),
+        ("broken", "a link that leaves"),
+    ]:
+        assert any(f"{str(data / link)!r} ({why}" in w for w in warnings), (link, warnings)
+    assert len(warnings) == 4
 
 
 async def test_bad_notebook_is_a_clear_error(tmp_path: Path) -> None:

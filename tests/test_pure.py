@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pickle
 import re
-from pathlib import Path
+from html import escape as html_escape
+from pathlib import Path, PurePosixPath
 
 import nbformat
 import pytest
 
+from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
@@ -26,7 +28,12 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
 )
 from prefect_sandbox.sandbox.outputs import OutputCollector
-from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.paths import (
+    checked_relative_path,
+    path_segment,
+    resolve_inside,
+    run_folder_name,
+)
 
 
 @pytest.mark.parametrize("bad", ["", "/etc/passwd", "../x", "a/../../x", "~/x", ".", "a/.."])
@@ -43,6 +50,27 @@ def test_symlink_out_of_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsafePathError, match="symlink"):
         resolve_inside(root, "link/passwd")
     assert resolve_inside(root, "inner/données 年.csv") == root / "données 年.csv"
+
+
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [
+        ("happy-cat", "happy-cat-456789ab"),
+        ("../escaped", "escaped-456789ab"),
+        ("/abs/path", "abs-path-456789ab"),
+        ("..", "456789ab"),
+        ("nightly report: 2024/05", "nightly-report-2024-05-456789ab"),
+        ("données 年", "données-年-456789ab"),
+        ("a\\b\x00c", "a-b-c-456789ab"),
+        ("x" * 200, "x" * 64 + "-456789ab"),
+    ],
+)
+def test_run_folder_is_one_safe_segment_unique_per_run(name: str, folder: str) -> None:
+    run_id = "01234567-0123-7123-8123-0123456789ab"
+    assert run_folder_name(name, run_id) == folder
+    assert run_folder_name(name, "01234567-0123-7123-8123-0123ffffffff") != folder
+    assert PurePosixPath(folder).parts == (folder,) and folder not in (".", "..")
+    assert path_segment("run-notebook") == "run-notebook"
 
 
 def test_streams_coalesce_and_clear_output_waits() -> None:
@@ -299,3 +327,86 @@ def test_summary_markdown_names_the_failing_cell_and_shows_figures() -> None:
     assert "![figures/a.png](https://example.test/a.png)" in markdown
     assert "- `figures/b.png`: `/out/b.png`" in markdown
     assert "\x1b" not in markdown
+
+
+def _hostile_result(artifact_count: int) -> PipelineResult:
+    from prefect_sandbox.results import PipelineResult, StageSummary, StoredArtifact
+
+    evil = (
+        "![x](http://evil.test/a.png) <img src=http://evil.test/b.png> "
+        "[click](javascript:alert(1)) <script>alert(1)</script> www.evil.test "
+        "https://evil.test/c &lt;img&gt; **bold** `code` a\\ | b\nnext line"
+    )
+    return PipelineResult(
+        flow_run_id="id",
+        flow_run_name="run <img src=http://evil.test/n.png>",
+        status="failed",
+        stages=[
+            StageSummary(
+                name="[fit](http://evil.test/s)",
+                status="failed",
+                cell_count=1,
+                duration_s=1.0,
+                failed_cell_index=0,
+                ename="ValueError",
+                evalue=evil,
+            )
+        ],
+        artifacts=[
+            StoredArtifact(
+                path="figures/](http:evil.test) `x` <b>.png",
+                bytes=10,
+                sha256="ab" * 32,
+                location="/out/figures/](http:evil.test) `x` <b>.png",
+            ),
+            *(
+                StoredArtifact(path=f"f/{n}.txt", bytes=3, sha256="cd" * 32, location=f"/o/{n}")
+                for n in range(artifact_count)
+            ),
+        ],
+        output_dir="/out/`run`",
+        duration_s=2.0,
+        error=f"stage 'fit', cell 0: ValueError: {evil}",
+    )
+
+
+def test_summary_markdown_escapes_untrusted_text_and_builds_the_only_links() -> None:
+    from markdown_it import MarkdownIt
+
+    from prefect_sandbox.flows.report import summary_markdown
+
+    result = _hostile_result(0)
+    figure = result.artifacts[0].path
+    for url in ["https://store.test/fig.png?sig=1", None]:
+        markdown = summary_markdown(result, {figure: url})
+        html = MarkdownIt("commonmark", {"html": True}).enable("table").render(markdown)
+        images = re.findall(r"<img [^>]*>", html)
+        assert images == ([f'<img src="{url}" alt="{html_escape(figure)}" />'] if url else [])
+        assert "<a " not in html and "<script" not in html and "<b>" not in html
+        # GFM autolinks (www., scheme://) stay text: their trigger is escaped.
+        assert not re.search(r"(?<!\\)www\.|[a-z](?<!\\):(?=//)", markdown.replace(url or "", ""))
+        assert "evil.test/a.png) &lt;img src=http" in html  # shown, as text
+        assert "<td>[fit](http" in html and "a\\ | b next line" in html
+        assert f"<h1>{html_escape(result.flow_run_name)}: failed</h1>" in html
+        if url is None:
+            assert f"<code>{html_escape(figure)}</code>" in html
+            assert "<code>/out/`run`</code>" in html
+
+
+def test_summary_markdown_and_table_artifact_are_capped_for_10000_files() -> None:
+    from prefect_sandbox.flows.report import ROWS_SHOWN, summary_markdown
+    from prefect_sandbox.tasks.storage import TABLE_ROWS_SHOWN, stored_table_rows
+
+    result = _hostile_result(10_000)
+    markdown = summary_markdown(result, {})
+    assert len(markdown.encode()) < 30_000
+    rows = [line for line in markdown.splitlines() if line.startswith("| f/")]
+    assert len(rows) == ROWS_SHOWN - 1
+    more = 10_001 - ROWS_SHOWN
+    assert f"… and {more} more file(s) ({more * 3} bytes); all are listed in" in markdown
+    table = stored_table_rows(result.artifacts)
+    assert len(table) == TABLE_ROWS_SHOWN + 1
+    assert table[-1]["key"] == (
+        f"… and {10_001 - TABLE_ROWS_SHOWN} more file(s), all listed in summary.json"
+    )
+    assert len(str(table).encode()) < 200_000

@@ -90,8 +90,9 @@ async def test_inputs_from_s3_and_odd_artifacts_round_trip(
     listing = notebook.cells[0].outputs[0]["text"]
     for name in ["./raw/données 1.csv", "./raw/sub/empty.txt", "./single.json"]:
         assert repr(name) in listing
-    prefix = f"results/modeling-pipeline/{result.flow_run_name}"
+    prefix = f"results/modeling-pipeline/{result.output_dir.rsplit('/', 1)[1]}"
     assert result.output_dir == f"s3://{bucket.bucket_name}/{prefix}"
+    assert prefix.split("/")[-1].startswith(f"{result.flow_run_name}-")
     expected = {"zero.bin", "résumé plot.png", "out dir/年 report.txt", "executed.ipynb"}
     assert {a.path for a in result.artifacts} == expected
     keys = _keys(moto, bucket.bucket_name)
@@ -201,6 +202,56 @@ def test_main_job_stores_everything_in_s3_from_the_cli(
     metrics = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/metrics.json"))
     assert metrics["mae_ppm"] < 2
     _stored_notebook(moto, f"s3://{bucket.bucket_name}/{prefix}")
+
+
+def test_cli_takes_an_s3_object_or_prefix_as_its_only_input(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path
+) -> None:
+    import nbformat
+    from prefect.settings import PREFECT_API_URL
+
+    client: Any = moto.client()
+    client.put_object(Bucket=bucket.bucket_name, Key="data/single.json", Body=b'{"k": 1}')
+    client.put_object(Bucket=bucket.bucket_name, Key="data/raw/a.csv", Body=b"a\n1\n")
+    client.put_object(Bucket=bucket.bucket_name, Key="data/raw/sub/b.txt", Body=b"bee")
+    client.put_object(Bucket=bucket.bucket_name, Key="data/raw/sub/", Body=b"")
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "import json, os\n"
+            "found = {os.path.join(d, f): open(os.path.join(d, f)).read()\n"
+            "         for d, _, fs in os.walk('.') for f in fs}\n"
+            "json.dump(found, open('found.json', 'w'))"
+        )
+    ]
+    nbformat.write(notebook, tmp_path / "list.ipynb")
+    env = dict(os.environ)
+    env.update(
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing-secret",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=moto.endpoint,
+    )
+    cases = {
+        "data/single.json": {"./single.json": '{"k": 1}'},
+        "data/raw/": {"./raw/a.csv": "a\n1\n", "./raw/sub/b.txt": "bee"},
+    }
+    for key, expected in cases.items():
+        out = tmp_path / f"out-{len(expected)}"
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "prefect_sandbox.cli", "run", "list.ipynb",
+                "--input", f"s3://{bucket.bucket_name}/{key}", "--artifact", "found.json",
+                "--out", str(out),
+            ],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        (run_dir,) = out.iterdir()
+        found = json.loads((run_dir / "found.json").read_text())
+        found.pop("./found.json", None)
+        assert found == expected, key
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
-from prefect_sandbox.flows.report import summary_markdown
+from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -157,7 +157,7 @@ async def _run_pipeline(
     flow_run = context.flow_run
     logger = get_run_logger()
     start = time.monotonic()
-    store = resolve_storage(storage, context.flow.name, flow_run.name)
+    store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
@@ -190,7 +190,8 @@ async def _run_pipeline(
                         await aupdate_progress_artifact(
                             progress_id,
                             progress=100.0 * done / len(stages),
-                            description=f"{done} of {len(stages)} stage(s) done: {stage.name}",
+                            description=f"{done} of {len(stages)} stage(s) done: "
+                            f"{escape_markdown(stage.name)}",
                         )
                 except SandboxError as exc:
                     failure = exc
@@ -298,9 +299,10 @@ async def arun_notebook(
         parameters: Values injected, papermill-style, after the cell tagged 'parameters'.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
         storage: Where files are stored: an S3Bucket block (keys
-            {bucket_folder}/{flow-name}/{flow-run-name}/{path}), "s3-bucket/{name}" for a
+            {bucket_folder}/{flow-name}/{run-folder}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
-            local folder (files in {folder}/{flow-run-name}/).
+            local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
+            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:
@@ -356,9 +358,10 @@ async def amodeling_pipeline(
             collect and store afterwards, e.g. figures/*.png.
         backend: The sandbox backend block; a local Jupyter kernel when empty.
         storage: Where files are stored: an S3Bucket block (keys
-            {bucket_folder}/{flow-name}/{flow-run-name}/{path}), "s3-bucket/{name}" for a
+            {bucket_folder}/{flow-name}/{run-folder}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
-            local folder (files in {folder}/{flow-run-name}/).
+            local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
+            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
         cell_timeout_s: Seconds each cell may run; the backend's default when empty.
 
     Returns:

@@ -1,18 +1,83 @@
-"""What a finished run shows in the Prefect UI: a markdown summary. Pure functions."""
+"""What a finished run shows in the Prefect UI: a markdown summary. Pure functions.
+
+Everything in it that a cell or a notebook could choose (error messages, file names, stage and
+flow-run names) is escaped, so the only links and images are the ones built here, and it is
+capped: at most `ROWS_SHOWN` stages and stored files and `FIGURES_SHOWN` figures, each cut
+list ending with a line saying how many more there are in ``summary.json``, and each text cut
+at `CELL_CHARS` characters. So its text stays under about 1 MB whatever a run made (10,000
+stored files: about 15 kB), plus the ``data:`` URIs of the figures the caller chose to embed.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
-__all__ = ["summary_markdown"]
+__all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "escape_markdown", "summary_markdown"]
+
+ROWS_SHOWN = 100
+"""Stages, and stored files, listed in the summary at most."""
+FIGURES_SHOWN = 50
+"""Figures shown in the summary at most."""
+CELL_CHARS = 300
+"""Characters of one untrusted text (an error, a name) shown at most."""
+
+_HTML = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_MARKDOWN = frozenset("\\`*_[]|~@")
+# GFM autolinks (http://..., www....) become links by themselves; an escaped ':' or '.' stops it.
+_AUTOLINK = re.compile(r"(?i)(?<=[a-z]):(?=//)|(?<=www)\.")
+_WHITESPACE = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def escape_markdown(text: str) -> str:
+    """``text`` as literal markdown: no HTML, link, image, emphasis or table syntax in it.
+
+    HTML's ``& < >`` become entities; markdown's ``\\ ` * _ [ ] | ~ @`` and the ``:`` of
+    ``scheme://`` and the ``.`` of ``www.`` are backslash-escaped (CommonMark allows that for
+    any ASCII punctuation); control characters and line breaks become one space.
+
+    Args:
+        text: any text, e.g. an exception message a cell chose.
+
+    Returns:
+        Markdown that renders as ``text`` on one line.
+    """
+    text = _WHITESPACE.sub(" ", text)
+    autolink = {match.start() for match in _AUTOLINK.finditer(text)}
+    escaped = []
+    for index, char in enumerate(text):
+        if char in _HTML:
+            escaped.append(_HTML[char])
+        elif char in _MARKDOWN or index in autolink:
+            escaped.append(f"\\{char}")
+        else:
+            escaped.append(char)
+    return "".join(escaped)
+
+
+def _code(text: str) -> str:
+    """``text`` as an inline code span: fenced by more backticks than it holds in a row."""
+    text = _WHITESPACE.sub(" ", text)[:CELL_CHARS]
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _cell(text: str) -> str:
-    """Text safe inside a markdown table cell."""
-    return strip_ansi(text).replace("|", "\\|").replace("\n", " ")[:300]
+    """Untrusted text safe inside a markdown table cell, cut at `CELL_CHARS` characters."""
+    return escape_markdown(strip_ansi(text)[:CELL_CHARS])
+
+
+def _url(url: str) -> str:
+    """A URL we built, percent-encoding what could end a markdown link destination early."""
+    return re.sub(r"[\s()<>\\]", lambda match: f"%{ord(match.group()):02X}", url)
+
+
+def _more(count: int, what: str) -> str:
+    return f"… and {count} more {what}; all are listed in `summary.json`."
 
 
 def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | None]) -> str:
@@ -25,35 +90,44 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
             open from the UI).
 
     Returns:
-        Markdown for a Prefect markdown artifact.
+        Markdown for a Prefect markdown artifact: its text is capped (see the module), its
+        size is that plus the figures' ``data:`` URIs.
     """
     lines = [
-        f"# {result.flow_run_name}: {result.status}",
+        f"# {_cell(result.flow_run_name)}: {result.status}",
         "",
         f"{len(result.stages)} stage(s) in {result.duration_s:.1f} s; "
-        f"stored in `{result.output_dir}`.",
+        f"stored in {_code(result.output_dir)}.",
         "",
         "| stage | status | cells | duration (s) | error |",
         "|---|---|---|---|---|",
     ]
-    for stage in result.stages:
+    for stage in result.stages[:ROWS_SHOWN]:
         error = ""
         if stage.ename:
             error = _cell(f"cell {stage.failed_cell_index}: {stage.ename}: {stage.evalue or ''}")
-        row = [stage.name, stage.status, str(stage.cell_count), f"{stage.duration_s:.2f}", error]
-        lines.append(f"| {' | '.join(row)} |")
+        row = [_cell(stage.name), stage.status, str(stage.cell_count), f"{stage.duration_s:.2f}"]
+        lines.append(f"| {' | '.join([*row, error])} |")
+    if len(result.stages) > ROWS_SHOWN:
+        lines += ["", _more(len(result.stages) - ROWS_SHOWN, "stage(s)")]
     if result.error:
         lines += ["", f"**Error:** {_cell(result.error)}"]
-    if figure_urls:
+    figures = [a for a in result.artifacts if a.path in figure_urls]
+    if figures:
         lines += ["", "## Figures", ""]
-        for artifact in result.artifacts:
-            if artifact.path not in figure_urls:
-                continue
+        for artifact in figures[:FIGURES_SHOWN]:
             url = figure_urls[artifact.path]
             if url:
-                lines.append(f"![{artifact.path}]({url})")
+                lines.append(f"![{_cell(artifact.path)}]({_url(url)})")
             else:
-                lines.append(f"- `{artifact.path}`: `{artifact.location}`")
+                lines.append(f"- {_code(artifact.path)}: {_code(artifact.location)}")
+        if len(figures) > FIGURES_SHOWN:
+            lines += ["", _more(len(figures) - FIGURES_SHOWN, "figure(s)")]
     lines += ["", "## Stored files", "", "| path | bytes | sha256 |", "|---|---|---|"]
-    lines += [f"| {_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in result.artifacts]
+    shown = result.artifacts[:ROWS_SHOWN]
+    lines += [f"| {_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in shown]
+    if len(result.artifacts) > ROWS_SHOWN:
+        rest = result.artifacts[ROWS_SHOWN:]
+        total = sum(a.bytes for a in rest)
+        lines += ["", _more(len(rest), f"file(s) ({total} bytes)")]
     return "\n".join(lines) + "\n"

@@ -69,8 +69,9 @@ async def upload_inputs(
 ) -> list[str]:
     """Copy local files and folders, and ``s3://`` objects and prefixes, into the sandbox.
 
-    A file lands under its own name; a folder or prefix under its name with its tree. S3
-    objects are streamed to ``staging_dir`` on disk first.
+    A file lands under its own name; a folder or prefix under its name with its tree. Links in
+    a folder that leave it, links to folders and broken links are skipped, each named in a
+    warning. S3 objects are streamed to ``staging_dir`` on disk first.
 
     Args:
         backend: the backend block.
@@ -86,14 +87,17 @@ async def upload_inputs(
         FileTransferError: an input does not exist or cannot be read (names it).
     """
     credentials = store.credentials if isinstance(store, S3Store) else None
-    pairs = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)
+    pairs, skipped = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)
+    logger = get_run_logger()
+    for line in skipped:
+        logger.warning("Input link skipped: %s", line)
     sandbox = await backend.attach(handle)
     try:
         for source, dest in pairs:
             await sandbox.upload(source, dest)
     finally:
         await sandbox.close()
-    get_run_logger().info("Uploaded %d input file(s)", len(pairs))
+    logger.info("Uploaded %d input file(s)", len(pairs))
     return [dest for _, dest in pairs]
 
 

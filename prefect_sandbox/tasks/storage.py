@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -33,7 +34,12 @@ from tenacity import (
 
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
-from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.paths import (
+    checked_relative_path,
+    path_segment,
+    resolve_inside,
+    run_folder_name,
+)
 
 __all__ = [
     "MULTIPART_THRESHOLD_BYTES",
@@ -44,6 +50,7 @@ __all__ = [
     "parse_s3_uri",
     "resolve_storage",
     "store_artifacts",
+    "stored_table_rows",
 ]
 
 MULTIPART_THRESHOLD_BYTES = 8 << 20
@@ -56,6 +63,8 @@ _TRANSIENT_CODES = frozenset(
 )
 S3_BLOCK_PREFIX = "s3-bucket/"
 PRESIGNED_URL_LIFETIME_S = 7 * 24 * 3600  # S3's maximum for signature v4
+TABLE_ROWS_SHOWN = 500
+"""Stored files listed in the run's table artifact at most (10,000 rows weigh about 2 MB)."""
 
 S3Credentials = AwsCredentials | MinIOCredentials
 
@@ -145,7 +154,7 @@ class ArtifactStore(ABC):
 
 
 class LocalFolderStore(ArtifactStore):
-    """Files under ``<folder>/<flow-run-name>/``."""
+    """Files under one run's folder, e.g. ``<folder>/<run-folder>/``."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
@@ -187,7 +196,7 @@ class S3Store(ArtifactStore):
 
     Args:
         bucket: the prefect-aws block; its credentials (and endpoint) are used as they are.
-        prefix: the run's part of the key, e.g. ``run-notebook/happy-cat``.
+        prefix: the run's part of the key, e.g. ``run-notebook/happy-cat-1f2e3d4c``.
     """
 
     def __init__(self, bucket: S3Bucket, prefix: str) -> None:
@@ -298,8 +307,13 @@ class S3Store(ArtifactStore):
             )
 
 
-def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str) -> ArtifactStore:
+def resolve_storage(
+    storage: S3Bucket | str, flow_name: str, flow_run_name: str, flow_run_id: str
+) -> ArtifactStore:
     """Turn a flow's ``storage`` argument into a store for this run.
+
+    Each run gets its own folder (or key prefix), one path segment named by `run_folder_name`:
+    unique even for runs with equal names, and never outside ``storage``.
 
     Args:
         storage: an `S3Bucket` block; ``"s3-bucket/<name>"``, a saved block's name;
@@ -307,14 +321,17 @@ def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str)
             a local folder.
         flow_name: the flow's name (part of S3 keys).
         flow_run_name: the flow run's name.
+        flow_run_id: the flow run's UUID as a string.
 
     Returns:
-        The store; S3 keys are ``<bucket_folder>/<flow-name>/<flow-run-name>/<path>``, local
-        files ``<folder>/<flow-run-name>/<path>``.
+        The store; S3 keys are ``<bucket_folder>/<flow-name>/<run-folder>/<path>``, local
+        files ``<folder>/<run-folder>/<path>``, where ``<run-folder>`` is e.g.
+        ``happy-cat-1f2e3d4c``.
 
     Raises:
         ValueError: a malformed ``s3://`` URI.
     """
+    run_folder = run_folder_name(flow_run_name, flow_run_id)
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
         storage = S3Bucket.load(storage[len(S3_BLOCK_PREFIX) :])  # type: ignore[assignment]
     elif isinstance(storage, str) and storage.startswith("s3://"):
@@ -323,8 +340,30 @@ def resolve_storage(storage: S3Bucket | str, flow_name: str, flow_run_name: str)
             bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
         )
     if isinstance(storage, S3Bucket):
-        return S3Store(storage, f"{flow_name}/{flow_run_name}")
-    return LocalFolderStore(Path(storage) / flow_run_name)
+        return S3Store(storage, f"{path_segment(flow_name) or 'flow'}/{run_folder}")
+    return LocalFolderStore(Path(storage) / run_folder)
+
+
+def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]]:
+    """Rows of the stored-files table artifact: the first `TABLE_ROWS_SHOWN` files, then one
+    row saying how many more there are (and their bytes), all of them being in summary.json.
+
+    Returns:
+        ``{"key": location, "bytes": size, "sha256": hex digest}`` rows.
+    """
+    rows: list[dict[str, str | int]] = [
+        {"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored[:TABLE_ROWS_SHOWN]
+    ]
+    rest = stored[TABLE_ROWS_SHOWN:]
+    if rest:
+        rows.append(
+            {
+                "key": f"… and {len(rest)} more file(s), all listed in summary.json",
+                "bytes": sum(a.bytes for a in rest),
+                "sha256": "",
+            }
+        )
+    return rows
 
 
 @task(name="store-artifacts", cache_policy=NO_CACHE)
@@ -358,7 +397,7 @@ async def store_artifacts(
     if stored:
         await acreate_table_artifact(
             key="stored-artifacts",
-            table=[{"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored],
+            table=stored_table_rows(stored),
             description=f"Files stored under {store.location}",
         )
     return stored, failures
@@ -368,15 +407,18 @@ def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tupl
     """Download an ``s3://`` object, or every object under a ``s3://.../`` prefix, to disk."""
     bucket_name, key = parse_s3_uri(uri)
     bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
+    staging.mkdir(parents=True, exist_ok=True)
+    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     if key and not key.endswith("/"):
         name = PurePosixPath(key).name
         bucket.download_object_to_path(key, resolve_inside(staging, name), _sync=True)  # type: ignore[arg-type]
         return [(staging / name, name)]
     folder = PurePosixPath(key.rstrip("/")).name or bucket_name
     pairs = []
-    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
     for item in listing:
+        if item["Key"].endswith("/"):
+            continue  # a console's empty "folder" marker, not a file
         relative = f"{folder}/{PurePosixPath(item['Key']).relative_to(key or '.').as_posix()}"
         target = resolve_inside(staging, relative)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -387,26 +429,61 @@ def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tupl
     return pairs
 
 
+def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[str]]:
+    """A local folder's files, and the links in it that are skipped, each with why.
+
+    A link to a file inside the folder is followed; a link that leaves the folder, a link to a
+    folder (never descended: its target, if inside, is uploaded already) and a broken link are
+    skipped, so a link to ``/etc`` or to a key file never uploads what it points at.
+    """
+    source = Path(item)
+    root = source.resolve()
+    pairs: list[tuple[Path, str]] = []
+    skipped: list[str] = []
+    for folder, dirs, files in os.walk(source):  # followlinks=False
+        here = Path(folder)
+        for entry in sorted([*dirs, *files]):
+            path = here / entry
+            shown = (Path(item) / path.relative_to(source)).as_posix()
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(root):
+                    skipped.append(f"{shown!r} (a link that leaves {item!r})")
+                    continue
+                if entry in dirs:
+                    skipped.append(f"{shown!r} (a link to a folder)")
+                    continue
+                if not target.is_file():
+                    skipped.append(f"{shown!r} (a link to no file)")
+                    continue
+            if entry in files and path.is_file():
+                pairs.append((path, (Path(name) / path.relative_to(source)).as_posix()))
+    return sorted(pairs, key=lambda pair: pair[1]), skipped
+
+
 def fetch_inputs(
     inputs: list[str], staging: Path, credentials: S3Credentials | None
-) -> list[tuple[Path, str]]:
+) -> tuple[list[tuple[Path, str]], list[str]]:
     """Resolve inputs to local files and the paths they get inside the sandbox.
 
-    Local files keep their name; local folders their name and tree; ``s3://`` objects and
-    prefixes are streamed to ``staging`` on disk first, keeping their relative names.
+    Local files keep their name; local folders their name and tree, where links that leave
+    the folder, links to folders and broken links are skipped; ``s3://`` objects and prefixes
+    are streamed to ``staging`` on disk first, keeping their relative names.
 
     Args:
         inputs: local paths or ``s3://`` URIs.
-        staging: a local folder for downloaded objects.
+        staging: a local folder for downloaded objects; made when needed.
         credentials: AWS credentials for ``s3://`` inputs; None for the standard environment.
 
     Returns:
-        ``(local file, path inside the sandbox)`` pairs.
+        ``(local file, path inside the sandbox)`` pairs, and one line per skipped link naming
+        it and why.
 
     Raises:
         FileTransferError: an input does not exist (names it).
     """
     pairs: list[tuple[Path, str]] = []
+    skipped: list[str] = []
     for item in inputs:
         if item.startswith("s3://"):
             try:
@@ -420,13 +497,11 @@ def fetch_inputs(
         # Resolved, so that "." or "../data" land under the folder's real name.
         name = source.resolve().name
         if source.is_dir():
-            pairs.extend(
-                (path, (Path(name) / path.relative_to(source)).as_posix())
-                for path in sorted(source.rglob("*"))
-                if path.is_file()
-            )
+            found, refused = _folder_inputs(item, name)
+            pairs.extend(found)
+            skipped.extend(refused)
         elif source.is_file():
             pairs.append((source, name))
         else:
             raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
-    return pairs
+    return pairs, skipped
