@@ -93,6 +93,78 @@ def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None
         assert f"{len(text)} bytes in all" in marker and collector.omitted_bytes > 0
 
 
+def _figure(number: int, payload_chars: int = 24_000) -> dict[str, object]:
+    return {
+        "data": {"image/png": "A" * payload_chars, "text/plain": f"fig {number}"},
+        "metadata": {},
+    }
+
+
+def test_h11_outputs_between_half_the_cap_and_the_cap_are_all_kept() -> None:
+    # 30 figures of 24 KB (720 KB) under the 1 MiB cap: all kept, no marker.
+    figures = OutputCollector()
+    for number in range(30):
+        figures.add("display_data", _figure(number))
+    assert [o["data"]["text/plain"] for o in figures.outputs] == [f"fig {n}" for n in range(30)]
+    assert figures.omitted_bytes == 0
+    # 700 KB of text: kept whole, END included, no marker.
+    text = OutputCollector()
+    for _ in range(7):
+        text.add("stream", {"name": "stdout", "text": "x" * 100_000 + "\n"})
+    text.add("stream", {"name": "stdout", "text": "END\n"})
+    assert text.outputs == [
+        {"output_type": "stream", "name": "stdout", "text": ("x" * 100_000 + "\n") * 7 + "END\n"}
+    ]
+    assert text.omitted_bytes == 0
+
+
+def test_outputs_that_fit_under_the_cap_are_kept_whatever_half_the_head_took() -> None:
+    # The head takes 4 figures (480 of its 500); the tail gets the rest of the cap (520), so
+    # 4 more figures of 120 still fit: 960 <= 1000, nothing dropped.
+    collector = OutputCollector(max_output_bytes=1000)
+    for number in range(8):
+        collector.add("display_data", _figure(number, payload_chars=115))
+    assert len(collector.outputs) == 8 and collector.omitted_bytes == 0
+
+
+def test_every_cut_leaves_a_marker_naming_what_was_dropped() -> None:
+    collector = OutputCollector(max_output_bytes=100_000)
+    collector.add("stream", {"name": "stdout", "text": "start\n"})
+    for number in range(10):
+        collector.add("display_data", _figure(number, payload_chars=20_000))
+    collector.add("stream", {"name": "stderr", "text": "e" * 30_000})
+    collector.add("stream", {"name": "stdout", "text": "END\n"})
+    outputs = collector.outputs
+    shown = [o["data"]["text/plain"] for o in outputs if o["output_type"] == "display_data"]
+    sizes = {"start": 6, "figure": 20_000 + len("fig 0"), "stderr": 30_000, "end": 4}
+    total = sizes["start"] + 10 * sizes["figure"] + sizes["stderr"] + sizes["end"]
+    assert collector.total_bytes == total
+    # The head keeps "start" and 2 figures (under half); the tail the last figure, all of
+    # stderr and END; the 7 figures between are dropped, and the marker says so.
+    assert shown == ["fig 0", "fig 1", "fig 9"]
+    assert collector.omitted_bytes == 7 * sizes["figure"]
+    (marker,) = [o for o in outputs if "output truncated" in o.get("text", "")]
+    assert marker["text"] == (
+        f"\n... [output truncated: {total} bytes in all, {7 * sizes['figure']} bytes omitted]"
+        " [omitted: 7 display_data (image/png, text/plain)] ...\n"
+    )
+    assert outputs.index(marker) == 3
+    assert outputs[-2:] == [
+        {"output_type": "stream", "name": "stderr", "text": "e" * 30_000},
+        {"output_type": "stream", "name": "stdout", "text": "END\n"},
+    ]
+
+
+def test_error_outputs_are_never_dropped_by_the_cap() -> None:
+    collector = OutputCollector(max_output_bytes=1000)
+    collector.add("stream", {"name": "stdout", "text": "x" * 5000})
+    collector.add("error", {"ename": "ValueError", "evalue": "E" * 3000, "traceback": ["tb"]})
+    collector.add("stream", {"name": "stdout", "text": "y" * 5000})
+    (error,) = [o for o in collector.outputs if o["output_type"] == "error"]
+    assert error["evalue"] == "E" * 3000
+    assert collector.omitted_bytes == 10_000 - 1000 and collector.has_error()
+
+
 def test_undeclared_parameters_are_the_names_the_parameters_cell_does_not_set() -> None:
     from prefect_sandbox.sandbox.notebook import undeclared_parameters
 
