@@ -207,6 +207,58 @@ def _code(source: str, *tags: str) -> nbformat.NotebookNode:
     return cell
 
 
+def test_b14_parameters_injected_into_an_nbformat_4_4_notebook_keep_it_valid() -> None:
+    notebook = _notebook(_code("n = 1", "parameters"), _code("print(n)"))
+    notebook.nbformat_minor = 4
+    for cell in notebook.cells:
+        del cell["id"]
+    nbformat.validate(notebook)
+    injected = inject_parameters(notebook, {"n": 5})
+    nbformat.validate(injected)
+    assert "id" not in injected.cells[1] and injected.cells[1].source.endswith("n = 5")
+    assert "id" in inject_parameters(_notebook(_code("x = 1")), {"n": 5}).cells[0]
+
+
+def test_b05_inline_figures_skip_an_image_that_is_not_base64_with_a_warning() -> None:
+    from prefect_sandbox.sandbox.notebook import inline_figures
+
+    png = nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo="})
+    bad = nbformat.v4.new_output("display_data", data={"image/png": "not-base64!"})
+    notebook = _notebook(_code("a"), _code("b"))
+    notebook.cells[0].outputs = [bad]
+    notebook.cells[1].outputs = [png, bad, png]
+    figures, warnings = inline_figures(notebook)
+    assert figures == [
+        ("inline-figures/cell-001-1.png", b"\x89PNG\r\n\x1a\n"),
+        ("inline-figures/cell-001-3.png", b"\x89PNG\r\n\x1a\n"),
+    ]
+    assert [w.split(" is not base64")[0] for w in warnings] == [
+        "cell 0: image/png output 1",
+        "cell 1: image/png output 2",
+    ]
+
+
+def test_an_output_that_is_not_valid_nbformat_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from prefect_sandbox.sandbox.base import CellResult
+    from prefect_sandbox.sandbox.notebook import ExecutedNotebook
+
+    executed = ExecutedNotebook(_notebook(_code("a"), _code("b")))
+    good = {"output_type": "stream", "name": "stdout", "text": "kept\n"}
+    bad = {"output_type": "display_data", "data": {"image/png": 5}, "metadata": {}}
+    now = datetime.now(UTC)
+    executed.record(0, "s", CellResult(status="ok", outputs=[good], started_at=now, duration_s=0))
+    executed.record(1, "s", CellResult(status="ok", outputs=[bad], started_at=now, duration_s=0))
+    warnings = executed.write(tmp_path / "out.ipynb")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "cell 1: a display_data output is not valid nbformat and was dropped"
+    )
+    written = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    nbformat.validate(written)
+    assert [c.outputs for c in written.cells] == [[good], []]
+
+
 def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None:
     notebook = _notebook(
         _code("a = 1", "stage:load"),
