@@ -99,3 +99,19 @@ async def test_b14_an_nbformat_4_4_notebook_with_parameters_stores_a_valid_noteb
     nbformat.validate(executed)
     assert executed.cells[1].metadata["tags"] == ["injected-parameters"]
     assert executed.cells[2].outputs[0]["text"] == "n = 5\n"
+
+
+async def test_b07_a_cell_tagged_skip_execution_is_not_run(tmp_path: Path) -> None:
+    source = _notebook(
+        tmp_path / "b07.ipynb",
+        "x = 1",
+        "raise RuntimeError('interactive-only cell, must not run in batch')",
+        "print('x is', x)",
+        tags={1: ["skip-execution"]},
+    )
+    result = await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
+    assert result.status == "completed"
+    assert [s.cell_count for s in result.stages] == [2]
+    executed = nbformat.read(Path(result.output_dir) / "executed.ipynb", as_version=4)
+    assert executed.cells[1].outputs == [] and executed.cells[1].execution_count is None
+    assert executed.cells[2].outputs[0]["text"] == "x is 1\n"

@@ -273,6 +273,27 @@ def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None
     ]
 
 
+def test_b07_cells_tagged_skip_execution_are_not_run_and_keep_their_outputs() -> None:
+    from prefect_sandbox.sandbox.notebook import ExecutedNotebook
+
+    skipped = _code("raise RuntimeError('interactive only')", "skip-execution", "stage:b")
+    skipped.outputs = [nbformat.v4.new_output("stream", name="stdout", text="old\n")]
+    skipped.execution_count = 7
+    stale = _code("y = 2", "stage:b")
+    stale.outputs = [nbformat.v4.new_output("stream", name="stdout", text="stale\n")]
+    notebook = _notebook(_code("x = 1", "stage:a"), skipped, stale)
+    assert [(s.name, [c.index for c in s.cells]) for s in split_stages(notebook)] == [
+        ("a", [0]),
+        ("b", [2]),
+    ]
+    only_skipped = _notebook(_code("x = 1"), _code("y = 2", "skip-execution"))
+    assert [[c.index for c in s.cells] for s in split_stages(only_skipped)] == [[0]]
+    executed = ExecutedNotebook(notebook).notebook
+    assert executed.cells[1].outputs == skipped.outputs
+    assert executed.cells[1].execution_count == 7
+    assert executed.cells[2].outputs == [] and executed.cells[2].execution_count is None
+
+
 def test_untagged_notebook_splits_by_top_level_heading() -> None:
     notebook = _notebook(
         _code("import os"),

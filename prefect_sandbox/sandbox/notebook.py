@@ -37,6 +37,8 @@ __all__ = [
 STAGE_TAG_PREFIX = "stage:"
 PARAMETERS_TAG = "parameters"
 INJECTED_TAG = "injected-parameters"
+SKIP_TAG = "skip-execution"
+"""Cells tagged so are not run, and keep their outputs as they are (nbclient's convention)."""
 LEADING_STAGE = "setup"
 METADATA_KEY = "prefect_sandbox"
 
@@ -202,7 +204,8 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
 
     If any cell carries a ``stage:<name>`` tag, a cell's stage is its tag, else that of the cell
     before it. Otherwise each top-level markdown heading (``# Title``) opens a stage named by
-    its slug. Code cells before the first stage form a stage named ``setup``.
+    its slug. Code cells before the first stage form a stage named ``setup``. Cells tagged
+    ``skip-execution`` are left out, as nbclient skips them.
 
     Returns:
         The stages in notebook order, empty stages left out.
@@ -223,7 +226,7 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
             if heading is not None:
                 count = seen_headings[heading] = seen_headings.get(heading, 0) + 1
                 current = heading if count == 1 else f"{heading}-{count}"
-        if cell.cell_type != "code" or not cell.source.strip():
+        if cell.cell_type != "code" or not cell.source.strip() or SKIP_TAG in _tags(cell):
             continue
         spec = CellSpec(index=index, source=cell.source, tags=_tags(cell))
         if stages and stages[-1].name == current:
@@ -310,13 +313,14 @@ class ExecutedNotebook:
     """The executed notebook, built up cell by cell as results arrive.
 
     Starts from the source notebook with code cells' outputs cleared, so markdown stays in place
-    and cells that never ran show no stale outputs.
+    and cells that never ran show no stale outputs; cells tagged ``skip-execution`` are kept as
+    they are, as nbclient keeps them.
     """
 
     def __init__(self, source: NotebookNode) -> None:
         self.notebook = copy.deepcopy(source)
         for cell in self.notebook.cells:
-            if cell.cell_type == "code":
+            if cell.cell_type == "code" and SKIP_TAG not in _tags(cell):
                 cell.outputs = []
                 cell.execution_count = None
                 cell.metadata.pop(METADATA_KEY, None)
