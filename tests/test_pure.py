@@ -121,6 +121,78 @@ def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None
         assert f"{len(text)} bytes in all" in marker and collector.omitted_bytes > 0
 
 
+def _figure(number: int, payload_chars: int = 24_000) -> dict[str, object]:
+    return {
+        "data": {"image/png": "A" * payload_chars, "text/plain": f"fig {number}"},
+        "metadata": {},
+    }
+
+
+def test_h11_outputs_between_half_the_cap_and_the_cap_are_all_kept() -> None:
+    # 30 figures of 24 KB (720 KB) under the 1 MiB cap: all kept, no marker.
+    figures = OutputCollector()
+    for number in range(30):
+        figures.add("display_data", _figure(number))
+    assert [o["data"]["text/plain"] for o in figures.outputs] == [f"fig {n}" for n in range(30)]
+    assert figures.omitted_bytes == 0
+    # 700 KB of text: kept whole, END included, no marker.
+    text = OutputCollector()
+    for _ in range(7):
+        text.add("stream", {"name": "stdout", "text": "x" * 100_000 + "\n"})
+    text.add("stream", {"name": "stdout", "text": "END\n"})
+    assert text.outputs == [
+        {"output_type": "stream", "name": "stdout", "text": ("x" * 100_000 + "\n") * 7 + "END\n"}
+    ]
+    assert text.omitted_bytes == 0
+
+
+def test_outputs_that_fit_under_the_cap_are_kept_whatever_half_the_head_took() -> None:
+    # The head takes 4 figures (480 of its 500); the tail gets the rest of the cap (520), so
+    # 4 more figures of 120 still fit: 960 <= 1000, nothing dropped.
+    collector = OutputCollector(max_output_bytes=1000)
+    for number in range(8):
+        collector.add("display_data", _figure(number, payload_chars=115))
+    assert len(collector.outputs) == 8 and collector.omitted_bytes == 0
+
+
+def test_every_cut_leaves_a_marker_naming_what_was_dropped() -> None:
+    collector = OutputCollector(max_output_bytes=100_000)
+    collector.add("stream", {"name": "stdout", "text": "start\n"})
+    for number in range(10):
+        collector.add("display_data", _figure(number, payload_chars=20_000))
+    collector.add("stream", {"name": "stderr", "text": "e" * 30_000})
+    collector.add("stream", {"name": "stdout", "text": "END\n"})
+    outputs = collector.outputs
+    shown = [o["data"]["text/plain"] for o in outputs if o["output_type"] == "display_data"]
+    sizes = {"start": 6, "figure": 20_000 + len("fig 0"), "stderr": 30_000, "end": 4}
+    total = sizes["start"] + 10 * sizes["figure"] + sizes["stderr"] + sizes["end"]
+    assert collector.total_bytes == total
+    # The head keeps "start" and 2 figures (under half); the tail the last figure, all of
+    # stderr and END; the 7 figures between are dropped, and the marker says so.
+    assert shown == ["fig 0", "fig 1", "fig 9"]
+    assert collector.omitted_bytes == 7 * sizes["figure"]
+    (marker,) = [o for o in outputs if "output truncated" in o.get("text", "")]
+    assert marker["text"] == (
+        f"\n... [output truncated: {total} bytes in all, {7 * sizes['figure']} bytes omitted]"
+        " [omitted: 7 display_data (image/png, text/plain)] ...\n"
+    )
+    assert outputs.index(marker) == 3
+    assert outputs[-2:] == [
+        {"output_type": "stream", "name": "stderr", "text": "e" * 30_000},
+        {"output_type": "stream", "name": "stdout", "text": "END\n"},
+    ]
+
+
+def test_error_outputs_are_never_dropped_by_the_cap() -> None:
+    collector = OutputCollector(max_output_bytes=1000)
+    collector.add("stream", {"name": "stdout", "text": "x" * 5000})
+    collector.add("error", {"ename": "ValueError", "evalue": "E" * 3000, "traceback": ["tb"]})
+    collector.add("stream", {"name": "stdout", "text": "y" * 5000})
+    (error,) = [o for o in collector.outputs if o["output_type"] == "error"]
+    assert error["evalue"] == "E" * 3000
+    assert collector.omitted_bytes == 10_000 - 1000 and collector.has_error()
+
+
 def test_undeclared_parameters_are_the_names_the_parameters_cell_does_not_set() -> None:
     from prefect_sandbox.sandbox.notebook import undeclared_parameters
 
@@ -163,6 +235,58 @@ def _code(source: str, *tags: str) -> nbformat.NotebookNode:
     return cell
 
 
+def test_b14_parameters_injected_into_an_nbformat_4_4_notebook_keep_it_valid() -> None:
+    notebook = _notebook(_code("n = 1", "parameters"), _code("print(n)"))
+    notebook.nbformat_minor = 4
+    for cell in notebook.cells:
+        del cell["id"]
+    nbformat.validate(notebook)
+    injected = inject_parameters(notebook, {"n": 5})
+    nbformat.validate(injected)
+    assert "id" not in injected.cells[1] and injected.cells[1].source.endswith("n = 5")
+    assert "id" in inject_parameters(_notebook(_code("x = 1")), {"n": 5}).cells[0]
+
+
+def test_b05_inline_figures_skip_an_image_that_is_not_base64_with_a_warning() -> None:
+    from prefect_sandbox.sandbox.notebook import inline_figures
+
+    png = nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo="})
+    bad = nbformat.v4.new_output("display_data", data={"image/png": "not-base64!"})
+    notebook = _notebook(_code("a"), _code("b"))
+    notebook.cells[0].outputs = [bad]
+    notebook.cells[1].outputs = [png, bad, png]
+    figures, warnings = inline_figures(notebook)
+    assert figures == [
+        ("inline-figures/cell-001-1.png", b"\x89PNG\r\n\x1a\n"),
+        ("inline-figures/cell-001-3.png", b"\x89PNG\r\n\x1a\n"),
+    ]
+    assert [w.split(" is not base64")[0] for w in warnings] == [
+        "cell 0: image/png output 1",
+        "cell 1: image/png output 2",
+    ]
+
+
+def test_an_output_that_is_not_valid_nbformat_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from prefect_sandbox.sandbox.base import CellResult
+    from prefect_sandbox.sandbox.notebook import ExecutedNotebook
+
+    executed = ExecutedNotebook(_notebook(_code("a"), _code("b")))
+    good = {"output_type": "stream", "name": "stdout", "text": "kept\n"}
+    bad = {"output_type": "display_data", "data": {"image/png": 5}, "metadata": {}}
+    now = datetime.now(UTC)
+    executed.record(0, "s", CellResult(status="ok", outputs=[good], started_at=now, duration_s=0))
+    executed.record(1, "s", CellResult(status="ok", outputs=[bad], started_at=now, duration_s=0))
+    warnings = executed.write(tmp_path / "out.ipynb")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "cell 1: a display_data output is not valid nbformat and was dropped"
+    )
+    written = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    nbformat.validate(written)
+    assert [c.outputs for c in written.cells] == [[good], []]
+
+
 def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None:
     notebook = _notebook(
         _code("a = 1", "stage:load"),
@@ -175,6 +299,27 @@ def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None
         ("load", [0, 2]),
         ("model", [3]),
     ]
+
+
+def test_b07_cells_tagged_skip_execution_are_not_run_and_keep_their_outputs() -> None:
+    from prefect_sandbox.sandbox.notebook import ExecutedNotebook
+
+    skipped = _code("raise RuntimeError('interactive only')", "skip-execution", "stage:b")
+    skipped.outputs = [nbformat.v4.new_output("stream", name="stdout", text="old\n")]
+    skipped.execution_count = 7
+    stale = _code("y = 2", "stage:b")
+    stale.outputs = [nbformat.v4.new_output("stream", name="stdout", text="stale\n")]
+    notebook = _notebook(_code("x = 1", "stage:a"), skipped, stale)
+    assert [(s.name, [c.index for c in s.cells]) for s in split_stages(notebook)] == [
+        ("a", [0]),
+        ("b", [2]),
+    ]
+    only_skipped = _notebook(_code("x = 1"), _code("y = 2", "skip-execution"))
+    assert [[c.index for c in s.cells] for s in split_stages(only_skipped)] == [[0]]
+    executed = ExecutedNotebook(notebook).notebook
+    assert executed.cells[1].outputs == skipped.outputs
+    assert executed.cells[1].execution_count == 7
+    assert executed.cells[2].outputs == [] and executed.cells[2].execution_count is None
 
 
 def test_untagged_notebook_splits_by_top_level_heading() -> None:

@@ -131,9 +131,14 @@ def _write_notebook_files(
         for msg_id, outputs in stage_result.late_outputs.items():
             if msg_id in cell_of_msg:
                 executed.add_outputs(cell_of_msg[msg_id], outputs)
-    executed.write(staging / EXECUTED_NOTEBOOK_NAME)
+    logger = get_run_logger()
+    for warning in executed.write(staging / EXECUTED_NOTEBOOK_NAME):
+        logger.warning("Executed notebook: %s", warning)
+    figures, warnings = inline_figures(executed.notebook)
+    for warning in warnings:
+        logger.warning("Inline figure skipped: %s", warning)
     written = []
-    for path, image in inline_figures(executed.notebook):
+    for path, image in figures:
         (staging / path).parent.mkdir(parents=True, exist_ok=True)
         (staging / path).write_bytes(image)
         written.append(path)

@@ -10,7 +10,7 @@ import base64
 import copy
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +37,8 @@ __all__ = [
 STAGE_TAG_PREFIX = "stage:"
 PARAMETERS_TAG = "parameters"
 INJECTED_TAG = "injected-parameters"
+SKIP_TAG = "skip-execution"
+"""Cells tagged so are not run, and keep their outputs as they are (nbclient's convention)."""
 LEADING_STAGE = "setup"
 METADATA_KEY = "prefect_sandbox"
 
@@ -189,6 +191,8 @@ def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> 
             stage_tags = [tag for tag in _tags(cell) if tag.startswith(STAGE_TAG_PREFIX)]
             break
     injected = nbformat.v4.new_code_cell("\n".join(lines))
+    if (result.nbformat, result.nbformat_minor) < (4, 5):
+        del injected["id"]  # cell ids came with nbformat 4.5; older notebooks refuse them
     injected.metadata["tags"] = [INJECTED_TAG, *stage_tags]
     cells.insert(position, injected)
     result.cells = cells
@@ -200,7 +204,8 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
 
     If any cell carries a ``stage:<name>`` tag, a cell's stage is its tag, else that of the cell
     before it. Otherwise each top-level markdown heading (``# Title``) opens a stage named by
-    its slug. Code cells before the first stage form a stage named ``setup``.
+    its slug. Code cells before the first stage form a stage named ``setup``. Cells tagged
+    ``skip-execution`` are left out, as nbclient skips them.
 
     Returns:
         The stages in notebook order, empty stages left out.
@@ -221,7 +226,7 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
             if heading is not None:
                 count = seen_headings[heading] = seen_headings.get(heading, 0) + 1
                 current = heading if count == 1 else f"{heading}-{count}"
-        if cell.cell_type != "code" or not cell.source.strip():
+        if cell.cell_type != "code" or not cell.source.strip() or SKIP_TAG in _tags(cell):
             continue
         spec = CellSpec(index=index, source=cell.source, tags=_tags(cell))
         if stages and stages[-1].name == current:
@@ -269,13 +274,19 @@ def _top_heading(markdown: str) -> str | None:
 INLINE_FIGURES_DIR = "inline-figures"
 
 
-def inline_figures(notebook: NotebookNode) -> Iterator[tuple[str, bytes]]:
+def inline_figures(notebook: NotebookNode) -> tuple[list[tuple[str, bytes]], list[str]]:
     """The PNG images that code cells displayed, as files to store beside the notebook.
 
-    Yields:
-        ``(relative path, PNG bytes)``; the path is ``inline-figures/cell-<index>-<n>.png``
-        with the cell's 0-based notebook index and the image's 1-based number in that cell.
+    An ``image/png`` payload that is not base64 gives no file, and a warning instead; its output
+    stays in the notebook as it is.
+
+    Returns:
+        The figures as ``(relative path, PNG bytes)``, the path
+        ``inline-figures/cell-<index>-<n>.png`` with the cell's 0-based notebook index and the
+        image's 1-based number in that cell; and one warning per image skipped, naming it.
     """
+    figures: list[tuple[str, bytes]] = []
+    warnings: list[str] = []
     for index, cell in enumerate(notebook.cells):
         if cell.cell_type != "code":
             continue
@@ -286,20 +297,30 @@ def inline_figures(notebook: NotebookNode) -> Iterator[tuple[str, bytes]]:
             and "image/png" in output.get("data", {})
         ]
         for number, image in enumerate(images, start=1):
-            yield f"{INLINE_FIGURES_DIR}/cell-{index:03d}-{number}.png", base64.b64decode(image)
+            path = f"{INLINE_FIGURES_DIR}/cell-{index:03d}-{number}.png"
+            try:
+                text = image if isinstance(image, str) else "".join(image)
+                figures.append((path, base64.b64decode(text)))
+            except (ValueError, TypeError) as exc:  # binascii.Error is a ValueError
+                warnings.append(
+                    f"cell {index}: image/png output {number} is not base64 ({exc}); "
+                    f"kept in the notebook as it is, not stored as {path}"
+                )
+    return figures, warnings
 
 
 class ExecutedNotebook:
     """The executed notebook, built up cell by cell as results arrive.
 
     Starts from the source notebook with code cells' outputs cleared, so markdown stays in place
-    and cells that never ran show no stale outputs.
+    and cells that never ran show no stale outputs; cells tagged ``skip-execution`` are kept as
+    they are, as nbclient keeps them.
     """
 
     def __init__(self, source: NotebookNode) -> None:
         self.notebook = copy.deepcopy(source)
         for cell in self.notebook.cells:
-            if cell.cell_type == "code":
+            if cell.cell_type == "code" and SKIP_TAG not in _tags(cell):
                 cell.outputs = []
                 cell.execution_count = None
                 cell.metadata.pop(METADATA_KEY, None)
@@ -331,16 +352,49 @@ class ExecutedNotebook:
         """Record run facts (flow run, backend, sandbox id) in the notebook's metadata."""
         self.notebook.metadata.setdefault(METADATA_KEY, {}).update(fields)
 
-    def write(self, path: Path) -> int:
-        """Validate and write the notebook.
+    def write(self, path: Path) -> list[str]:
+        """Validate and write the notebook, repaired if it must be.
+
+        An output that is not valid nbformat is dropped, and cell ids are dropped from a
+        notebook older than nbformat 4.5 (which has none), so one bad output never stops the
+        notebook from being written.
 
         Returns:
-            Bytes written.
+            One warning per repair, naming the cell; empty when none was needed.
 
         Raises:
-            nbformat.ValidationError: the notebook is not valid nbformat v4 (a bug of ours).
+            nbformat.ValidationError: the notebook is still not valid (a bug of ours).
+            OSError: the file could not be written.
         """
-        nbformat.validate(self.notebook)
+        warnings: list[str] = []
+        try:
+            nbformat.validate(self.notebook)
+        except nbformat.ValidationError:
+            warnings = self._repair()
+            nbformat.validate(self.notebook)
         path.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(self.notebook, path)
-        return path.stat().st_size
+        return warnings
+
+    def _repair(self) -> list[str]:
+        warnings = []
+        minor = self.notebook.nbformat_minor
+        for index, cell in enumerate(self.notebook.cells):
+            if minor < 5 and "id" in cell:
+                del cell["id"]
+            if cell.cell_type != "code":
+                continue
+            kept = []
+            for output in cell.outputs:
+                try:
+                    nbformat.validate(output, ref="output", version=4, version_minor=minor)
+                except nbformat.ValidationError as exc:
+                    kind = output.get("output_type", "unknown")
+                    warnings.append(
+                        f"cell {index}: a {kind} output is not valid nbformat and was dropped: "
+                        f"{exc.message}"
+                    )
+                    continue
+                kept.append(output)
+            cell.outputs = kept
+        return warnings

@@ -2,10 +2,11 @@
 
 Front ends show a cell's output as a terminal would; so do the outputs we store: consecutive
 stream text is coalesced per stream, ``\\r`` overwrites the current line, ``clear_output`` and
-``update_display_data`` are honoured. Stored outputs are capped per cell (head and tail kept,
-with a marker giving the original size), so a cell that prints 100 MB keeps client memory
-bounded and its last line. Text is made valid UTF-8 (lone surrogates replaced), so logging, JSON
-and nbformat never choke on it.
+``update_display_data`` are honoured. Stored outputs are capped per cell: all are kept while
+they fit; past the cap the start and end are kept, with a marker giving the original size and
+naming what was dropped, so a cell that prints 100 MB keeps client memory bounded and its last
+line. Error outputs are never dropped. Text is made valid UTF-8 (lone surrogates replaced), so
+logging, JSON and nbformat never choke on it.
 """
 
 from __future__ import annotations
@@ -140,43 +141,53 @@ class OutputCollector:
     """Collects one cell's outputs from its iopub messages, as Jupyter front ends show them.
 
     Args:
-        max_output_bytes: cap on the stored outputs of the cell (about that many characters);
-            past it, the first and last halves are kept with a marker between them. None for
-            no cap.
+        max_output_bytes: cap on the stored outputs of the cell (about that many characters).
+            Outputs are all kept while they fit under it. Past it, the start (up to half the
+            cap) and the end (the rest of it) are kept, with a marker between them giving the
+            original size and naming what was dropped: whole outputs by type and MIME types,
+            stream text in characters. ``error`` outputs are never dropped nor counted against
+            the cap. None for no cap.
     """
 
     def __init__(self, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> None:
         if max_output_bytes is not None and max_output_bytes <= 0:
             raise ValueError(f"max_output_bytes must be positive or None, not {max_output_bytes}")
+        self._max = max_output_bytes
         self._half = None if max_output_bytes is None else max_output_bytes // 2
         self._head: list[dict[str, Any]] = []
         self._tail: deque[dict[str, Any]] = deque()
         self._head_bytes = self._tail_bytes = 0
         self.total_bytes = 0
         self.omitted_bytes = 0
+        self._omitted_outputs: dict[str, int] = {}
+        self._omitted_chars: dict[str, int] = {}
         self._clear_before_next = False
-        self._display_indexes: dict[str, list[int]] = {}
+        self._displays: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def outputs(self) -> list[dict[str, Any]]:
         """The outputs to store: head, a truncation marker if anything was dropped, tail."""
-        if not self.omitted_bytes:
-            return list(self._head)
-        marker_name = "stdout"
-        if self._tail and self._tail[0]["output_type"] == "stream":
-            marker_name = self._tail[0]["name"]
-        marker = {
-            "output_type": "stream",
-            "name": marker_name,
-            "text": (
-                f"\n... [output truncated: {self.total_bytes} bytes in all, "
-                f"{self.omitted_bytes} bytes omitted] ...\n"
-            ),
-        }
         merged: list[dict[str, Any]] = []
-        for output in [*self._head, marker, *self._tail]:
+        for output in [*self._head, *self._omission_marker(), *self._tail]:
             _append_coalescing(merged, dict(output))
         return merged
+
+    def _omission_marker(self) -> list[dict[str, Any]]:
+        """The marker output naming what the cap dropped; none when nothing was."""
+        if not self.omitted_bytes:
+            return []
+        name = "stdout"
+        if self._tail and self._tail[0]["output_type"] == "stream":
+            name = self._tail[0]["name"]
+        dropped = [f"{count} {kind}" for kind, count in self._omitted_outputs.items()]
+        dropped += [
+            f"{count} characters of {stream}" for stream, count in self._omitted_chars.items()
+        ]
+        text = (
+            f"\n... [output truncated: {self.total_bytes} bytes in all, "
+            f"{self.omitted_bytes} bytes omitted] [omitted: {', '.join(dropped)}] ...\n"
+        )
+        return [{"output_type": "stream", "name": name, "text": text}]
 
     def add(self, msg_type: str, content: dict[str, Any]) -> dict[str, Any] | None:
         """Take one iopub message's type and content.
@@ -206,19 +217,18 @@ class OutputCollector:
         size = _size(output)
         self.total_bytes += size
         kept = dict(output)  # later output may still be merged into it; the caller's stays
-        if self._half is None or (not self._tail and self._head_bytes + size <= self._half):
-            self._keep_in_head(kept, content)
+        display_id = (content.get("transient") or {}).get("display_id")
+        if display_id:
+            self._displays.setdefault(display_id, []).append(kept)
+        if output["output_type"] == "error":
+            (self._tail if self._tail else self._head).append(kept)
+        elif self._half is None or (not self._tail and self._head_bytes + size <= self._half):
+            self._head_bytes += _append_coalescing(self._head, kept)
         elif not self._tail and output["output_type"] == "stream" and "\r" in output["text"]:
             self._keep_overwriting_text(kept)
         else:
             self._keep_in_tail(kept)
         return output
-
-    def _keep_in_head(self, output: dict[str, Any], content: dict[str, Any]) -> None:
-        display_id = (content.get("transient") or {}).get("display_id")
-        if display_id:
-            self._display_indexes.setdefault(display_id, []).append(len(self._head))
-        self._head_bytes += _append_coalescing(self._head, output)
 
     def _keep_overwriting_text(self, output: dict[str, Any]) -> None:
         """Stream text with ``\\r``: what counts is its size once overwritten, so a progress
@@ -237,49 +247,76 @@ class OutputCollector:
         self._keep_in_tail(spill)
 
     def _keep_in_tail(self, output: dict[str, Any]) -> None:
-        assert self._half is not None
+        """Keep ``output`` at the end; once the head is full, the tail gets the rest of the cap
+        and loses its oldest outputs (or the start of its oldest text) past that."""
+        assert self._half is not None and self._max is not None
         if output["output_type"] == "stream":
             text, start = output["text"], 0
             if not self._tail:
-                # Fill the head up to its half with the start of the text.
+                # Fill the head up to its half with the start of the text, cut after a newline
+                # where there is one, so that a later \r still overwrites the right line.
                 start = max(self._half - self._head_bytes, 0)
+                start = text.rfind("\n", 0, start) + 1 or start
                 if start:
                     self._head_bytes += _append_coalescing(
                         self._head, dict(output, text=text[:start])
                     )
             # Copy no more of a huge text than the tail can keep.
-            if len(text) - start > self._half:
-                self.omitted_bytes += len(text) - start - self._half
-                start = len(text) - self._half
+            room = self._max - self._head_bytes
+            if len(text) - start > room:
+                self._omit_text(output["name"], len(text) - start - room)
+                start = len(text) - room
             output = dict(output, text=text[start:])
         self._tail_bytes += _append_coalescing(self._tail, output)
-        while self._tail_bytes > self._half and self._tail:
-            first = self._tail[0]
-            excess = self._tail_bytes - self._half
-            if first["output_type"] == "stream" and len(first["text"]) > excess:
-                first["text"] = first["text"][excess:]
+        self._trim_tail()
+
+    def _trim_tail(self) -> None:
+        assert self._max is not None
+        room = self._max - self._head_bytes
+        while self._tail_bytes > room:
+            index = next(
+                (i for i, kept in enumerate(self._tail) if kept["output_type"] != "error"), None
+            )
+            if index is None:
+                return
+            oldest = self._tail[index]
+            excess = self._tail_bytes - room
+            if oldest["output_type"] == "stream" and len(oldest["text"]) > excess:
+                oldest["text"] = oldest["text"][excess:]
                 self._tail_bytes -= excess
-                self.omitted_bytes += excess
+                self._omit_text(oldest["name"], excess)
+                continue
+            del self._tail[index]
+            size = _size(oldest)
+            self._tail_bytes -= size
+            if oldest["output_type"] == "stream":
+                self._omit_text(oldest["name"], size)
             else:
-                dropped = _size(self._tail.popleft())
-                self._tail_bytes -= dropped
-                self.omitted_bytes += dropped
+                kind = f"{oldest['output_type']} ({', '.join(oldest.get('data', {}))})"
+                self._omitted_outputs[kind] = self._omitted_outputs.get(kind, 0) + 1
+                self.omitted_bytes += size
+
+    def _omit_text(self, stream: str, chars: int) -> None:
+        self._omitted_chars[stream] = self._omitted_chars.get(stream, 0) + chars
+        self.omitted_bytes += chars
 
     def _clear(self) -> None:
         self._head.clear()
         self._tail.clear()
         self._head_bytes = self._tail_bytes = self.total_bytes = self.omitted_bytes = 0
-        self._display_indexes.clear()
+        self._omitted_outputs.clear()
+        self._omitted_chars.clear()
+        self._displays.clear()
         self._clear_before_next = False
 
     def _update_display(self, content: dict[str, Any]) -> None:
         display_id = (content.get("transient") or {}).get("display_id")
-        for index in self._display_indexes.get(display_id or "", []):
-            self._head[index]["data"] = content.get("data", {})
-            self._head[index]["metadata"] = content.get("metadata", {})
+        for output in self._displays.get(display_id or "", []):
+            output["data"] = content.get("data", {})
+            output["metadata"] = content.get("metadata", {})
 
     def has_error(self) -> bool:
-        """Whether an ``error`` output was collected (and kept)."""
+        """Whether an ``error`` output was collected."""
         return any(o["output_type"] == "error" for o in [*self._head, *self._tail])
 
     def append_error(self, ename: str, evalue: str, traceback: list[str]) -> None:

@@ -26,3 +26,17 @@ async def test_h05_hundred_megabytes_of_stdout(sandbox: Sandbox) -> None:
     assert text.startswith("x" * 1000)
     after = await sandbox.run_cell("print('next')")
     assert stream_text(after.outputs) == "next\n"
+
+
+async def test_h11_outputs_under_the_cap_are_all_kept(sandbox: Sandbox) -> None:
+    figures = await sandbox.run_cell(
+        "from IPython.display import display\n"
+        "for i in range(30):\n"
+        "    display({'image/png': 'A' * 24000, 'text/plain': f'fig {i}'}, raw=True)",
+        timeout_s=60,
+    )
+    assert [o["data"]["text/plain"] for o in figures.outputs] == [f"fig {i}" for i in range(30)]
+    assert figures.omitted_bytes == 0
+    text = await sandbox.run_cell("print('x' * 700_000)\nprint('END')", timeout_s=60)
+    assert stream_text(text.outputs) == "x" * 700_000 + "\nEND\n"
+    assert text.omitted_bytes == 0
