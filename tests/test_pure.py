@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import math
 import pickle
 import re
 from html import escape as html_escape
@@ -395,6 +397,93 @@ def test_parse_parameter_types_values_like_papermill(
 def test_parse_parameter_names_the_bad_parameter(bad: str) -> None:
     with pytest.raises(NotebookError, match=bad):
         parse_parameter(bad)
+
+
+@pytest.mark.parametrize(
+    ("assignment", "problem"),
+    [
+        ("lambda=0.5", "is a Python keyword"),
+        ("class=1", "is a Python keyword"),
+        ("None=1", "is a Python keyword"),
+        ("a-b=1", "is not a Python identifier"),
+    ],
+)
+def test_b04_keyword_parameter_names_are_refused(assignment: str, problem: str) -> None:
+    name = assignment.split("=")[0]
+    with pytest.raises(NotebookError) as info:
+        parse_parameter(assignment)
+    assert str(info.value) == f"parameter name {name!r} (in {assignment!r}) {problem}"
+    with pytest.raises(NotebookError, match=f"parameter name {name!r} {problem}"):
+        inject_parameters(_notebook(_code("x = 1")), {name: 1})
+
+
+def _injected_values(parameters: dict[str, object]) -> dict[str, object]:
+    """What the injected cell assigns, run as the kernel would run it (no imports)."""
+    injected = inject_parameters(_notebook(_code("x = 1", "parameters")), parameters)
+    namespace: dict[str, object] = {}
+    exec(injected.cells[1].source, {}, namespace)
+    return namespace
+
+
+def test_b01_nan_and_infinities_are_injected_as_floats() -> None:
+    assert parse_parameter("x=nan")[1] != parse_parameter("x=nan")[1]
+    values = _injected_values({"x": float("nan"), "up": float("inf"), "down": float("-inf")})
+    assert math.isnan(values["x"])  # type: ignore[arg-type]
+    assert (values["up"], values["down"]) == (math.inf, -math.inf)
+    source = inject_parameters(_notebook(), {"x": math.nan}).cells[0].source
+    assert source.splitlines()[-1] == "x = float('nan')"
+
+
+def test_b02_values_without_a_literal_convert_as_papermill_does() -> None:
+    import enum
+
+    import numpy as np
+
+    class Colour(enum.IntEnum):
+        RED = 1
+
+    class Name(str):
+        pass
+
+    values = _injected_values(
+        {
+            "start": datetime.date(2019, 1, 1),
+            "at": datetime.datetime(2019, 1, 1, 12, 30, tzinfo=datetime.UTC),
+            "n": np.int64(3),
+            "rate": np.float64(0.25),
+            "gone": np.float32("nan"),
+            "flag": np.bool_(True),
+            "colour": Colour.RED,
+            "name": Name("it's"),
+            "nested": {"a": [1, (2.5,), {"d": datetime.time(8, 0)}], 3: None},
+        }
+    )
+    assert values["start"] == "2019-01-01"
+    assert values["at"] == "2019-01-01T12:30:00+00:00"
+    assert [type(values[k]) for k in ("n", "rate", "flag", "colour", "name")] == [
+        int,
+        float,
+        bool,
+        int,
+        str,
+    ]
+    assert (values["n"], values["rate"], values["flag"], values["colour"]) == (3, 0.25, True, 1)
+    assert values["name"] == "it's" and math.isnan(values["gone"])  # type: ignore[arg-type]
+    assert values["nested"] == {"a": [1, (2.5,), {"d": "08:00:00"}], 3: None}
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(object(), "object"), ({1, 2}, "set"), (1j, "complex"), ([Path("x")], "PosixPath")],
+)
+def test_b02_values_of_other_types_are_refused_naming_the_parameter(
+    value: object, kind: str
+) -> None:
+    with pytest.raises(NotebookError) as info:
+        inject_parameters(_notebook(_code("x = 1")), {"ok": 1, "bad": value})
+    assert str(info.value).startswith(
+        f"parameter 'bad': a value of type {kind} has no Python literal form"
+    )
 
 
 def test_notebook_from_stages_tags_each_cell() -> None:

@@ -8,8 +8,12 @@ from __future__ import annotations
 import ast
 import base64
 import copy
+import datetime
 import json
+import keyword
+import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +33,7 @@ __all__ = [
     "inline_figures",
     "notebook_from_stages",
     "parse_parameter",
+    "python_literal",
     "read_notebook",
     "split_stages",
     "undeclared_parameters",
@@ -104,19 +109,18 @@ def notebook_from_stages(stages: Mapping[str, Sequence[str]]) -> NotebookNode:
 def parse_parameter(assignment: str) -> tuple[str, Any]:
     """Parse ``NAME=VALUE`` as papermill's ``-p`` does.
 
-    ``True``/``False``/``None``, integers and floats become those types; anything else is a
-    string.
+    ``True``/``False``/``None``, integers and floats (``nan`` and ``inf`` included) become those
+    types; anything else is a string.
 
     Raises:
-        NotebookError: no ``=``, or NAME is not a Python identifier.
+        NotebookError: no ``=``, or NAME is not a Python identifier or is a keyword.
     """
     name, sep, raw = assignment.partition("=")
     if not sep:
         raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
-    if not name.isidentifier():
-        raise NotebookError(
-            f"parameter name {name!r} (in {assignment!r}) is not a Python identifier"
-        )
+    problem = _parameter_name_problem(name)
+    if problem:
+        raise NotebookError(f"parameter name {name!r} (in {assignment!r}) {problem}")
     value: Any
     if raw in ("True", "False"):
         value = raw == "True"
@@ -132,6 +136,60 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
         else:
             value = raw
     return name, value
+
+
+def _parameter_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be assigned to (``"is a Python keyword"``, ...); None if it can."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return "is not a Python identifier"
+    if keyword.iskeyword(name):
+        return "is a Python keyword"
+    return None
+
+
+def python_literal(value: Any) -> str:
+    """The Python source that recreates a parameter value, as papermill's PythonTranslator
+    writes it.
+
+    None, bools, ints, strings and finite floats become their literals; NaN and the infinities
+    ``float('nan')``, ``float('inf')`` and ``float('-inf')``; lists, tuples and dicts are
+    written item by item; dates, times and datetimes become ISO 8601 strings (papermill writes
+    ``str(value)``); numpy scalars become the plain Python value they hold.
+
+    Raises:
+        NotebookError: the value (or an item in it) is of any other type, which has no
+            Python literal form.
+    """
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    # The base types' own repr: a subclass's (an IntEnum's, numpy's float64) is no literal.
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "float('nan')"
+        if math.isinf(value):
+            return "float('inf')" if value > 0 else "float('-inf')"
+        return float.__repr__(value)
+    if isinstance(value, str):
+        return str.__repr__(value)
+    if isinstance(value, list):
+        return f"[{', '.join(python_literal(item) for item in value)}]"
+    if isinstance(value, tuple):
+        items = ", ".join(python_literal(item) for item in value)
+        return f"({items},)" if len(value) == 1 else f"({items})"
+    if isinstance(value, dict):
+        pairs = (f"{python_literal(key)}: {python_literal(item)}" for key, item in value.items())
+        return f"{{{', '.join(pairs)}}}"
+    if isinstance(value, datetime.date | datetime.time):
+        return repr(value.isoformat())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):
+        return python_literal(value.item())
+    raise NotebookError(
+        f"a value of type {type(value).__name__} has no Python literal form; use None, a bool, "
+        "number, string, date, or a list, tuple or dict of those"
+    )
 
 
 def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> list[str]:
@@ -166,21 +224,24 @@ def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> 
     opens the notebook if none is) and replaces an earlier injected cell. It joins the stage of
     the parameters cell.
 
+    Values are written by `python_literal`.
+
     Raises:
-        NotebookError: a name is not an identifier, or a value has no Python literal form.
+        NotebookError: a name is not an identifier or is a keyword, or a value has no Python
+            literal form (names the parameter).
     """
     result = copy.deepcopy(notebook)
     if not parameters:
         return result
     lines = ["# Parameters"]
     for name, value in parameters.items():
-        if not name.isidentifier():
-            raise NotebookError(f"parameter name {name!r} is not a Python identifier")
-        literal = repr(value)
+        problem = _parameter_name_problem(name)
+        if problem:
+            raise NotebookError(f"parameter name {name!r} {problem}")
         try:
-            compile(literal, "<parameter>", "eval")
-        except SyntaxError:
-            raise NotebookError(f"parameter {name!r} has no Python literal form") from None
+            literal = python_literal(value)
+        except NotebookError as exc:
+            raise NotebookError(f"parameter {name!r}: {exc}") from None
         lines.append(f"{name} = {literal}")
     cells = [cell for cell in result.cells if INJECTED_TAG not in _tags(cell)]
     position = 0

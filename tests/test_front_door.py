@@ -1,0 +1,135 @@
+"""The way into a run, through the CLI and the flows: parameters, stages, kernels, timeouts.
+
+Real kernels, Prefect's real ephemeral API, the CLI as a subprocess.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from prefect_sandbox.flows import arun_notebook
+from prefect_sandbox.sandbox.errors import NotebookError
+from tests.conftest import stream_text
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", *args],
+        env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _write(path: Path, *cells: nbformat.NotebookNode, **metadata: object) -> Path:
+    notebook = nbformat.v4.new_notebook(metadata=metadata)
+    notebook.cells = list(cells)
+    nbformat.write(notebook, path)
+    return path
+
+
+def _parameters_notebook(path: Path, defaults: str, body: str) -> Path:
+    return _write(
+        path,
+        nbformat.v4.new_code_cell(defaults, metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(body),
+    )
+
+
+def _executed(run_dir: Path) -> nbformat.NotebookNode:
+    notebook = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    nbformat.validate(notebook)
+    return notebook
+
+
+async def _task_run_names(tag: str) -> list[str]:
+    """Names of the task runs of the flow run tagged ``tag``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterTags,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    async with get_client() as client:
+        (flow_run,) = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]))
+        )
+        task_runs = await client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run.id]))
+        )
+    return sorted(task_run.name for task_run in task_runs)
+
+
+def test_b01_nan_parameter_from_the_cli_is_a_float(tmp_path: Path) -> None:
+    source = _parameters_notebook(
+        tmp_path / "b01.ipynb",
+        "x = 0.0",
+        'import math\nprint("isnan", math.isnan(x), "isinf", math.isinf(x))',
+    )
+    done = _cli("run", str(source), "-p", "x=nan", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    cells = _executed(run_dir).cells
+    assert cells[1].source.splitlines()[-1] == "x = float('nan')"
+    assert stream_text(cells[2].outputs) == "isnan True isinf False\n"
+
+
+def test_b04_keyword_parameter_name_is_refused_by_the_cli(tmp_path: Path) -> None:
+    source = _parameters_notebook(tmp_path / "b04.ipynb", "alpha = 1.0", 'print("ran")')
+    done = _cli("run", str(source), "-p", "lambda=0.5", "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "prefect-sandbox: parameter name 'lambda' (in 'lambda=0.5') is a Python keyword\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+async def test_b02_a_date_is_injected_as_its_iso_string(tmp_path: Path) -> None:
+    import numpy as np
+
+    source = _parameters_notebook(
+        tmp_path / "b02.ipynb",
+        'start = "2000-01-01"\nrate = 0.1',
+        "print(type(start).__name__, start)\nprint(type(rate).__name__, rate)",
+    )
+    result = await arun_notebook(
+        notebook=str(source),
+        parameters={"start": datetime.date(2019, 1, 1), "rate": np.float64(0.25)},
+        storage=str(tmp_path / "out"),
+    )
+    assert result.status == "completed"
+    cells = _executed(Path(result.output_dir)).cells
+    assert stream_text(cells[2].outputs) == "str 2019-01-01\nfloat 0.25\n"
+
+
+async def test_b02_a_value_with_no_literal_is_refused_before_a_sandbox_starts(
+    tmp_path: Path,
+) -> None:
+    from prefect import tags
+
+    source = _parameters_notebook(tmp_path / "b02.ipynb", "start = None", "print(start)")
+    tag = f"refused-{uuid.uuid4().hex[:8]}"
+    with tags(tag), pytest.raises(NotebookError) as info:
+        await arun_notebook(
+            notebook=str(source), parameters={"start": object()}, storage=str(tmp_path / "out")
+        )
+    assert str(info.value).startswith(
+        "parameter 'start': a value of type object has no Python literal form"
+    )
+    assert await _task_run_names(tag) == []
