@@ -133,3 +133,22 @@ async def test_b02_a_value_with_no_literal_is_refused_before_a_sandbox_starts(
         "parameter 'start': a value of type object has no Python literal form"
     )
     assert await _task_run_names(tag) == []
+
+
+async def test_b09_non_ascii_headings_make_one_task_per_stage(tmp_path: Path) -> None:
+    from prefect import tags
+
+    headings = ["数据加载", "模型训练", "结果"]
+    cells = []
+    for heading, code in zip(headings, ["x = 1", "y = x + 1", "print(y)"], strict=True):
+        cells += [nbformat.v4.new_markdown_cell(f"# {heading}"), nbformat.v4.new_code_cell(code)]
+    source = _write(tmp_path / "b09.ipynb", *cells)
+    tag = f"b09-{uuid.uuid4().hex[:8]}"
+    with tags(tag):
+        result = await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
+    assert [(stage.name, stage.cell_count) for stage in result.stages] == [
+        (heading, 1) for heading in headings
+    ]
+    stage_tasks = [name for name in await _task_run_names(tag) if name.startswith("run-stage")]
+    assert stage_tasks == sorted(f"run-stage-{heading}" for heading in headings)
+    assert stream_text(_executed(Path(result.output_dir)).cells[5].outputs) == "2\n"

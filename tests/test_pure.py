@@ -341,6 +341,41 @@ def test_untagged_notebook_splits_by_top_level_heading() -> None:
     ]
 
 
+def _headed(*markdown: str) -> nbformat.NotebookNode:
+    """A notebook of markdown cells, each followed by one code cell."""
+    cells = []
+    for number, text in enumerate(markdown):
+        cells += [nbformat.v4.new_markdown_cell(text), _code(f"x{number} = {number}")]
+    return _notebook(*cells)
+
+
+def test_b09_headings_in_any_script_open_stages_with_readable_names() -> None:
+    notebook = _headed(
+        "# 数据加载",
+        "# Données *brutes*",
+        "# Donne\u0301es brutes!",
+        "# 🚀",
+        "Fit the `model`\n===============",
+    )
+    assert [s.name for s in split_stages(notebook)] == [
+        "数据加载",
+        "données-brutes",
+        "données-brutes-2",
+        "heading-4",
+        "fit-the-model",
+    ]
+
+
+def test_hash_lines_in_code_blocks_of_markdown_are_not_headings() -> None:
+    notebook = _headed(
+        "# Load",
+        "Run:\n\n```sh\n# install first\npip install x\n```",
+        "Or:\n\n    # indented code\n",
+        "#hashtag, no space",
+    )
+    assert [(s.name, len(s.cells)) for s in split_stages(notebook)] == [("load", 4)]
+
+
 def test_non_consecutive_stage_names_the_cell() -> None:
     notebook = _notebook(_code("1", "stage:a"), _code("2", "stage:b"), _code("3", "stage:a"))
     with pytest.raises(NotebookError, match="cell 2") as info:

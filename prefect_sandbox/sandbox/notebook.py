@@ -9,16 +9,19 @@ import ast
 import base64
 import copy
 import datetime
+import itertools
 import json
 import keyword
 import math
 import re
 import sys
+import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import nbformat
+from markdown_it import MarkdownIt
 from nbformat import NotebookNode
 from pydantic import BaseModel, Field
 
@@ -264,9 +267,12 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
     """Split a notebook's code cells into stages.
 
     If any cell carries a ``stage:<name>`` tag, a cell's stage is its tag, else that of the cell
-    before it. Otherwise each top-level markdown heading (``# Title``) opens a stage named by
-    its slug. Code cells before the first stage form a stage named ``setup``. Cells tagged
-    ``skip-execution`` are left out, as nbclient skips them.
+    before it. Otherwise each markdown cell's first top-level heading (``# Title``, in any
+    script; CommonMark, so not a ``#`` line in a code block) opens a stage named by its slug:
+    ``# Données brutes`` -> ``données-brutes``, ``# 数据加载`` -> ``数据加载``, a heading with
+    no letters or digits ``heading-<n>`` (its number among the headings); a slug seen before
+    gets ``-2``, ``-3``... Code cells before the first stage form a stage named ``setup``.
+    Cells tagged ``skip-execution`` are left out, as nbclient skips them.
 
     Returns:
         The stages in notebook order, empty stages left out.
@@ -279,14 +285,17 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
     stages: list[StageSpec] = []
     current = LEADING_STAGE
     seen_headings: dict[str, int] = {}
+    headings = 0
     for index, cell in enumerate(notebook.cells):
         if tagged:
             current = _stage_tag(cell, index) or current
         elif cell.cell_type == "markdown":
             heading = _top_heading(cell.source)
             if heading is not None:
-                count = seen_headings[heading] = seen_headings.get(heading, 0) + 1
-                current = heading if count == 1 else f"{heading}-{count}"
+                headings += 1
+                slug = _slug(heading) or f"heading-{headings}"
+                count = seen_headings[slug] = seen_headings.get(slug, 0) + 1
+                current = slug if count == 1 else f"{slug}-{count}"
         if cell.cell_type != "code" or not cell.source.strip() or SKIP_TAG in _tags(cell):
             continue
         spec = CellSpec(index=index, source=cell.source, tags=_tags(cell))
@@ -324,12 +333,32 @@ def _check_stage_name(name: str, index: int | None) -> None:
         raise NotebookError(f"{where} has an empty stage name", cell_index=index)
 
 
+_MARKDOWN = MarkdownIt("commonmark")
+_TEXT_TOKENS = {"text": "", "code_inline": "", "image": "", "softbreak": " ", "hardbreak": " "}
+
+
 def _top_heading(markdown: str) -> str | None:
-    for line in markdown.splitlines():
-        if line.startswith("# "):
-            slug = re.sub(r"[^a-z0-9]+", "-", line[2:].strip().lower()).strip("-")
-            return slug or None
+    """The text of the first top-level heading of a markdown cell, or None if it has none.
+
+    Parsed as CommonMark: ``# Title`` and setext headings count, ``#`` lines in fenced or
+    indented code do not; emphasis, code and link markup are dropped, leaving the words.
+    """
+    tokens = _MARKDOWN.parse(markdown)
+    for opening, inline in itertools.pairwise(tokens):
+        if opening.type == "heading_open" and opening.tag == "h1":
+            return "".join(
+                child.content or _TEXT_TOKENS[child.type]
+                for child in inline.children or []
+                if child.type in _TEXT_TOKENS
+            )
     return None
+
+
+def _slug(heading: str) -> str:
+    """A heading as a stage name: lower case, letters and digits of any script kept, each run
+    of anything else one ``-`` (``"Données brutes!"`` -> ``"données-brutes"``)."""
+    words = unicodedata.normalize("NFC", heading).lower()
+    return re.sub(r"[\W_]+", "-", words).strip("-")
 
 
 INLINE_FIGURES_DIR = "inline-figures"
