@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import subprocess
 import sys
 import uuid
@@ -152,3 +153,42 @@ async def test_b09_non_ascii_headings_make_one_task_per_stage(tmp_path: Path) ->
     stage_tasks = [name for name in await _task_run_names(tag) if name.startswith("run-stage")]
     assert stage_tasks == sorted(f"run-stage-{heading}" for heading in headings)
     assert stream_text(_executed(Path(result.output_dir)).cells[5].outputs) == "2\n"
+
+
+def test_a_notebook_for_another_language_is_refused_by_the_cli(tmp_path: Path) -> None:
+    r_spec = {"name": "ir", "display_name": "R", "language": "R"}
+    source = _write(tmp_path / "r.ipynb", nbformat.v4.new_code_cell("x <- 1"), kernelspec=r_spec)
+    done = _cli("run", "r.ipynb", "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"prefect-sandbox: notebook {source.name!r} is written for kernel 'ir' in 'R'; "
+        "prefect-sandbox runs Python notebooks only\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+async def test_the_executed_notebook_names_the_kernel_that_ran_it(tmp_path: Path) -> None:
+    old = {"name": "python3", "display_name": "Python 3.6 (old)", "language": "python"}
+    source = _write(
+        tmp_path / "old.ipynb",
+        nbformat.v4.new_code_cell("import sys; print(sys.version_info[0])"),
+        kernelspec=old,
+        language_info={"name": "python", "version": "3.6.0"},
+    )
+    result = await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
+    metadata = _executed(Path(result.output_dir)).metadata
+    assert metadata["language_info"]["version"] == platform.python_version()
+    assert metadata["language_info"]["name"] == "python"
+    assert metadata["kernelspec"]["language"] == "python"
+    assert metadata["kernelspec"]["display_name"] != old["display_name"]
+    with pytest.raises(NotebookError, match="prefect-sandbox runs Python notebooks only"):
+        await arun_notebook(
+            notebook=str(
+                _write(
+                    tmp_path / "julia.ipynb",
+                    nbformat.v4.new_code_cell("x = 1"),
+                    language_info={"name": "julia"},
+                )
+            ),
+            storage=str(tmp_path / "out"),
+        )

@@ -218,6 +218,23 @@ async def test_workdir_root_and_unknown_kernel(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "home") == []
 
 
+async def test_a_kernel_that_is_not_python_is_refused_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec_dir = tmp_path / "jupyter" / "kernels" / "ir"
+    spec_dir.mkdir(parents=True)
+    started = tmp_path / "started"
+    spec = {"argv": ["touch", str(started)], "display_name": "R", "language": "R"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    with pytest.raises(SandboxError) as info:
+        await LocalKernelSandbox.create(
+            LocalKernelConfig(kernel_name="ir", workdir_root=tmp_path / "home")
+        )
+    assert str(info.value) == "Jupyter kernel 'ir' runs 'R', not Python (setting kernel_name)"
+    assert not started.exists() and os.listdir(tmp_path / "home") == []
+
+
 async def test_a_flood_of_stdout_reaches_the_client_in_bounded_messages() -> None:
     # ipykernel alone would send this cell's 16 MB as one message (it flushes every 0.2 s).
     box = await LocalKernelSandbox.create(LocalKernelConfig())

@@ -376,6 +376,36 @@ def test_hash_lines_in_code_blocks_of_markdown_are_not_headings() -> None:
     assert [(s.name, len(s.cells)) for s in split_stages(notebook)] == [("load", 4)]
 
 
+@pytest.mark.parametrize(
+    ("metadata", "refusal"),
+    [
+        (
+            {"kernelspec": {"name": "ir", "display_name": "R", "language": "R"}},
+            "is written for kernel 'ir' in 'R'",
+        ),
+        ({"language_info": {"name": "julia"}}, "is written for a kernel in 'julia'"),
+        ({"kernelspec": {"name": "python3", "display_name": "P", "language": "python"}}, None),
+        ({"language_info": {"name": "python", "version": "3.6.0"}}, None),
+        ({}, None),
+    ],
+)
+def test_notebooks_for_other_languages_are_refused_naming_the_kernel(
+    tmp_path: Path, metadata: dict[str, object], refusal: str | None
+) -> None:
+    from prefect_sandbox.sandbox.notebook import read_notebook
+
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(metadata=metadata), path)
+    if refusal is None:
+        assert read_notebook(path).metadata == metadata
+        return
+    with pytest.raises(NotebookError) as info:
+        read_notebook(path)
+    assert str(info.value) == (
+        f"notebook {str(path)!r} {refusal}; prefect-sandbox runs Python notebooks only"
+    )
+
+
 def test_non_consecutive_stage_names_the_cell() -> None:
     notebook = _notebook(_code("1", "stage:a"), _code("2", "stage:b"), _code("3", "stage:a"))
     with pytest.raises(NotebookError, match="cell 2") as info:

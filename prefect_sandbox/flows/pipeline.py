@@ -179,6 +179,8 @@ async def _run_pipeline(
         try:
             handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
             executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
+            if handle.kernel is not None:
+                executed.set_kernel(handle.kernel)
             try:
                 try:
                     if inputs:

@@ -17,16 +17,56 @@ from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 __all__ = [
     "CellError",
     "CellResult",
+    "KernelInfo",
     "OutputCallback",
     "RemoteFile",
     "Sandbox",
     "SandboxConfig",
     "SandboxHandle",
+    "is_python_language",
 ]
 
 OutputCallback = Callable[[dict[str, Any]], None]
 """Called with nbformat output dicts as they arrive from the kernel, before the cell's outputs
 are coalesced and capped; stream text that arrived back to back may come merged into one."""
+
+
+_PYTHON_LANGUAGES = {"python", "python2", "python3", "ipython"}
+
+
+def is_python_language(language: str) -> bool:
+    """Whether a kernelspec's ``language`` or a ``language_info`` ``name`` means Python.
+
+    Every backend runs Python cells only: parameters are injected, and outputs gathered, as
+    Python.
+    """
+    return language.strip().lower() in _PYTHON_LANGUAGES
+
+
+class KernelInfo(BaseModel):
+    """The kernel that runs a sandbox's cells, in the terms of a notebook's metadata.
+
+    Attributes:
+        kernelspec: nbformat's ``metadata.kernelspec``: ``name``, ``display_name`` and
+            ``language``.
+        language_info: nbformat's ``metadata.language_info``: at least ``name``; the local
+            kernel's own kernel_info reply also gives ``version``, ``mimetype`` and more.
+    """
+
+    kernelspec: dict[str, str]
+    language_info: dict[str, Any]
+
+    @classmethod
+    def python(cls, display_name: str) -> KernelInfo:
+        """A Python 3 kernel known by no more than its language, as a remote backend knows it.
+
+        Args:
+            display_name: the kernelspec's ``display_name``, e.g. ``"Python 3 (E2B)"``.
+        """
+        return cls(
+            kernelspec={"name": "python3", "display_name": display_name, "language": "python"},
+            language_info={"name": "python"},
+        )
 
 
 class SandboxHandle(BaseModel):
@@ -42,6 +82,8 @@ class SandboxHandle(BaseModel):
         workdir: the sandbox's working directory, as a path inside the sandbox.
         labels: labels the sandbox was created with (flow run id and name, our marker).
         connection: backend-specific details needed to reach the sandbox again.
+        kernel: the kernel that runs its cells, as the backend knows it when the sandbox is
+            made; None from handles that listings rebuilt.
     """
 
     backend: str
@@ -49,6 +91,7 @@ class SandboxHandle(BaseModel):
     workdir: str
     labels: dict[str, str] = Field(default_factory=dict)
     connection: dict[str, Any] = Field(default_factory=dict)
+    kernel: KernelInfo | None = None
 
 
 class CellError(BaseModel):

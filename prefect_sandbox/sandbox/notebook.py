@@ -25,7 +25,7 @@ from markdown_it import MarkdownIt
 from nbformat import NotebookNode
 from pydantic import BaseModel, Field
 
-from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.sandbox.base import CellResult, KernelInfo, is_python_language
 from prefect_sandbox.sandbox.errors import NotebookError
 
 __all__ = [
@@ -73,10 +73,15 @@ class StageSpec(BaseModel):
 
 
 def read_notebook(path: Path) -> NotebookNode:
-    """Read and validate a notebook file as nbformat v4.
+    """Read and validate a notebook file as nbformat v4, for a Python kernel.
+
+    A notebook whose ``kernelspec.language`` or ``language_info.name`` is another language
+    (R, Julia...) is refused rather than run as Python; one that names no language is taken
+    as Python.
 
     Raises:
-        NotebookError: the file is missing, not JSON, or not a valid notebook (names the file).
+        NotebookError: the file is missing, not JSON, not a valid notebook, or written for a
+            kernel that is not Python (names the file, and the kernel and its language).
     """
     try:
         notebook = cast(NotebookNode, nbformat.read(path, as_version=4))
@@ -85,6 +90,14 @@ def read_notebook(path: Path) -> NotebookNode:
         raise NotebookError(f"notebook {str(path)!r} does not exist") from None
     except (json.JSONDecodeError, nbformat.ValidationError, nbformat.reader.NotJSONError) as exc:
         raise NotebookError(f"notebook {str(path)!r} is not a valid notebook: {exc}") from exc
+    spec = notebook.metadata.get("kernelspec", {})
+    for language in (spec.get("language"), notebook.metadata.get("language_info", {}).get("name")):
+        if isinstance(language, str) and language and not is_python_language(language):
+            kernel = f"kernel {spec['name']!r}" if spec.get("name") else "a kernel"
+            raise NotebookError(
+                f"notebook {str(path)!r} is written for {kernel} in {language!r}; "
+                "prefect-sandbox runs Python notebooks only"
+            )
     return notebook
 
 
@@ -441,6 +454,12 @@ class ExecutedNotebook:
     def set_metadata(self, **fields: Any) -> None:
         """Record run facts (flow run, backend, sandbox id) in the notebook's metadata."""
         self.notebook.metadata.setdefault(METADATA_KEY, {}).update(fields)
+
+    def set_kernel(self, kernel: KernelInfo) -> None:
+        """Record the kernel that ran the cells as the notebook's ``kernelspec`` and
+        ``language_info``, in place of the source notebook's."""
+        self.notebook.metadata["kernelspec"] = nbformat.from_dict(kernel.kernelspec)
+        self.notebook.metadata["language_info"] = nbformat.from_dict(kernel.language_info)
 
     def write(self, path: Path) -> list[str]:
         """Validate and write the notebook, repaired if it must be.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import platform
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ import textwrap
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.sandbox.base import Sandbox
+from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxNotFoundError
 from tests.conftest import stream_text
 from tests.contract.conftest import CONTRACT_LABELS
@@ -92,3 +93,15 @@ async def test_async_with_kills_on_exit(backend: SandboxBackend) -> None:
         assert (await box.run_cell("1 + 1")).status == "ok"
     with pytest.raises(SandboxNotFoundError):
         await backend.attach(handle)
+
+
+async def test_the_handle_names_the_python_kernel_that_runs_the_cells(sandbox: Sandbox) -> None:
+    kernel = sandbox.handle.kernel
+    assert kernel is not None
+    assert (kernel.kernelspec["language"], kernel.language_info["name"]) == ("python", "python")
+    assert kernel.kernelspec["name"] and kernel.kernelspec["display_name"]
+    if sandbox.handle.backend == "local":
+        # Asked of the kernel itself: its kernel_info reply.
+        assert kernel.language_info["version"] == platform.python_version()
+    again = SandboxHandle.model_validate_json(sandbox.handle.model_dump_json())
+    assert again.kernel == kernel

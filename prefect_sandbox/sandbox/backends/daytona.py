@@ -47,6 +47,7 @@ from prefect_sandbox.sandbox.backends._daytona_runner import (
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
+    KernelInfo,
     OutputCallback,
     RemoteFile,
     Sandbox,
@@ -583,7 +584,12 @@ class DaytonaSandbox(Sandbox):
                 idempotent=True,
             )
             handle = SandboxHandle(
-                backend=BACKEND_SLUG, sandbox_id=sandbox_id, workdir=workdir, labels=all_labels
+                backend=BACKEND_SLUG,
+                sandbox_id=sandbox_id,
+                workdir=workdir,
+                labels=all_labels,
+                # A Python interpreter context with our runner; its version is not asked.
+                kernel=KernelInfo.python("Python 3 (Daytona)"),
             )
             sandbox = cls(handle, config, client, remote, None)
             await sandbox._start_interpreter()

@@ -42,6 +42,7 @@ from prefect_sandbox.sandbox.backends import import_extra
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
+    KernelInfo,
     OutputCallback,
     RemoteFile,
     Sandbox,
@@ -376,6 +377,8 @@ class E2BSandbox(Sandbox):
             sandbox_id=sdk_sandbox.sandbox_id,
             workdir=config.workdir,
             labels=dict(labels or {}),
+            # E2B's code interpreter runs a Jupyter python3 kernel; its version is not asked.
+            kernel=KernelInfo.python("Python 3 (E2B)"),
         )
         sandbox = cls(sdk_sandbox, config, handle)
         try:

@@ -37,17 +37,19 @@ from typing import Any, Literal
 import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
-from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 from jupyter_client.launcher import launch_kernel
 
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
+    KernelInfo,
     OutputCallback,
     RemoteFile,
     Sandbox,
     SandboxConfig,
     SandboxHandle,
+    is_python_language,
 )
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -228,7 +230,7 @@ class LocalKernelSandbox(Sandbox):
             The live sandbox.
 
         Raises:
-            SandboxError: the kernelspec is unknown.
+            SandboxError: the kernelspec is unknown, or its language is not Python.
             SandboxDiedError: the kernel exited during start-up.
             SandboxUnavailableError: it did not answer within ``startup_timeout_s``.
         """
@@ -260,9 +262,18 @@ class LocalKernelSandbox(Sandbox):
             kernel_name=config.kernel_name,
         )
         try:
-            _launch(handle, config)
+            spec = _launch(handle, config)
             sandbox = cls(handle, config, _new_client(runtime_dir))
             await sandbox._handshake()
+            kernelspec = {
+                "name": config.kernel_name,
+                "display_name": spec.display_name,
+                "language": spec.language,
+            }
+            language_info = await sandbox._language_info()
+            sandbox._handle = handle.model_copy(
+                update={"kernel": KernelInfo(kernelspec=kernelspec, language_info=language_info)}
+            )
         except BaseException:
             await asyncio.to_thread(_destroy, handle)
             raise
@@ -405,7 +416,7 @@ class LocalKernelSandbox(Sandbox):
         if state_lost:
             reply: dict[str, Any] = {}
         else:
-            reply = (reply_msg or await self._execute_reply(msg_id))["content"]
+            reply = (reply_msg or await self._shell_reply(msg_id, "execute_reply"))["content"]
         duration_s = time.monotonic() - start
         if _asked_to_exit(reply):
             await self._wait_for_exit()
@@ -498,7 +509,13 @@ class LocalKernelSandbox(Sandbox):
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
 
-    async def _execute_reply(self, msg_id: str) -> dict[str, Any]:
+    async def _language_info(self) -> dict[str, Any]:
+        """The kernel's ``language_info``, from its answer to a kernel_info request."""
+        reply = await self._shell_reply(self._client.kernel_info(), "kernel_info_reply")
+        return dict(reply["content"].get("language_info") or {})
+
+    async def _shell_reply(self, msg_id: str, kind: str) -> dict[str, Any]:
+        """The reply (of type ``kind``) to request ``msg_id``, within `_REPLY_WAIT_S`."""
         deadline = time.monotonic() + _REPLY_WAIT_S
         while True:
             try:
@@ -507,8 +524,8 @@ class LocalKernelSandbox(Sandbox):
                 self._check_alive()
                 if time.monotonic() >= deadline:
                     raise SandboxError(
-                        f"sandbox {self._handle.sandbox_id}: kernel went idle but sent no "
-                        "execute_reply",
+                        f"sandbox {self._handle.sandbox_id}: kernel sent no {kind} within "
+                        f"{_REPLY_WAIT_S} s",
                         sandbox_id=self._handle.sandbox_id,
                     ) from None
                 continue
@@ -663,8 +680,15 @@ def _kernel_env(
     return env
 
 
-def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
-    """Start the kernel process for ``handle`` and record its pid."""
+def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
+    """Start the kernel process for ``handle`` and record its pid.
+
+    Returns:
+        The kernelspec it was started from.
+
+    Raises:
+        SandboxError: no kernelspec has that name, or its language is not Python.
+    """
     runtime_dir = Path(handle.connection["runtime_dir"])
     startup = runtime_dir / "ipython" / "profile_default" / "startup" / "00-prefect-sandbox.py"
     startup.parent.mkdir(parents=True, exist_ok=True)
@@ -675,6 +699,11 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
         raise SandboxError(
             f"no Jupyter kernel named {config.kernel_name!r} (setting kernel_name)"
         ) from None
+    if not is_python_language(spec.language):
+        raise SandboxError(
+            f"Jupyter kernel {config.kernel_name!r} runs {spec.language!r}, not Python "
+            "(setting kernel_name)"
+        )
     connection_file = str(runtime_dir / "connection.json")
     cmd = [arg.replace("{connection_file}", connection_file) for arg in spec.argv]
     # As jupyter_client's KernelManager does: a bare "python" means this interpreter.
@@ -699,6 +728,7 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    return spec
 
 
 def _apply_limits(pid: int, config: LocalKernelConfig) -> None:
