@@ -3,7 +3,7 @@
 ``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona] [--backend-block NAME]
 [--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
 [--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
-[--cell-timeout SECONDS]`` runs the ``run-notebook`` flow and writes
+[--cell-timeout SECONDS|-1]`` runs the ``run-notebook`` flow and writes
 ``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
 the flow-run name's slug and 8 hex digits of its id):
 ``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
@@ -81,7 +81,11 @@ def _parser() -> argparse.ArgumentParser:
         help="notebook parameter, typed as papermill's -p does",
     )
     run.add_argument(
-        "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
+        "--cell-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="per-cell timeout; -1 for none (default: the backend's)",
     )
     return parser
 
@@ -149,11 +153,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, found before any flow starts; None if nothing."""
+    from prefect_sandbox.sandbox.base import checked_timeout_s
     from prefect_sandbox.sandbox.errors import UnsafePathError
     from prefect_sandbox.sandbox.paths import checked_relative_path
 
-    if args.cell_timeout is not None and args.cell_timeout <= 0:
-        return "--cell-timeout must be positive"
+    try:
+        checked_timeout_s(args.cell_timeout, "--cell-timeout")
+    except ValueError as exc:
+        return str(exc)
     if args.backend == "daytona":
         try:
             import daytona  # noqa: F401

@@ -465,7 +465,10 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
         (["--input", "no/such.csv"], "--input 'no/such.csv' does not exist"),
         (["--out", str(source)], f"--out {str(source)!r} is not a folder"),
-        (["--cell-timeout", "0"], "--cell-timeout must be positive"),
+        (
+            ["--cell-timeout", "0"],
+            "--cell-timeout must be a positive number of seconds, or -1 for no timeout; got 0",
+        ),
         (["--artifact", "../x"], "--artifact path '../x' leaves the working directory"),
         (
             ["--artifact", "/etc/passwd"],

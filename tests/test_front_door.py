@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from prefect_sandbox.flows import arun_notebook
+from prefect_sandbox.flows import amodeling_pipeline, arun_notebook
 from prefect_sandbox.sandbox.errors import NotebookError
 from tests.conftest import stream_text
 
@@ -192,3 +192,44 @@ async def test_the_executed_notebook_names_the_kernel_that_ran_it(tmp_path: Path
             ),
             storage=str(tmp_path / "out"),
         )
+
+
+@pytest.mark.parametrize("bad", ["nan", "0", "-2", "inf"])
+def test_b13_a_cell_timeout_that_is_no_duration_is_refused_by_the_cli(
+    tmp_path: Path, bad: str
+) -> None:
+    source = _write(tmp_path / "nb.ipynb", nbformat.v4.new_code_cell("x = 1"))
+    done = _cli("run", str(source), "--cell-timeout", bad, "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "prefect-sandbox: --cell-timeout must be a positive number of seconds, "
+        f"or -1 for no timeout; got {float(bad):g}\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+async def test_b13_cell_timeout_minus_one_is_no_timeout_and_zero_is_refused_up_front(
+    tmp_path: Path,
+) -> None:
+    from prefect import tags
+
+    result = await amodeling_pipeline(
+        stages={"s": ["print('hello')"]}, storage=str(tmp_path / "out"), cell_timeout_s=-1
+    )
+    assert result.status == "completed"
+    cells = _executed(Path(result.output_dir)).cells
+    assert stream_text(cells[0].outputs) == "hello\n"
+    source = _write(tmp_path / "nb.ipynb", nbformat.v4.new_code_cell("x = 1"))
+    for bad in (0, -3, float("nan")):
+        tag = f"b13-{uuid.uuid4().hex[:8]}"
+        with tags(tag), pytest.raises(ValueError) as info:
+            await amodeling_pipeline(
+                stages={"s": ["print('hello')"]}, storage=str(tmp_path / "bad"), cell_timeout_s=bad
+            )
+        assert str(info.value).startswith("cell_timeout_s must be a positive number of seconds")
+        assert await _task_run_names(tag) == []
+        with pytest.raises(ValueError, match="cell_timeout_s must be a positive number"):
+            await arun_notebook(
+                notebook=str(source), storage=str(tmp_path / "bad"), cell_timeout_s=bad
+            )
+    assert not (tmp_path / "bad").exists()

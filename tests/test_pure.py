@@ -551,6 +551,26 @@ def test_b02_values_of_other_types_are_refused_naming_the_parameter(
     )
 
 
+@pytest.mark.parametrize("bad", [0, -2, -1.5, math.nan, math.inf])
+def test_b13_cell_timeouts_are_positive_or_minus_one(bad: float) -> None:
+    from prefect_sandbox import LocalKernelBackend
+    from prefect_sandbox.sandbox.base import checked_timeout_s
+
+    assert (checked_timeout_s(2.5), checked_timeout_s(-1), checked_timeout_s(None)) == (
+        2.5,
+        None,
+        None,
+    )
+    with pytest.raises(ValueError) as info:
+        checked_timeout_s(bad, "cell_timeout_s")
+    assert str(info.value) == (
+        f"cell_timeout_s must be a positive number of seconds, or -1 for no timeout; got {bad:g}"
+    )
+    with pytest.raises(ValueError, match="cell_timeout_s must be a positive number"):
+        LocalKernelBackend(cell_timeout_s=bad)
+    assert LocalKernelBackend(cell_timeout_s=-1).cell_timeout_s == -1
+
+
 def test_notebook_from_stages_tags_each_cell() -> None:
     notebook = notebook_from_stages({"a": ["x = 1", "x"], "b": ["y = 2"]})
     nbformat.validate(notebook)

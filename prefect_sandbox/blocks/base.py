@@ -7,9 +7,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from prefect_sandbox.sandbox.base import Sandbox, SandboxConfig, SandboxHandle
+from prefect_sandbox.sandbox.base import (
+    Sandbox,
+    SandboxConfig,
+    SandboxHandle,
+    checked_timeout_s,
+)
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = ["SandboxBackend"]
@@ -29,9 +34,8 @@ class SandboxBackend(Block, ABC):
 
     cell_timeout_s: float | None = Field(
         default=600.0,
-        gt=0,
         title="Default cell timeout (s)",
-        description="Seconds a cell may run before it is interrupted; empty for no limit.",
+        description="Seconds a cell may run before it is interrupted; -1 or empty for no limit.",
     )
 
     max_output_bytes: int | None = Field(
@@ -57,6 +61,12 @@ class SandboxBackend(Block, ABC):
             "interrupt_grace_s": self.interrupt_grace_s,
             "max_output_bytes": self.max_output_bytes,
         }
+
+    @field_validator("cell_timeout_s")
+    @classmethod
+    def _check_cell_timeout(cls, value: float | None) -> float | None:
+        checked_timeout_s(value, "cell_timeout_s")
+        return value
 
     @abstractmethod
     def _config(self) -> SandboxConfig:

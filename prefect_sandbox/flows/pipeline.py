@@ -40,6 +40,7 @@ from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
+from prefect_sandbox.sandbox.base import checked_timeout_s
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     PipelineFailedError,
@@ -310,15 +311,19 @@ async def arun_notebook(
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
             local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
             name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
-        cell_timeout_s: Seconds each cell may run; the backend's default when empty.
+        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's default
+            when empty.
 
     Returns:
         The run's `PipelineResult`.
 
     Raises:
+        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
+            (before any sandbox starts).
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
         PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
     """
+    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     original = read_notebook(Path(notebook))
     source = inject_parameters(original, parameters or {})
     unknown = undeclared_parameters(original, parameters or {})
@@ -369,15 +374,19 @@ async def amodeling_pipeline(
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
             local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
             name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
-        cell_timeout_s: Seconds each cell may run; the backend's default when empty.
+        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's default
+            when empty.
 
     Returns:
         The run's `PipelineResult`.
 
     Raises:
+        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
+            (before any sandbox starts).
         NotebookError: a stage is empty or unnamed.
         PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
     """
+    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     source = notebook_from_stages(stages)
     return await _run_pipeline(
         source,

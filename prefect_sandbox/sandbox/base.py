@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = [
+    "NO_TIMEOUT",
     "CellError",
     "CellResult",
     "KernelInfo",
@@ -23,12 +25,40 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxHandle",
+    "checked_timeout_s",
     "is_python_language",
 ]
 
 OutputCallback = Callable[[dict[str, Any]], None]
 """Called with nbformat output dicts as they arrive from the kernel, before the cell's outputs
 are coalesced and capped; stream text that arrived back to back may come merged into one."""
+
+
+NO_TIMEOUT = -1
+"""A cell timeout of -1 means no deadline, as in nbclient; ``None`` means no deadline for a
+`Sandbox`, and "the backend's default" for the flows, the CLI and `run_stage`."""
+
+
+def checked_timeout_s(timeout_s: float | None, name: str = "timeout_s") -> float | None:
+    """Check a cell timeout and give the deadline it sets.
+
+    Args:
+        timeout_s: seconds (positive and finite), `NO_TIMEOUT` (-1) or None for no deadline.
+        name: what the error calls it (``cell_timeout_s``, ``--cell-timeout``).
+
+    Returns:
+        The seconds, or None for no deadline.
+
+    Raises:
+        ValueError: zero, another negative number, NaN or infinity (names ``name``).
+    """
+    if timeout_s is None or timeout_s == NO_TIMEOUT:
+        return None
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(
+            f"{name} must be a positive number of seconds, or -1 for no timeout; got {timeout_s:g}"
+        )
+    return timeout_s
 
 
 _PYTHON_LANGUAGES = {"python", "python2", "python3", "ipython"}
@@ -276,14 +306,15 @@ class Sandbox(abc.ABC):
 
         Args:
             code: the cell's source.
-            timeout_s: seconds before the cell is interrupted; None for no deadline.
+            timeout_s: seconds before the cell is interrupted; None or -1 (`NO_TIMEOUT`) for
+                no deadline (see `checked_timeout_s`).
             on_output: called with each output as it arrives.
 
         Returns:
             The cell's result; ``status`` is ``"timeout"`` when the deadline passed.
 
         Raises:
-            ValueError: ``timeout_s`` is zero or negative.
+            ValueError: ``timeout_s`` is zero, negative other than -1, NaN or infinite.
             SandboxDiedError: the sandbox's process ended before or during the cell.
             SandboxNotFoundError: the sandbox was killed or expired.
         """

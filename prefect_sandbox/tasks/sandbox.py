@@ -13,7 +13,12 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.results import CellRecord, StageResult
-from prefect_sandbox.sandbox.base import CellResult, OutputCallback, SandboxHandle
+from prefect_sandbox.sandbox.base import (
+    CellResult,
+    OutputCallback,
+    SandboxHandle,
+    checked_timeout_s,
+)
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
@@ -179,18 +184,22 @@ async def run_stage(
         backend: the backend block.
         handle: the sandbox.
         stage: the stage's cells.
-        cell_timeout_s: seconds per cell; None takes the backend's ``cell_timeout_s``.
+        cell_timeout_s: seconds per cell, -1 for no limit; None takes the backend's
+            ``cell_timeout_s``.
         allow_errors: record failing cells and go on.
 
     Returns:
         The stage's cells and their results.
 
     Raises:
+        ValueError: the timeout is zero, negative other than -1, NaN or infinite.
         CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError: a cell
             failed, or the sandbox died or expired during it; the error names the stage and cell
             and carries the partial `StageResult` as ``stage_result``.
     """
-    timeout_s = cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s
+    timeout_s = checked_timeout_s(
+        cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
+    )
     start = time.monotonic()
     records: list[CellRecord] = []
 

@@ -87,8 +87,12 @@ async def test_output_never_lands_in_the_next_cell_after_a_timeout(sandbox: Sand
 
 
 async def test_invalid_timeout_is_a_value_error(sandbox: Sandbox) -> None:
-    with pytest.raises(ValueError, match="timeout_s"):
-        await sandbox.run_cell("1", timeout_s=0)
+    for bad in (0, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            await sandbox.run_cell("1", timeout_s=bad)
+    # nbclient's convention: -1 is no deadline.
+    result = await sandbox.run_cell("print('no deadline')", timeout_s=-1)
+    assert (result.status, result.outputs[0]["text"]) == ("ok", "no deadline\n")
 
 
 async def test_timeout_in_a_worker_thread(backend: SandboxBackend, sandbox: Sandbox) -> None:

@@ -53,6 +53,7 @@ from prefect_sandbox.sandbox.base import (
     Sandbox,
     SandboxConfig,
     SandboxHandle,
+    checked_timeout_s,
 )
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -715,8 +716,7 @@ class DaytonaSandbox(Sandbox):
             SandboxUnavailableError: the connection dropped while the cell ran; the cell may
                 have run, and is not run again.
         """
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        timeout_s = checked_timeout_s(timeout_s)
         if self._ended is not None or self._context is None:
             raise self._died(self._ended or "no interpreter is running")
         sdk = import_sdk()

@@ -48,6 +48,7 @@ from prefect_sandbox.sandbox.base import (
     Sandbox,
     SandboxConfig,
     SandboxHandle,
+    checked_timeout_s,
 )
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -503,8 +504,7 @@ class E2BSandbox(Sandbox):
             SandboxNotFoundError: the sandbox expired or was killed.
             SandboxUnavailableError: the connection failed; the cell may or may not have run.
         """
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        timeout_s = checked_timeout_s(timeout_s)
         self._check_alive()
         await self._extend_lifetime(in_cell=True)
         context = await self._code_context()

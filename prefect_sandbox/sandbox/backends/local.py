@@ -49,6 +49,7 @@ from prefect_sandbox.sandbox.base import (
     Sandbox,
     SandboxConfig,
     SandboxHandle,
+    checked_timeout_s,
     is_python_language,
 )
 from prefect_sandbox.sandbox.errors import (
@@ -337,8 +338,7 @@ class LocalKernelSandbox(Sandbox):
         ``state_lost``. A cell that ends the kernel (``exit()``, ``os._exit``, a crash, the OOM
         killer) raises `SandboxDiedError` as soon as the process is seen gone.
         """
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive or None, not {timeout_s}")
+        timeout_s = checked_timeout_s(timeout_s)
         self._check_alive()
         if not self._ready:
             await self._handshake()
