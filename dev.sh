@@ -10,20 +10,29 @@ cd "$(dirname "$0")"
 venv="${PREFECT_SANDBOX_VENV:-.venv}"
 python="${PYTHON:-python3}"
 
+# Set-up progress goes to stderr, one line before each step that takes a while; pip stays quiet.
+say() {
+    echo "dev.sh: $*" >&2
+}
+
 setup() {
     if [ ! -x "$venv/bin/python" ]; then
         "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
             echo "dev.sh: Python 3.11 or newer is needed (set PYTHON=...)" >&2
             exit 2
         }
+        say "creating the virtual environment $venv"
         "$python" -m venv "$venv"
     fi
     # Reinstall only when the project's requirements changed since the last install.
     stamp="$venv/.prefect-sandbox-installed"
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        say "upgrading pip in $venv"
         "$venv/bin/python" -m pip install --quiet --upgrade pip
+        say "installing prefect-sandbox and its extras into $venv (a few minutes the first time)"
         "$venv/bin/python" -m pip install --quiet -e '.[dev]'
         touch "$stamp"
+        say "$venv is ready"
     fi
 }
 

@@ -1,0 +1,72 @@
+"""Getting the project onto a machine: `dev.sh`'s set-up and the README's install commands."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+# Stands in for python3 and the venv's python: logs what it is asked, makes a "venv" holding a
+# copy of itself, and succeeds, so dev.sh's set-up runs without installing anything.
+_STAND_IN_PYTHON = """#!/bin/sh
+echo "$*" >> "$CALLS_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
+fi
+"""
+
+
+def _dev_sh(*args: str, python: Path, venv: Path, log: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHON": str(python),
+        "PREFECT_SANDBOX_VENV": str(venv),
+        "CALLS_LOG": str(log),
+    }
+    return subprocess.run(
+        ["sh", str(ROOT / "dev.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_dev_sh_says_what_it_is_doing_before_each_long_step(tmp_path: Path) -> None:
+    python, venv, log = tmp_path / "python3", tmp_path / "venv", tmp_path / "calls.log"
+    python.write_text(_STAND_IN_PYTHON)
+    python.chmod(0o755)
+    first = _dev_sh("lint", python=python, venv=venv, log=log)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.splitlines() == [
+        f"dev.sh: creating the virtual environment {venv}",
+        f"dev.sh: upgrading pip in {venv}",
+        f"dev.sh: installing prefect-sandbox and its extras into {venv} "
+        "(a few minutes the first time)",
+        f"dev.sh: {venv} is ready",
+    ]
+    calls = log.read_text().splitlines()
+    # Each announced step ran, in that order, pip kept quiet.
+    assert calls[1:4] == [
+        f"-m venv {venv}",
+        "-m pip install --quiet --upgrade pip",
+        "-m pip install --quiet -e .[dev]",
+    ]
+    again = _dev_sh("lint", python=python, venv=venv, log=log)
+    assert (again.returncode, again.stderr) == (0, "")
+
+
+def test_readme_installs_from_a_clone_or_a_wheel_not_the_package_index() -> None:
+    readme = (ROOT / "README.md").read_text()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    sections = dict(re.findall(r"^## (\w+).*?\n(.*?)(?=^## |\Z)", readme, re.M | re.S))
+    assert "pip install '.[e2b]'" in sections["Installing"]
+    assert f"pip install 'dist/prefect_sandbox-{version}-py3-none-any.whl[e2b]'" in readme
+    for backend in ("e2b", "daytona"):
+        section = sections["E2B" if backend == "e2b" else "Daytona"]
+        (command,) = re.findall(r"pip install '[^']*'", section)
+        assert command == f"pip install '.[{backend}]'"
