@@ -2,9 +2,10 @@
 `modeling_pipeline`.
 
 Each makes one sandbox for the flow run, uploads the inputs, runs the stages in order, downloads
-the artifacts, stores them with the executed notebook and ``summary.json``, and kills the sandbox
-in a ``finally``. A failed stage stops the pipeline; what came before is still stored and the
-flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
+the artifacts, stores them with the executed notebook and ``summary.json``, and kills the sandbox.
+The sandbox's lifetime is an async context manager, so it is killed whatever happens, before
+what was made is stored. A failed stage stops the pipeline; what came before is still stored
+and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
 sync twins run them from plain Python.
@@ -15,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import shutil
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
+from uuid import UUID
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
@@ -40,7 +43,7 @@ from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
-from prefect_sandbox.sandbox.base import checked_timeout_s
+from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     PipelineFailedError,
@@ -146,6 +149,125 @@ def _write_notebook_files(
     return [*written, EXECUTED_NOTEBOOK_NAME]
 
 
+@asynccontextmanager
+async def _flow_run_sandbox(
+    backend: SandboxBackend, labels: dict[str, str]
+) -> AsyncIterator[SandboxHandle]:
+    """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on exit,
+    whatever happened inside."""
+    handle = await create_sandbox(backend, labels)
+    try:
+        yield handle
+    finally:
+        await kill_sandbox(backend, handle)
+
+
+@dataclass
+class _PipelineRun:
+    """One pipeline run: what it has made so far, kept so that a failure still stores it."""
+
+    stages: list[StageSpec]
+    backend: SandboxBackend
+    store: ArtifactStore
+    executed: ExecutedNotebook
+    progress_id: UUID
+    stage_results: list[StageResult] = field(default_factory=list)
+    downloaded: list[str] = field(default_factory=list)
+    stored: list[StoredArtifact] = field(default_factory=list)
+    figures: dict[str, str | None] = field(default_factory=dict)
+    failure: SandboxError | None = None
+    """The first failure: a stage's, or else storing's; the flow raises from it."""
+    sandbox_id: str | None = None
+
+    async def execute(
+        self,
+        handle: SandboxHandle,
+        staging: Path,
+        *,
+        inputs: list[str],
+        artifacts: list[str],
+        cell_timeout_s: float | None,
+    ) -> None:
+        """Upload the inputs, run the stages until one fails, then download the artifacts.
+
+        A `SandboxError` on the way becomes `failure`; the artifacts are still downloaded
+        unless the sandbox itself is gone.
+        """
+        self.sandbox_id = handle.sandbox_id
+        self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
+        if handle.kernel is not None:
+            self.executed.set_kernel(handle.kernel)
+        try:
+            if inputs:
+                await upload_inputs(
+                    self.backend, handle, inputs, str(staging / "inputs"), self.store
+                )
+            for done, stage in enumerate(self.stages, start=1):
+                await self._run_stage(handle, stage, cell_timeout_s)
+                await aupdate_progress_artifact(
+                    self.progress_id,
+                    progress=100.0 * done / len(self.stages),
+                    description=f"{done} of {len(self.stages)} stage(s) done: "
+                    f"{escape_markdown(stage.name)}",
+                )
+        except SandboxError as exc:
+            self.failure = exc
+        # A sandbox that expired or was killed has no files left to collect.
+        if artifacts and not isinstance(self.failure, SandboxNotFoundError):
+            self.downloaded = await download_artifacts(
+                self.backend, handle, artifacts, str(staging / "outputs")
+            )
+
+    async def _run_stage(
+        self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
+    ) -> None:
+        try:
+            result = await run_stage(self.backend, handle, stage, cell_timeout_s)
+        except SandboxError as exc:
+            if exc.stage_result is not None:
+                self.stage_results.append(exc.stage_result)
+            raise
+        self.stage_results.append(result)
+
+    @asynccontextmanager
+    async def storing_on_exit(self, outputs: Path) -> AsyncIterator[None]:
+        """On exit, however it comes, store the executed notebook, its inline figures and the
+        downloaded artifacts from ``outputs``; a file that could not be stored becomes the
+        failure unless there already is one."""
+        try:
+            yield
+        finally:
+            outputs.mkdir(exist_ok=True)
+            written = _write_notebook_files(self.executed, self.stage_results, outputs)
+            self.stored, storage_failures = await store_artifacts(
+                str(outputs), [*self.downloaded, *written], self.store
+            )
+            self.figures = await asyncio.to_thread(_figure_urls, self.stored, self.store, outputs)
+            if storage_failures and self.failure is None:
+                self.failure = FileTransferError(
+                    f"{len(storage_failures)} artifact(s) could not be stored in "
+                    f"{self.store.location}: {'; '.join(storage_failures)}"
+                )
+
+    async def store_summary(
+        self, outputs: Path, flow_run_id: str, flow_run_name: str, duration_s: float
+    ) -> PipelineResult:
+        """The run's result, also written to ``outputs`` as ``summary.json`` and stored."""
+        result = PipelineResult(
+            flow_run_id=flow_run_id,
+            flow_run_name=flow_run_name,
+            status="failed" if self.failure else "completed",
+            stages=_summaries(self.stages, self.stage_results),
+            artifacts=self.stored,
+            output_dir=self.store.location,
+            duration_s=round(duration_s, 6),
+            error=str(self.failure) if self.failure else None,
+        )
+        (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
+        await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
+        return result
+
+
 async def _run_pipeline(
     source: NotebookNode,
     stages: list[StageSpec],
@@ -161,97 +283,45 @@ async def _run_pipeline(
         "must run inside a flow"
     )
     flow_run = context.flow_run
-    logger = get_run_logger()
     start = time.monotonic()
     store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
-    stage_results: list[StageResult] = []
-    failure: SandboxError | None = None
-    downloaded: list[str] = []
-    stored: list[StoredArtifact] = []
-    figures: dict[str, str | None] = {}
     progress_id = await acreate_progress_artifact(
         progress=0.0, description=f"0 of {len(stages)} stage(s) done"
     )
-    staging = Path(tempfile.mkdtemp(prefix="prefect-sandbox-staging-"))
-    try:
-        try:
-            handle = await create_sandbox(backend, flow_run_labels(str(flow_run.id), flow_run.name))
-            executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
-            if handle.kernel is not None:
-                executed.set_kernel(handle.kernel)
-            try:
-                try:
-                    if inputs:
-                        await upload_inputs(backend, handle, inputs, str(staging / "inputs"), store)
-                    for done, stage in enumerate(stages, start=1):
-                        try:
-                            stage_results.append(
-                                await run_stage(backend, handle, stage, cell_timeout_s)
-                            )
-                        except SandboxError as exc:
-                            if exc.stage_result is not None:
-                                stage_results.append(exc.stage_result)
-                            raise
-                        await aupdate_progress_artifact(
-                            progress_id,
-                            progress=100.0 * done / len(stages),
-                            description=f"{done} of {len(stages)} stage(s) done: "
-                            f"{escape_markdown(stage.name)}",
-                        )
-                except SandboxError as exc:
-                    failure = exc
-                # A sandbox that expired or was killed has no files left to collect.
-                if artifacts and not isinstance(failure, SandboxNotFoundError):
-                    downloaded = await download_artifacts(
-                        backend, handle, artifacts, str(staging / "outputs")
-                    )
-            finally:
-                await kill_sandbox(backend, handle)
-        finally:
-            outputs = staging / "outputs"
-            outputs.mkdir(exist_ok=True)
-            written = _write_notebook_files(executed, stage_results, outputs)
-            stored, storage_failures = await store_artifacts(
-                str(outputs), [*downloaded, *written], store
+    run = _PipelineRun(stages, backend, store, executed, progress_id)
+    labels = flow_run_labels(str(flow_run.id), flow_run.name)
+    with tempfile.TemporaryDirectory(
+        prefix="prefect-sandbox-staging-", ignore_cleanup_errors=True
+    ) as staging_dir:
+        staging = Path(staging_dir)
+        outputs = staging / "outputs"
+        # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
+        async with run.storing_on_exit(outputs), _flow_run_sandbox(backend, labels) as handle:
+            await run.execute(
+                handle, staging, inputs=inputs, artifacts=artifacts, cell_timeout_s=cell_timeout_s
             )
-            figures = await asyncio.to_thread(_figure_urls, stored, store, outputs)
-        if storage_failures and failure is None:
-            failure = FileTransferError(
-                f"{len(storage_failures)} artifact(s) could not be stored in "
-                f"{store.location}: {'; '.join(storage_failures)}"
-            )
-        error = str(failure) if failure else None
-        result = PipelineResult(
-            flow_run_id=str(flow_run.id),
-            flow_run_name=flow_run.name,
-            status="failed" if failure else "completed",
-            stages=_summaries(stages, stage_results),
-            artifacts=stored,
-            output_dir=store.location,
-            duration_s=round(time.monotonic() - start, 6),
-            error=error,
+        result = await run.store_summary(
+            outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
         )
-        (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
-        await asyncio.to_thread(store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     await acreate_markdown_artifact(
         key="pipeline-summary",
-        markdown=summary_markdown(result, figures),
+        markdown=summary_markdown(result, run.figures),
         description="Pipeline summary",
     )
-    logger.info("Stored %d file(s) and %s in %s", len(stored), SUMMARY_NAME, store.location)
-    if failure is not None:
+    get_run_logger().info(
+        "Stored %d file(s) and %s in %s", len(run.stored), SUMMARY_NAME, store.location
+    )
+    if run.failure is not None:
         raise PipelineFailedError(
-            error or "pipeline failed",
-            stage=getattr(failure, "stage", None),
-            cell_index=getattr(failure, "cell_index", None),
+            result.error or "pipeline failed",
+            stage=getattr(run.failure, "stage", None),
+            cell_index=getattr(run.failure, "cell_index", None),
             output_dir=store.location,
-            sandbox_id=handle.sandbox_id,
-        ) from failure
+            sandbox_id=run.sandbox_id,
+        ) from run.failure
     return result
 
 
