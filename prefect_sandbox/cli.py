@@ -121,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault(
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", _EPHEMERAL_STARTUP_TIMEOUT_S
     )
-    from prefect_sandbox.flows import run_notebook
-    from prefect_sandbox.sandbox.errors import PipelineFailedError, SandboxError
+    from prefect_sandbox.flows import PipelineFailedError, run_notebook
+    from prefect_sandbox.sandbox.errors import SandboxError
 
     try:
         backend = _backend(args)

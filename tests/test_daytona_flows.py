@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
-from prefect_sandbox.flows import amodeling_pipeline, arun_notebook
-from prefect_sandbox.sandbox.errors import CellTimeoutError, PipelineFailedError
+from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
+from prefect_sandbox.sandbox.errors import CellTimeoutError
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from tests.conftest import ROOT
 

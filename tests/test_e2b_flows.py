@@ -17,12 +17,8 @@ import nbformat
 import pytest
 
 from prefect_sandbox import E2BBackend, E2BCredentials
-from prefect_sandbox.flows import amodeling_pipeline, arun_notebook
-from prefect_sandbox.sandbox.errors import (
-    CellTimeoutError,
-    PipelineFailedError,
-    SandboxNotFoundError,
-)
+from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
+from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxNotFoundError
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import ROOT
 

@@ -15,9 +15,15 @@ import nbformat
 import pytest
 
 from prefect_sandbox import LocalKernelBackend
-from prefect_sandbox.flows import amodeling_pipeline, arun_notebook, modeling_pipeline, run_notebook
+from prefect_sandbox.flows import (
+    PipelineFailedError,
+    amodeling_pipeline,
+    arun_notebook,
+    modeling_pipeline,
+    run_notebook,
+)
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
-from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, PipelineFailedError
+from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
 from tests.conftest import ROOT, kernel_processes
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -155,6 +161,42 @@ async def test_h01_timeout_in_a_pipeline_names_the_cell(tmp_path: Path) -> None:
     assert cells[1].outputs[-1]["output_type"] == "error"
     assert {o.get("ename") for o in cells[1].outputs} & {"KeyboardInterrupt", "CellTimeoutError"}
     assert cells[1].metadata["prefect_sandbox"]["status"] == "timeout"
+
+
+async def test_a_kernel_dying_mid_stage_is_a_new_error_raised_from_the_backends(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={
+                "ok": ["x = 1"],
+                "die": ["print('going')", "import os; os._exit(3)", "print('never')"],
+            },
+            storage=str(tmp_path),
+        )
+    died = info.value.__cause__
+    assert isinstance(died, SandboxDiedError)
+    assert (died.stage, died.cell_index) == ("die", 2)
+    # The backend's own error is the cause, untouched: the stage's is a new one.
+    original = died.__cause__
+    assert isinstance(original, SandboxDiedError) and original is not died
+    assert original.stage is None and original.cell_index is None
+    assert str(died) == f"stage 'die', cell 2: {original}"
+    assert (died.exit_code, died.signal, died.sandbox_id) == (
+        original.exit_code,
+        original.signal,
+        original.sandbox_id,
+    )
+    assert (info.value.stage, info.value.cell_index) == ("die", 2)
+    # What the failing stage ran before the death is stored.
+    out = Path(info.value.output_dir or "")
+    cells = _cells(out / "executed.ipynb")
+    assert cells[1].outputs[0]["text"] == "going\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["status"], s["failed_cell_index"]) for s in summary["stages"]] == [
+        ("ok", None),
+        ("failed", 2),
+    ]
 
 
 async def test_h10_inline_figure_is_stored_once_as_png(tmp_path: Path) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path, PurePosixPath
 import nbformat
 import pytest
 
+from prefect_sandbox.flows.errors import PipelineFailedError
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
     NotebookError,
-    PipelineFailedError,
     SandboxDiedError,
     SandboxError,
     UnsafePathError,

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
 
-from prefect_sandbox.flows import amodeling_pipeline
-from prefect_sandbox.sandbox.errors import PipelineFailedError
+from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline
 from prefect_sandbox.testing.s3 import FaultProxy, MotoServer, access_denied
 from tests.conftest import ROOT
 

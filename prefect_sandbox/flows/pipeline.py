@@ -40,13 +40,13 @@ from prefect_aws import S3Bucket
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.flows.errors import PipelineFailedError
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
-    PipelineFailedError,
     SandboxError,
     SandboxNotFoundError,
 )
@@ -66,6 +66,7 @@ from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     download_artifacts,
     kill_sandbox,
+    partial_stage_result,
     run_stage,
     upload_inputs,
 )
@@ -224,8 +225,9 @@ class _PipelineRun:
         try:
             result = await run_stage(self.backend, handle, stage, cell_timeout_s)
         except SandboxError as exc:
-            if exc.stage_result is not None:
-                self.stage_results.append(exc.stage_result)
+            partial = partial_stage_result(exc)
+            if partial is not None:
+                self.stage_results.append(partial)
             raise
         self.stage_results.append(result)
 

@@ -12,11 +12,10 @@
     ├── UnsafePathError           a path that leaves the working directory (also a ValueError)
     ├── FileTransferError         an upload or download failed
     ├── NotebookError             a notebook or stage list that cannot be run (also a ValueError)
-    ├── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
-    └── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
+    └── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
 
-Every error keeps its structured fields through pickling, since Prefect's task runners pickle
-exceptions between threads and processes.
+Every error keeps its structured fields, and any attribute a caller added, through pickling,
+since Prefect's task runners pickle exceptions between threads and processes.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ __all__ = [
     "CellTimeoutError",
     "FileTransferError",
     "NotebookError",
-    "PipelineFailedError",
     "SandboxAuthError",
     "SandboxDiedError",
     "SandboxError",
@@ -39,10 +37,10 @@ __all__ = [
 ]
 
 
-def _rebuild(cls: type[SandboxError], message: str, fields: dict[str, Any]) -> SandboxError:
-    stage_result = fields.pop("stage_result", None)
-    error = cls(message, **fields)
-    error.stage_result = stage_result
+def _rebuild(cls: type[SandboxError], args: tuple[Any, ...]) -> SandboxError:
+    # Without __init__: pickle then restores every attribute, whatever the class's signature.
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError's __new__ (TimeoutError's base) leaves args to __init__
     return error
 
 
@@ -54,17 +52,13 @@ class SandboxError(Exception):
         sandbox_id: the sandbox concerned, when known.
     """
 
-    stage_result: Any = None
-    """What the failing stage produced before the error (a ``StageResult``), when known."""
-
     def __init__(self, message: str, *, sandbox_id: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.sandbox_id = sandbox_id
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fields = {key: value for key, value in vars(self).items() if key != "message"}
-        return (_rebuild, (type(self), self.message, fields))
+        return (_rebuild, (type(self), self.args), vars(self))
 
     def __str__(self) -> str:
         return self.message
@@ -265,28 +259,3 @@ class BackendNotInstalledError(SandboxError, ImportError):
     def __init__(self, message: str, *, extra: str = "", sandbox_id: str | None = None) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.extra = extra
-
-
-class PipelineFailedError(SandboxError):
-    """A pipeline stopped at a failing stage; what it produced before was stored.
-
-    Args:
-        message: one line: stage, cell index and the exception.
-        stage: the stage that failed.
-        cell_index: 0-based index of the failing cell in the notebook.
-        output_dir: where the partial notebook, artifacts and summary were stored.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        stage: str | None = None,
-        cell_index: int | None = None,
-        output_dir: str | None = None,
-        sandbox_id: str | None = None,
-    ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
-        self.stage = stage
-        self.cell_index = cell_index
-        self.output_dir = output_dir

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -36,12 +36,17 @@ __all__ = [
     "create_sandbox",
     "download_artifacts",
     "kill_sandbox",
+    "partial_stage_result",
     "run_stage",
     "upload_inputs",
 ]
 
 RAISES_EXCEPTION_TAG = "raises-exception"
 _LOG_TEXT_LIMIT = 4000
+# Where a stage's error carries the stage's partial result: the core's errors know no stages.
+_PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
+
+E = TypeVar("E", bound=SandboxError)
 
 
 @task(name="create-sandbox", cache_policy=NO_CACHE)
@@ -142,11 +147,48 @@ def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> Outp
     return log
 
 
+def partial_stage_result(error: BaseException) -> StageResult | None:
+    """What a stage produced before ``error``, when `run_stage` raised it; else None.
+
+    The pipeline flows read it to store the cells that ran before the failing one.
+    """
+    partial = vars(error).get(_PARTIAL_STAGE_ATTRIBUTE)
+    return partial if isinstance(partial, StageResult) else None
+
+
+def _with_partial_stage(error: E, partial: StageResult) -> E:
+    """``error``, new from this module, carrying its stage's partial result (which survives
+    pickling: a `SandboxError` keeps every attribute)."""
+    vars(error)[_PARTIAL_STAGE_ATTRIBUTE] = partial
+    return error
+
+
+def _where(stage: str, cell: CellSpec) -> str:
+    return f"stage {stage!r}, cell {cell.index}"
+
+
+def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError:
+    """A new error like ``exc`` (the sandbox died or is gone) naming the stage and cell."""
+    message = f"{_where(stage, cell)}: {exc.message}"
+    if isinstance(exc, SandboxDiedError):
+        return SandboxDiedError(
+            message,
+            exit_code=exc.exit_code,
+            signal=exc.signal,
+            stage=stage,
+            cell_index=cell.index,
+            sandbox_id=exc.sandbox_id,
+        )
+    return SandboxNotFoundError(
+        message, stage=stage, cell_index=cell.index, sandbox_id=exc.sandbox_id
+    )
+
+
 def _cell_failure(
     stage: str, cell: CellSpec, result: CellResult, timeout_s: float | None
 ) -> SandboxError:
     assert result.error is not None
-    where = f"stage {stage!r}, cell {cell.index}"
+    where = _where(stage, cell)
     if result.status == "timeout":
         what = "restarted the kernel, state lost" if result.state_lost else "interrupted"
         return CellTimeoutError(
@@ -194,8 +236,9 @@ async def run_stage(
     Raises:
         ValueError: the timeout is zero, negative other than -1, NaN or infinite.
         CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError: a cell
-            failed, or the sandbox died or expired during it; the error names the stage and cell
-            and carries the partial `StageResult` as ``stage_result``.
+            failed, or the sandbox died or expired during it (raised from the backend's error);
+            the error names the stage and cell, and `partial_stage_result` reads from it what
+            the stage produced before.
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -227,18 +270,14 @@ async def run_stage(
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
             except (SandboxDiedError, SandboxNotFoundError) as exc:
-                exc.stage, exc.cell_index = stage.name, cell.index
-                exc.message = f"stage {stage.name!r}, cell {cell.index}: {exc.message}"
-                exc.args = (exc.message,)
-                exc.stage_result = stage_result(cell, None)
-                raise
+                lost = _lost_in_cell(stage.name, cell, exc)
+                raise _with_partial_stage(lost, stage_result(cell, None)) from exc
             records.append(CellRecord(index=cell.index, result=result))
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
             error = _cell_failure(stage.name, cell, result, timeout_s)
-            error.stage_result = stage_result(cell, result)
-            raise error
+            raise _with_partial_stage(error, stage_result(cell, result))
     finally:
         await sandbox.close()
     return stage_result(None, None)
