@@ -15,6 +15,12 @@ else the standard AWS environment.
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
 ``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``; ``daytona`` from ``DAYTONA_API_KEY``,
 ``DAYTONA_API_URL`` and ``DAYTONA_TARGET``.
+
+Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
+(`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
+``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
+``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
+is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from prefect_sandbox.blocks import BackendBlock
 
 __all__ = ["main"]
@@ -45,10 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
     run.add_argument("notebook", help="the .ipynb to run")
     run.add_argument(
-        "--backend", choices=["local", "e2b", "daytona"], default="local", help="sandbox backend"
+        "--backend",
+        choices=["local", "e2b", "daytona"],
+        default=None,
+        help="sandbox backend (default: the block $PREFECT_SANDBOX_BACKEND_BLOCK, else local)",
     )
     run.add_argument(
-        "--backend-block", metavar="NAME", help="a saved backend block of that kind to use"
+        "--backend-block",
+        metavar="NAME",
+        help="a saved backend block of that kind (local when no --backend) to use",
     )
     run.add_argument(
         "--input",
@@ -62,9 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--out",
-        default="prefect-sandbox-output",
+        default=None,
         metavar="DIR",
-        help="output folder, or s3://bucket/prefix",
+        help="output folder, or s3://bucket/prefix (default: $PREFECT_SANDBOX_STORAGE, else "
+        "prefect-sandbox-output)",
     )
     run.add_argument(
         "--aws-credentials",
@@ -85,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="per-cell timeout; -1 for none (default: the backend's)",
+        help="per-cell timeout; -1 for none (default: the backend block's, "
+        "$PREFECT_SANDBOX_CELL_TIMEOUT_S)",
     )
     return parser
 
@@ -101,9 +116,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
+    from pydantic import ValidationError
+
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import parse_parameter, read_notebook, split_stages
+    from prefect_sandbox.settings import PrefectSandboxSettings
 
+    try:
+        settings = PrefectSandboxSettings()
+    except ValidationError as exc:
+        return _usage_error(_settings_problem(exc))
+    if args.out is None:
+        args.out = settings.storage
     try:
         parameters = dict(parse_parameter(item) for item in args.parameter)
     except NotebookError as exc:
@@ -127,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         backend = _backend(args)
     except ValueError as exc:  # Prefect's answer to a block name it does not know
-        return _usage_error(f"--backend-block {args.backend_block!r}: {exc}")
+        where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
+        return _usage_error(f"{where}{exc}")
     try:
         result = run_notebook(
             notebook=args.notebook,
@@ -191,8 +216,23 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _backend(args: argparse.Namespace) -> BackendBlock | None:
-    """The backend block the arguments ask for; None for the flow's default (local)."""
+def _settings_problem(error: ValidationError) -> str:
+    """Which ``PREFECT_SANDBOX_*`` variables hold bad values, and why, in one line."""
+    return "; ".join(
+        f"PREFECT_SANDBOX_{'_'.join(map(str, problem['loc'])).upper()}="
+        f"{problem['input']!r}: {problem['msg']}"
+        for problem in error.errors()
+    )
+
+
+def _backend(args: argparse.Namespace) -> BackendBlock:
+    """The backend block the arguments ask for; with no ``--backend``, the flow's default,
+    chosen here so that a bad ``PREFECT_SANDBOX_BACKEND_BLOCK`` is a usage error.
+
+    Raises:
+        ValueError: a block name that Prefect does not know, or that is no backend block.
+    """
+    from prefect.utilities.asyncutils import run_coro_as_sync
     from pydantic import SecretStr
 
     from prefect_sandbox.blocks import (
@@ -202,6 +242,7 @@ def _backend(args: argparse.Namespace) -> BackendBlock | None:
         LocalKernelBackend,
         SandboxBackend,
     )
+    from prefect_sandbox.flows.hooks import default_backend
 
     kinds: dict[str, type[BackendBlock]] = {
         "local": LocalKernelBackend,
@@ -209,9 +250,11 @@ def _backend(args: argparse.Namespace) -> BackendBlock | None:
         "daytona": DaytonaBackend,
     }
     if args.backend_block:
-        loaded = kinds[args.backend].load(args.backend_block)
+        loaded = kinds[args.backend or "local"].load(args.backend_block)
         assert isinstance(loaded, SandboxBackend)
         return cast("BackendBlock", loaded)
+    if args.backend is None:
+        return cast("BackendBlock", run_coro_as_sync(default_backend()))
     if args.backend == "e2b":
         credentials = E2BCredentials(
             api_key=SecretStr(os.environ["E2B_API_KEY"]),
@@ -223,7 +266,7 @@ def _backend(args: argparse.Namespace) -> BackendBlock | None:
     if args.backend == "daytona":
         # With no credentials block, the SDK reads its DAYTONA_* variables.
         return DaytonaBackend()
-    return None
+    return LocalKernelBackend()
 
 
 def _storage(out: str, aws_credentials: str | None) -> Any:

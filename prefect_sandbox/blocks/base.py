@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prefect_sandbox.sandbox.base import (
     Sandbox,
@@ -16,6 +16,7 @@ from prefect_sandbox.sandbox.base import (
     checked_timeout_s,
 )
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSettings
 
 __all__ = ["SandboxBackend"]
 
@@ -27,13 +28,18 @@ class SandboxBackend(Block, ABC):
     Each names its `Sandbox` class and turns its fields into that class's config; the factories
     here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
     Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
+
+    ``cell_timeout_s`` and ``max_output_bytes``, when not given, take this process's
+    `PrefectSandboxSettings` (``PREFECT_SANDBOX_CELL_TIMEOUT_S``,
+    ``PREFECT_SANDBOX_MAX_OUTPUT_BYTES``) as the block is made; the defaults below are those of
+    an unset environment, and what the Prefect UI offers.
     """
 
     _sandbox_class: ClassVar[type[Sandbox]]
     """The backend's `Sandbox` class."""
 
     cell_timeout_s: float | None = Field(
-        default=600.0,
+        default=DEFAULT_CELL_TIMEOUT_S,
         title="Default cell timeout (s)",
         description="Seconds a cell may run before it is interrupted; -1 or empty for no limit.",
     )
@@ -67,6 +73,18 @@ class SandboxBackend(Block, ABC):
     def _check_cell_timeout(cls, value: float | None) -> float | None:
         checked_timeout_s(value, "cell_timeout_s")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_settings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        settings = PrefectSandboxSettings()
+        defaults = {
+            "cell_timeout_s": settings.cell_timeout_s,
+            "max_output_bytes": settings.max_output_bytes,
+        }
+        return {**defaults, **data}
 
     @abstractmethod
     def _config(self) -> SandboxConfig:

@@ -1,7 +1,8 @@
-"""Flow-run state hooks that kill a run's sandboxes by label.
+"""Flow-run state hooks that kill a run's sandboxes by label, and the backend a flow uses.
 
 ``on_cancellation`` and ``on_crashed`` hooks may run in another process that sees only the
-flow-run record, so they find sandboxes by the flow-run id label, not by a live handle.
+flow-run record, so they find sandboxes by the flow-run id label, not by a live handle, with the
+backend rebuilt from the run's ``backend`` parameter the way the flow chose it.
 """
 
 from __future__ import annotations
@@ -18,18 +19,39 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+from prefect_sandbox.settings import PrefectSandboxSettings
 
-__all__ = ["backend_from_parameter", "kill_run_sandboxes"]
+__all__ = ["backend_from_parameter", "default_backend", "kill_run_sandboxes"]
 
 logger = get_logger(__name__)
+
+
+async def default_backend() -> SandboxBackend:
+    """The backend a flow given none uses: the saved block ``PREFECT_SANDBOX_BACKEND_BLOCK``
+    names, else a local kernel.
+
+    Raises:
+        ValueError: the variable names no saved block, or one that is not a sandbox backend.
+    """
+    name = PrefectSandboxSettings().backend_block
+    if name is None:
+        return LocalKernelBackend()
+    where = f"PREFECT_SANDBOX_BACKEND_BLOCK={name!r}"
+    try:
+        block = await Block.aload(name)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    if not isinstance(block, SandboxBackend):
+        raise ValueError(f"{where} is a {type(block).__name__}, not a sandbox backend block")
+    return block
 
 
 async def backend_from_parameter(value: Any) -> SandboxBackend:
     """Rebuild the backend block from a flow run's ``backend`` parameter as stored.
 
     Args:
-        value: None (the local default), a ``{"$ref": ...}`` block reference, a block's
-            serialised fields with ``block_type_slug``, or a block.
+        value: None (the flow's default, `default_backend`), a ``{"$ref": ...}`` block
+            reference, a block's serialised fields with ``block_type_slug``, or a block.
 
     Returns:
         The backend block.
@@ -46,7 +68,7 @@ async def backend_from_parameter(value: Any) -> SandboxBackend:
         block = block_class.model_validate(fields)
         if isinstance(block, SandboxBackend):
             return block
-    return LocalKernelBackend()
+    return await default_backend()
 
 
 async def kill_run_sandboxes(flow: Flow[Any, Any], flow_run: FlowRun, state: State) -> None:

@@ -39,9 +39,8 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.errors import PipelineFailedError
-from prefect_sandbox.flows.hooks import kill_run_sandboxes
+from prefect_sandbox.flows.hooks import default_backend, kill_run_sandboxes
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
@@ -62,6 +61,7 @@ from prefect_sandbox.sandbox.notebook import (
     undeclared_parameters,
 )
 from prefect_sandbox.sandbox.paths import resolve_inside
+from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     download_artifacts,
@@ -73,7 +73,6 @@ from prefect_sandbox.tasks.sandbox import (
 from prefect_sandbox.tasks.storage import ArtifactStore, resolve_storage, store_artifacts
 
 __all__ = [
-    "DEFAULT_OUTPUT_DIR",
     "EXECUTED_NOTEBOOK_NAME",
     "SUMMARY_NAME",
     "amodeling_pipeline",
@@ -82,7 +81,6 @@ __all__ = [
     "run_notebook",
 ]
 
-DEFAULT_OUTPUT_DIR = "prefect-sandbox-output"
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
 SUMMARY_NAME = "summary.json"
 INLINE_FIGURES_BYTES = 2 << 20
@@ -276,8 +274,8 @@ async def _run_pipeline(
     *,
     inputs: list[str],
     artifacts: list[str],
-    backend: SandboxBackend,
-    storage: S3Bucket | str,
+    backend: SandboxBackend | None,
+    storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
 ) -> PipelineResult:
     context = FlowRunContext.get()
@@ -286,6 +284,10 @@ async def _run_pipeline(
     )
     flow_run = context.flow_run
     start = time.monotonic()
+    if storage is None:
+        storage = PrefectSandboxSettings().storage
+    if backend is None:
+        backend = await default_backend()
     store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
     executed = ExecutedNotebook(source)
@@ -361,7 +363,7 @@ async def arun_notebook(
     artifacts: list[str] | None = None,
     parameters: dict[str, Any] | None = None,
     backend: BackendBlock | None = None,
-    storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
+    storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
     """Run a notebook stage by stage in one sandbox and store what it made.
@@ -377,14 +379,16 @@ async def arun_notebook(
         artifacts: Glob patterns, relative to the sandbox's working directory, of files to
             collect and store afterwards, e.g. figures/*.png.
         parameters: Values injected, papermill-style, after the cell tagged 'parameters'.
-        backend: The sandbox backend block; a local Jupyter kernel when empty.
+        backend: The sandbox backend block; when empty, the saved block named by
+            PREFECT_SANDBOX_BACKEND_BLOCK, else a local Jupyter kernel.
         storage: Where files are stored: an S3Bucket block (keys
             {bucket_folder}/{flow-name}/{run-folder}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
             local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
-            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
-        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's default
-            when empty.
+            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c. When empty,
+            PREFECT_SANDBOX_STORAGE, else the folder prefect-sandbox-output.
+        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend block's
+            cell_timeout_s when empty.
 
     Returns:
         The run's `PipelineResult`.
@@ -410,7 +414,7 @@ async def arun_notebook(
         split_stages(source),
         inputs=inputs or [],
         artifacts=artifacts or [],
-        backend=backend or LocalKernelBackend(),
+        backend=backend,
         storage=storage,
         cell_timeout_s=cell_timeout_s,
     )
@@ -426,7 +430,7 @@ async def amodeling_pipeline(
     inputs: list[str] | None = None,
     artifacts: list[str] | None = None,
     backend: BackendBlock | None = None,
-    storage: S3Bucket | str = DEFAULT_OUTPUT_DIR,
+    storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
 ) -> PipelineResult:
     """Run stages of code cells in one sandbox and store what they made.
@@ -440,14 +444,16 @@ async def amodeling_pipeline(
             its name, a folder under its name with its tree.
         artifacts: Glob patterns, relative to the sandbox's working directory, of files to
             collect and store afterwards, e.g. figures/*.png.
-        backend: The sandbox backend block; a local Jupyter kernel when empty.
+        backend: The sandbox backend block; when empty, the saved block named by
+            PREFECT_SANDBOX_BACKEND_BLOCK, else a local Jupyter kernel.
         storage: Where files are stored: an S3Bucket block (keys
             {bucket_folder}/{flow-name}/{run-folder}/{path}), "s3-bucket/{name}" for a
             saved one, "s3://bucket/prefix" with credentials from the AWS environment, or a
             local folder (files in {folder}/{run-folder}/). {run-folder} is the flow-run
-            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c.
-        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's default
-            when empty.
+            name's slug and 8 hex digits of its id, e.g. happy-cat-1f2e3d4c. When empty,
+            PREFECT_SANDBOX_STORAGE, else the folder prefect-sandbox-output.
+        cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend block's
+            cell_timeout_s when empty.
 
     Returns:
         The run's `PipelineResult`.
@@ -465,7 +471,7 @@ async def amodeling_pipeline(
         split_stages(source),
         inputs=inputs or [],
         artifacts=artifacts or [],
-        backend=backend or LocalKernelBackend(),
+        backend=backend,
         storage=storage,
         cell_timeout_s=cell_timeout_s,
     )

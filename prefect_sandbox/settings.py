@@ -1,0 +1,105 @@
+"""Per-process settings, from ``PREFECT_SANDBOX_*`` environment variables (pydantic-settings).
+
+Blocks hold what a user saves per deployment; these settings hold the defaults of one process:
+the flows, the blocks and the CLI read them when they are given nothing, and an explicit
+argument (a flow parameter, a block field, a CLI flag) always wins. They are read where they
+are used, by building `PrefectSandboxSettings()` there, never at import: a variable set before
+a run counts, whatever was imported earlier. The README lists every variable.
+
+``none`` (any case) sets a limit to None: no limit (``-1`` too, for the cell timeout).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prefect_sandbox.sandbox.base import checked_timeout_s
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+
+__all__ = ["DEFAULT_CELL_TIMEOUT_S", "DEFAULT_STORAGE", "PrefectSandboxSettings"]
+
+DEFAULT_CELL_TIMEOUT_S = 600.0
+"""Seconds a cell may run when neither a block, an argument nor the environment says."""
+DEFAULT_STORAGE = "prefect-sandbox-output"
+"""The folder flows and the CLI store files under when neither they nor the environment say."""
+
+
+class PrefectSandboxSettings(BaseSettings):
+    """Defaults for one process, each read from ``PREFECT_SANDBOX_<FIELD NAME>``.
+
+    Raises:
+        pydantic.ValidationError: a variable holds a value its field refuses (it names it).
+
+    Example:
+        ```python
+        from prefect_sandbox.settings import PrefectSandboxSettings
+
+        timeout_s = PrefectSandboxSettings().cell_timeout_s
+        ```
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PREFECT_SANDBOX_", validate_default=True)
+
+    backend_block: str | None = Field(
+        default=None,
+        description=(
+            "The saved backend block the flows (and the CLI without --backend) use when given "
+            "none, as <block-type-slug>/<block-name>, e.g. e2b-sandbox/prod; unset: a local "
+            "kernel with the defaults below."
+        ),
+    )
+
+    @field_validator("backend_block")
+    @classmethod
+    def _block_slug_and_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[a-z0-9-]+/\S.*", value):
+            raise ValueError("must be <block-type-slug>/<block-name>, e.g. e2b-sandbox/prod")
+        return value
+
+    cell_timeout_s: float | None = Field(
+        default=DEFAULT_CELL_TIMEOUT_S,
+        description=(
+            "Seconds a cell may run: the default of every backend block's cell_timeout_s "
+            "(a flow's cell_timeout_s or the CLI's --cell-timeout wins over it); -1 or none: "
+            "no limit."
+        ),
+    )
+    max_output_bytes: int | None = Field(
+        default=DEFAULT_MAX_OUTPUT_BYTES,
+        gt=0,
+        description=(
+            "Cap on each cell's stored and logged output, in characters of text: the default "
+            "of every backend block's max_output_bytes; none: no cap."
+        ),
+    )
+
+    @field_validator("cell_timeout_s", "max_output_bytes", mode="before")
+    @classmethod
+    def _none_is_no_limit(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
+
+    @field_validator("cell_timeout_s")
+    @classmethod
+    def _check_cell_timeout(cls, value: float | None) -> float | None:
+        checked_timeout_s(value, "cell_timeout_s")
+        return value
+
+    storage: str = Field(
+        default=DEFAULT_STORAGE,
+        min_length=1,
+        description=(
+            "Where the flows and the CLI store files when given no storage / --out: a folder, "
+            "s3://bucket/prefix, or s3-bucket/<name> for a saved S3Bucket block."
+        ),
+    )
+    isolation: Literal["bubblewrap", "none"] = Field(
+        default="bubblewrap",
+        description=(
+            "How local kernels are isolated by default: bubblewrap (own mount, PID and network "
+            "namespaces) or none (a plain process of this user)."
+        ),
+    )
