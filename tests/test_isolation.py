@@ -377,13 +377,13 @@ async def test_the_co2_main_job_passes_isolated(
 
 
 async def test_without_bwrap_create_says_how_to_install_it_and_starts_nothing() -> None:
-    before = LocalKernelSandbox.list_handles()
     config = LocalKernelConfig(bwrap_path="/nonexistent/bwrap")
+    before = await LocalKernelSandbox.list_handles(config)
     with pytest.raises(SandboxUnavailableError) as info:
         await LocalKernelSandbox.create(config)
     assert "apt-get install bubblewrap" in str(info.value)
     assert "isolation='none'" in str(info.value)
-    assert LocalKernelSandbox.list_handles() == before
+    assert await LocalKernelSandbox.list_handles(config) == before
 
 
 async def test_a_bwrap_that_cannot_make_namespaces_is_reported(tmp_path: Path) -> None:

@@ -125,6 +125,21 @@ def sandbox_view(
         The view: system and Python paths that exist here, read-only, then ``read_only`` and
         ``writable`` as given. Paths inside another read-only path are left out.
     """
+    links, system = _system_view(interpreter)
+    return SandboxView(
+        links=links,
+        read_only=system + tuple(str(path) for path in read_only if str(path) not in system),
+        writable=tuple(str(path) for path in writable),
+        network=network,
+    )
+
+
+@functools.cache
+def _system_view(interpreter: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """The links and read-only paths of `sandbox_view` that do not depend on the sandbox.
+
+    Looked up once per process and interpreter: the system's layout does not change under us.
+    """
     links = []
     system = [Path("/usr")]
     for name in _USR_LINKS:
@@ -133,7 +148,7 @@ def sandbox_view(
             links.append((name, str(path.readlink())))
         elif path.is_dir():
             system.append(path)
-    system += [Path(name) for name in _ETC_FILES if Path(name).exists()]
+    system += [Path(name) for name in _ETC_FILES]
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     program = shutil.which(interpreter) or interpreter
     # The interpreter's prefix (``<prefix>/bin/python``), both as named and as resolved.
@@ -142,24 +157,11 @@ def sandbox_view(
             prefixes.add(str(path.parent.parent))
     python = [Path(prefix) for prefix in sorted(prefixes)]
     python += [path.resolve() for path in python]
-    kept = _outermost([*system, *python])
-    kept += [str(path) for path in read_only if str(path) not in kept]
-    return SandboxView(
-        links=tuple(links),
-        read_only=tuple(kept),
-        writable=tuple(str(path) for path in writable),
-        network=network,
-    )
-
-
-def _outermost(paths: Sequence[Path]) -> list[str]:
-    """The existing ``paths`` in order, less repeats and those inside another of them."""
-    existing = [path for path in paths if path.exists()]
-    kept: list[str] = []
-    for path in existing:
-        if not any(path == other or other in path.parents for other in map(Path, kept)):
-            kept.append(str(path))
-    return kept
+    kept: list[Path] = []
+    for path in [*system, *python]:
+        if path.exists() and not any(path.is_relative_to(other) for other in kept):
+            kept.append(path)
+    return tuple(links), tuple(str(path) for path in kept)
 
 
 def bwrap_command(bwrap_path: str, view: SandboxView, command: Sequence[str]) -> list[str]:
