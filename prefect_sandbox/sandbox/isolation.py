@@ -182,8 +182,9 @@ def bwrap_command(bwrap_path: str, view: SandboxView, command: Sequence[str]) ->
     if view.network:
         argv.append("--share-net")
     argv += ["--die-with-parent", "--cap-drop", "ALL"]
-    # ipykernel's parent poller would see its parent, bwrap's init (pid 1), as a dead parent.
-    argv += ["--unsetenv", "JPY_PARENT_PID"]
+    # The kernel's parent is bwrap's init, pid 1 in the new PID namespace; told so, ipykernel
+    # starts no parent poller (which would take an init for a dead parent and exit at once).
+    argv += ["--setenv", "JPY_PARENT_PID", "1"]
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", SANDBOX_HOME]
     for path, target in view.links:
         argv += ["--symlink", target, path]
