@@ -34,7 +34,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench_local import CELL, git_state, markdown_table, median, ms, raw_execute, verdict
+from bench_local import (
+    CELL,
+    git_state,
+    markdown_table,
+    median,
+    ms,
+    private_tmpdir,
+    raw_execute,
+    verdict,
+)
 
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.isolation import Isolation
@@ -157,20 +166,10 @@ def main() -> int:
     args = parser.parse_args()
     start_rounds, warmup, rounds, per_round = (4, 20, 2, 100) if args.quick else (12, 50, 5, 200)
     load_before = os.getloadavg()
-    private_tmp = Path(tempfile.mkdtemp(prefix="bench-isolation-"))
-    saved_tmpdir = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tempfile.tempdir = str(private_tmp)
     total_start = time.perf_counter()
-    try:
+    with private_tmpdir("bench-isolation-") as private_tmp:
         start = asyncio.run(bench_start(start_rounds, private_tmp))
         cells = asyncio.run(bench_cells(warmup, rounds, per_round, private_tmp))
-    finally:
-        tempfile.tempdir = None
-        if saved_tmpdir is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_tmpdir
-        shutil.rmtree(private_tmp, ignore_errors=True)
     total_s = time.perf_counter() - total_start
     load_after = os.getloadavg()
     rows = build_rows(start, cells)
