@@ -15,7 +15,23 @@ say() {
     echo "dev.sh: $*" >&2
 }
 
+# Local kernels run under bubblewrap by default (README, "Isolation"); install it if we may.
+ensure_bwrap() {
+    command -v bwrap >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing bubblewrap (bwrap), which isolates local kernels: apt-get install -y bubblewrap"
+        apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+            { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } ||
+            say "could not install bubblewrap; see the README's Isolation section"
+    else
+        say "bwrap not found. Local kernels run under bubblewrap by default and will not" \
+            "start without it: install it (Debian/Ubuntu: sudo apt-get install bubblewrap)," \
+            "or set isolation='none' on LocalKernelBackend knowingly"
+    fi
+}
+
 setup() {
+    ensure_bwrap
     if [ ! -x "$venv/bin/python" ]; then
         "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
             echo "dev.sh: Python 3.11 or newer is needed (set PYTHON=...)" >&2

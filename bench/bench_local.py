@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -20,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version
@@ -529,6 +530,26 @@ async def run_all(sizes: Sizes) -> dict[str, Any]:
     return {"a": a, "b": b, "c": c, "section_s": timings}
 
 
+@contextlib.contextmanager
+def private_tmpdir(prefix: str) -> Iterator[Path]:
+    """A fresh folder that TMPDIR (of this process and the kernels it starts) points at.
+
+    Removed, and TMPDIR restored, on exit.
+    """
+    private_tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    saved_tmpdir = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tempfile.tempdir = str(private_tmp)
+    try:
+        yield private_tmp
+    finally:
+        tempfile.tempdir = None  # recomputed from the restored TMPDIR on next use
+        if saved_tmpdir is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_tmpdir
+        shutil.rmtree(private_tmp, ignore_errors=True)
+
+
 def git_state() -> dict[str, Any]:
     """The commit measured and whether the working tree had local changes."""
     import subprocess
@@ -566,19 +587,9 @@ def main() -> int:
         harness_s = time.perf_counter() - total_start
         # A private temp dir (kernels inherit TMPDIR too), so the leak check sees only our
         # files; made after the harness, whose database dir is removed only at exit.
-        private_tmp = Path(tempfile.mkdtemp(prefix="bench-local-tmp-"))
-        saved_tmpdir = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = tempfile.tempdir = str(private_tmp)
-        try:
+        with private_tmpdir("bench-local-tmp-") as private_tmp:
             raw = asyncio.run(run_all(sizes))
             raw["leftovers"] = leftovers(private_tmp, connection_files_before)
-        finally:
-            tempfile.tempdir = None  # recomputed from the restored TMPDIR on next use
-            if saved_tmpdir is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved_tmpdir
-            shutil.rmtree(private_tmp, ignore_errors=True)
     total_s = time.perf_counter() - total_start
     load_after = os.getloadavg()
     rows = build_rows(raw["a"], raw["b"], raw["c"])

@@ -27,14 +27,25 @@ from prefect_sandbox.sandbox.backends.local import (
     LocalKernelSandbox,
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.isolation import Isolation
 from tests.conftest import kernel_processes, stream_text
 
 GIB = 1 << 30
 
+# Processes, signals and limits work differently under bwrap (a PID namespace, bwrap between
+# this process and the kernel): these tests run with and without it.
+both_isolations = pytest.mark.parametrize("isolation", ["bubblewrap", "none"])
+
 
 def _kernel_process(box: LocalKernelSandbox) -> psutil.Process:
+    """The ipykernel process itself (under bubblewrap, kernel.pid is bwrap's, its ancestor)."""
     pid_file = Path(box.handle.connection["runtime_dir"]) / "kernel.pid"
-    return psutil.Process(int(pid_file.read_text()))
+    launched = psutil.Process(int(pid_file.read_text()))
+    return next(
+        process
+        for process in [launched, *launched.children(recursive=True)]
+        if "ipykernel" in " ".join(process.cmdline())
+    )
 
 
 def _gone(process: psutil.Process) -> bool:
@@ -69,6 +80,8 @@ async def test_kernel_env_holds_only_what_it_was_given(monkeypatch: pytest.Monke
         "PYDEVD_USE_FRAME_EVAL",
     }
     ours = {"IPYTHONDIR"}
+    # bwrap sets PWD to the directory the kernel starts in, as a shell does.
+    ours |= {"PWD"}
     assert set(env) <= set(HOST_ENV_ALLOW_LIST) | {"MODEL_SEED"} | added_by_jupyter | ours
 
 
@@ -93,8 +106,11 @@ async def test_one_sandboxs_history_is_not_visible_in_the_next() -> None:
     )
 
 
-async def test_interrupted_kernel_is_idle_afterwards() -> None:
-    box = await LocalKernelSandbox.create(LocalKernelConfig(interrupt_grace_s=2.0))
+@both_isolations
+async def test_interrupted_kernel_is_idle_afterwards(isolation: Isolation) -> None:
+    box = await LocalKernelSandbox.create(
+        LocalKernelConfig(interrupt_grace_s=2.0, isolation=isolation)
+    )
     try:
         result = await box.run_cell("while True: pass", timeout_s=0.5)
         assert result.interrupted
@@ -104,12 +120,13 @@ async def test_interrupted_kernel_is_idle_afterwards() -> None:
         await box.kill()
 
 
-async def test_kill_takes_the_kernels_children_and_files() -> None:
+@both_isolations
+async def test_kill_takes_the_kernels_children_and_files(isolation: Isolation) -> None:
     before = {p.pid for p in kernel_processes()}
-    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    box = await LocalKernelSandbox.create(LocalKernelConfig(isolation=isolation))
     await box.run_cell("import subprocess; child = subprocess.Popen(['sleep', '300'])")
     kernel = _kernel_process(box)
-    sleeper = next(c for c in kernel.children() if c.name() == "sleep")
+    sleeper = next(c for c in kernel.children(recursive=True) if c.name() == "sleep")
     workdir = Path(box.handle.workdir)
     assert await box.kill() is True
     assert {p.pid for p in kernel_processes()} == before
@@ -118,23 +135,30 @@ async def test_kill_takes_the_kernels_children_and_files() -> None:
     assert not Path(box.handle.connection["runtime_dir"]).exists()
 
 
-async def test_a_sigkilled_flow_process_leaves_no_kernel_behind() -> None:
+@both_isolations
+async def test_a_sigkilled_flow_process_leaves_no_kernel_behind(isolation: Isolation) -> None:
     script = textwrap.dedent(
         """
-        import asyncio, json, time
+        import asyncio, json, pathlib, time
+        import psutil
         from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 
         async def main():
-            box = await LocalKernelSandbox.create(LocalKernelConfig())
+            box = await LocalKernelSandbox.create(LocalKernelConfig(isolation=ISOLATION))
             await box.run_cell("import subprocess; child = subprocess.Popen(['sleep', '300'])")
-            result = await box.run_cell("import os; print(os.getpid(), child.pid)")
             runtime_dir = box.handle.connection["runtime_dir"]
-            print(json.dumps([runtime_dir, box.handle.workdir, result.outputs[0]["text"]]))
+            # Host pids: inside its PID namespace an isolated kernel sees other numbers.
+            launched = psutil.Process(int(pathlib.Path(runtime_dir, "kernel.pid").read_text()))
+            tree = [launched, *launched.children(recursive=True)]
+            kernel = next(p for p in tree if "ipykernel" in " ".join(p.cmdline()))
+            sleeper = next(p for p in tree if p.name() == "sleep")
+            pids = f"{kernel.pid} {sleeper.pid}"
+            print(json.dumps([runtime_dir, box.handle.workdir, pids]), flush=True)
             time.sleep(300)
 
         asyncio.run(main())
         """
-    )
+    ).replace("ISOLATION", repr(isolation))
     runtime_dir = workdir = ""
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
@@ -161,8 +185,11 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-async def test_memory_bomb_ends_in_memory_error_not_a_dead_host() -> None:
-    box = await LocalKernelSandbox.create(LocalKernelConfig(memory_limit_bytes=3 * GIB))
+@both_isolations
+async def test_memory_bomb_ends_in_memory_error_not_a_dead_host(isolation: Isolation) -> None:
+    box = await LocalKernelSandbox.create(
+        LocalKernelConfig(memory_limit_bytes=3 * GIB, isolation=isolation)
+    )
     try:
         bomb = await box.run_cell("hog = bytearray(16 * 2**30)")
         assert bomb.error is not None and bomb.error.ename == "MemoryError"
@@ -171,8 +198,11 @@ async def test_memory_bomb_ends_in_memory_error_not_a_dead_host() -> None:
         await box.kill()
 
 
-async def test_cpu_time_limit_ends_the_kernel_and_says_so() -> None:
-    box = await LocalKernelSandbox.create(LocalKernelConfig(cpu_time_limit_s=3))
+@both_isolations
+async def test_cpu_time_limit_ends_the_kernel_and_says_so(isolation: Isolation) -> None:
+    box = await LocalKernelSandbox.create(
+        LocalKernelConfig(cpu_time_limit_s=3, isolation=isolation)
+    )
     try:
         start = time.monotonic()
         with pytest.raises(SandboxDiedError) as info:

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.isolation import Isolation
 
 __all__ = ["LocalKernelBackend"]
 
@@ -17,8 +18,15 @@ class LocalKernelBackend(SandboxBackend):
 
     Each sandbox is a fresh kernel process in its own working directory. The kernel gets no
     stdin and none of the host's environment beyond ``PATH``, ``HOME``, locale and ``TZ``, plus
-    the variables set here. It is no security boundary against hostile code: use E2B or
-    Daytona for that.
+    the variables set here (under bubblewrap ``HOME`` is an empty folder of its own).
+
+    By default it runs under bubblewrap (``isolation="bubblewrap"``, needs the ``bwrap``
+    program): it sees only its working directory, the system's ``/usr`` and its
+    Python environment, its own processes, and no network but loopback, so a cell cannot read
+    the user's files or Prefect's database, reach the Prefect API, or touch other sandboxes.
+    It still shares this machine's kernel; for a stronger boundary use Docker, E2B or Daytona.
+    Creating a sandbox fails with `SandboxUnavailableError` where bubblewrap cannot run;
+    ``isolation="none"`` runs the kernel as a plain process of this user, with no boundary.
 
     Example:
         ```python
@@ -73,6 +81,24 @@ class LocalKernelBackend(SandboxBackend):
         description="CPU seconds the kernel may use in all; past it the kernel dies.",
     )
 
+    isolation: Isolation = Field(
+        default="bubblewrap",
+        title="Isolation",
+        description=(
+            "bubblewrap: the kernel sees only its working directory, /usr and its Python "
+            "environment, its own processes, and no network (needs the bwrap program). "
+            "none: a plain process of this user that can read everything the user can."
+        ),
+    )
+    network: bool = Field(
+        default=False,
+        title="Network",
+        description=(
+            "Under bubblewrap, let the kernel use this machine's network (its ports, the "
+            "Prefect API, the internet); off, it has only its own loopback."
+        ),
+    )
+
     def _config(self) -> LocalKernelConfig:
         return LocalKernelConfig(
             **self._common_settings(),
@@ -82,4 +108,6 @@ class LocalKernelBackend(SandboxBackend):
             startup_timeout_s=self.startup_timeout_s,
             memory_limit_bytes=self.memory_limit_bytes,
             cpu_time_limit_s=self.cpu_time_limit_s,
+            isolation=self.isolation,
+            network=self.network,
         )

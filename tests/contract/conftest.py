@@ -49,15 +49,18 @@ def cannot(sandbox: Sandbox, what: str) -> bool:
     return what in LIMITS.get(sandbox.handle.backend, frozenset())
 
 
-@pytest.fixture(params=["local", "e2b", "daytona"])
+@pytest.fixture(params=["local", "local-none", "e2b", "daytona"])
 def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """A backend block under test, with short grace periods so timeouts test quickly.
 
-    ``e2b`` and ``daytona`` drive the vendors' real SDKs against the session's offline
-    emulators.
+    ``local`` is the local kernel as it runs by default, under bubblewrap; ``local-none`` the
+    same without isolation. ``e2b`` and ``daytona`` drive the vendors' real SDKs against the
+    session's offline emulators.
     """
     if request.param == "local":
         return LocalKernelBackend(interrupt_grace_s=2.0)
+    if request.param == "local-none":
+        return LocalKernelBackend(interrupt_grace_s=2.0, isolation="none")
     if request.param == "e2b":
         emulator = request.getfixturevalue("e2b_emulator")
         credentials = E2BCredentials(

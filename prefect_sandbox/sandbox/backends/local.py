@@ -3,10 +3,14 @@
 The kernel is launched with jupyter_client's launcher in a new process session, talks over IPC
 sockets (unique per kernel, so many kernels never clash on TCP ports), starts in the sandbox's
 working directory with no stdin and only an allow-list of the host's environment, and exits on
-its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``).
+its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``,
+or bwrap's ``--die-with-parent``; and a guard process for the kernel's children). By default
+it runs under bubblewrap (`prefect_sandbox.sandbox.isolation`).
 
 Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
 labels), so ``attach(handle)`` works from another thread or another process on this machine.
+The folder is private (mode 0700) and removed at kill; an isolated kernel sees of it only its
+connection file (read-only), its sockets' folder and its IPython folder.
 The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
 the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`); a user's ``IPYTHONDIR`` in the
 configured env replaces it, and that bound with it.
@@ -16,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -28,6 +32,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,6 +62,15 @@ from prefect_sandbox.sandbox.errors import (
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
+)
+from prefect_sandbox.sandbox.isolation import (
+    ISOLATION_LEVELS,
+    SANDBOX_ENV,
+    Isolation,
+    bwrap_command,
+    check_bwrap,
+    limited_command,
+    sandbox_view,
 )
 from prefect_sandbox.sandbox.outputs import (
     OUTPUT_MSG_TYPES,
@@ -107,7 +121,6 @@ while True:
         break
     time.sleep(0.5)
 """
-_CPU_HARD_MARGIN_S = 5
 
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
@@ -155,6 +168,14 @@ class LocalKernelConfig(SandboxConfig):
             None for none. Past it allocations fail with ``MemoryError``.
         cpu_time_limit_s: CPU-time limit (``RLIMIT_CPU``) of the kernel process, in seconds
             since its start; past it the kernel gets ``SIGXCPU`` and dies. None for none.
+        isolation: ``"bubblewrap"`` runs the kernel under ``bwrap`` (see
+            `prefect_sandbox.sandbox.isolation`): it sees only its working directory
+            (writable), ``/usr`` and its Python environment (read-only), a fresh ``/tmp`` and
+            ``HOME``, its own processes, and no network but loopback. ``"none"`` runs it as a
+            plain process of this user, able to read what this user can.
+        network: with bubblewrap, whether the kernel shares this machine's network (the
+            host's ports and the internet); without, it has only its own loopback.
+        bwrap_path: the ``bwrap`` program, a path or a name on ``PATH``.
     """
 
     kernel_name: str = "python3"
@@ -163,10 +184,15 @@ class LocalKernelConfig(SandboxConfig):
     startup_timeout_s: float = 60.0
     memory_limit_bytes: int | None = None
     cpu_time_limit_s: int | None = None
+    isolation: Isolation = "bubblewrap"
+    network: bool = False
+    bwrap_path: str = "bwrap"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_positive("startup_timeout_s", "memory_limit_bytes", "cpu_time_limit_s")
+        if self.isolation not in ISOLATION_LEVELS:
+            raise ValueError(f"isolation must be one of {ISOLATION_LEVELS}, not {self.isolation!r}")
 
 
 def _asked_to_exit(reply: dict[str, Any]) -> bool:
@@ -238,6 +264,9 @@ class LocalKernelSandbox(Sandbox):
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         runtime_dir = _runtime_base() / sandbox_id
         runtime_dir.mkdir(mode=0o700)
+        # The sockets get a folder of their own: an isolated kernel may write there, but not
+        # beside them (where the pid and handle files, which this side trusts, live).
+        (runtime_dir / "ipc").mkdir(mode=0o700)
         if config.workdir_root is not None:
             config.workdir_root.mkdir(parents=True, exist_ok=True)
             workdir = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=config.workdir_root))
@@ -257,7 +286,7 @@ class LocalKernelSandbox(Sandbox):
         (runtime_dir / "handle.json").write_text(handle.model_dump_json())
         write_connection_file(
             fname=str(runtime_dir / "connection.json"),
-            ip=str(runtime_dir / "k"),
+            ip=str(runtime_dir / "ipc" / "k"),
             key=secrets.token_hex(16).encode(),
             transport="ipc",
             kernel_name=config.kernel_name,
@@ -615,6 +644,9 @@ class LocalKernelSandbox(Sandbox):
                 return
             exit_code = returncode if returncode >= 0 else None
             signum = -returncode if returncode < 0 else None
+            if self._config.isolation == "bubblewrap" and returncode > 128:
+                # bwrap exits with 128 + N when the kernel died of signal N, as shells do.
+                exit_code, signum = None, returncode - 128
         elif _process_state(self._pid) not in (None, "Z"):
             return
         else:
@@ -675,6 +707,8 @@ def _kernel_env(
     # IPython's own folder per sandbox: no cell's history (`%history -g`) or the host user's
     # startup scripts cross from one sandbox to another.
     env["IPYTHONDIR"] = str(runtime_dir / "ipython")
+    if config.isolation == "bubblewrap":
+        env.update(SANDBOX_ENV)
     env.update(spec_env)
     env.update(config.env)
     return env
@@ -709,8 +743,25 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     # As jupyter_client's KernelManager does: a bare "python" means this interpreter.
     if cmd and cmd[0] in {"python", f"python{sys.version_info[0]}"}:
         cmd[0] = sys.executable
+    if config.isolation == "bubblewrap":
+        bwrap = check_bwrap(config.bwrap_path)
+        view = sandbox_view(
+            cmd[0],
+            read_only=[runtime_dir / "connection.json"],
+            writable=[Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"],
+            network=config.network,
+        )
+        cmd = bwrap_command(bwrap, view, cmd)
+    cmd = limited_command(
+        cmd,
+        memory_limit_bytes=config.memory_limit_bytes,
+        cpu_time_limit_s=config.cpu_time_limit_s,
+    )
     with open(runtime_dir / "kernel.log", "ab") as log:
-        process = launch_kernel(
+        # From a thread that lives as long as this process: bwrap's --die-with-parent ends
+        # the kernel when the THREAD that started it ends (Linux's parent-death signal).
+        started = _launcher().submit(
+            launch_kernel,
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=log.fileno(),
@@ -718,9 +769,9 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
             env=_kernel_env(spec.env, config, runtime_dir),
             cwd=handle.workdir,
         )
+        process = started.result()
     _launched[handle.sandbox_id] = process
     (runtime_dir / "kernel.pid").write_text(str(process.pid))
-    _apply_limits(process.pid, config)
     _guards[handle.sandbox_id] = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(os.getpid()), str(process.pid)],
         stdin=subprocess.DEVNULL,
@@ -731,15 +782,10 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     return spec
 
 
-def _apply_limits(pid: int, config: LocalKernelConfig) -> None:
-    """Set the kernel's rlimits; its children inherit them."""
-    if config.memory_limit_bytes is not None:
-        limit = config.memory_limit_bytes
-        resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
-    if config.cpu_time_limit_s is not None:
-        # The soft limit sends SIGXCPU; the hard one, a little later, SIGKILL.
-        soft = config.cpu_time_limit_s
-        resource.prlimit(pid, resource.RLIMIT_CPU, (soft, soft + _CPU_HARD_MARGIN_S))
+@functools.cache
+def _launcher() -> ThreadPoolExecutor:
+    """The one thread that starts kernels; it lives until this process exits."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-sandbox-launcher")
 
 
 def _destroy(handle: SandboxHandle) -> bool:

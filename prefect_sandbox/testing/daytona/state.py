@@ -90,7 +90,11 @@ class EmulatedContext:
         """The context's kernel, started (in ``cwd``) if it has none: a fresh interpreter."""
         if self.kernel is None:
             world = self.sandbox.world
-            config = LocalKernelConfig(workdir_root=world.scratch, env=self.sandbox.env)
+            # The kernel works in the emulated sandbox's folder on this machine, outside its
+            # own working directory: a test double, not a boundary (see the README).
+            config = LocalKernelConfig(
+                workdir_root=world.scratch, env=self.sandbox.env, isolation="none"
+            )
             kernel = await LocalKernelSandbox.create(config, {EMULATOR_LABEL: self.sandbox.id})
             if self.closed:
                 # Deleted (or its sandbox stopped) while the kernel started.

@@ -635,6 +635,9 @@ class _App:
             interrupt_grace_s=self.state.kernel_config.interrupt_grace_s,
             max_output_bytes=None,
             startup_timeout_s=self.state.kernel_config.startup_timeout_s,
+            # The kernel works in the emulated sandbox's folder on this machine, outside its
+            # own working directory: a test double, not a boundary (see the README).
+            isolation="none",
         )
         context.kernel = await LocalKernelSandbox.create(config)
         await self._change_directory(sandbox, context)
