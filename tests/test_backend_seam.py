@@ -1,11 +1,13 @@
 """The seam every backend implements, checked once over all of them: the factories' one
-signature, and the one error a missing extra raises."""
+signature, the one error a missing extra raises, and how every cell's result is built."""
 
 from __future__ import annotations
 
 import inspect
 import pickle
 import sys
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -14,8 +16,16 @@ from prefect_sandbox.sandbox.backends import daytona, e2b
 from prefect_sandbox.sandbox.backends.daytona import DaytonaSandbox
 from prefect_sandbox.sandbox.backends.e2b import E2BSandbox
 from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
-from prefect_sandbox.sandbox.base import Sandbox
+from prefect_sandbox.sandbox.base import (
+    TIMEOUT_ENAME,
+    CellError,
+    CellReply,
+    CellResult,
+    Sandbox,
+    cell_result,
+)
 from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError
+from prefect_sandbox.sandbox.outputs import CellOutputs
 
 BACKENDS = [LocalKernelSandbox, E2BSandbox, DaytonaSandbox]
 
@@ -55,3 +65,107 @@ def test_a_block_without_its_extra_says_what_to_install(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "e2b_code_interpreter", None)
     with pytest.raises(BackendNotInstalledError, match=r"prefect-sandbox\[e2b\]"):
         E2BCredentials(api_key="e2b_x").get_client()
+
+
+def _result(
+    outputs: CellOutputs,
+    reply: CellReply,
+    *,
+    interrupts: int = 0,
+    state_lost: bool = False,
+) -> CellResult:
+    return cell_result(
+        outputs,
+        reply,
+        timeout_s=1.5,
+        interrupts=interrupts,
+        state_lost=state_lost,
+        started_at=datetime.now(UTC),
+        duration_s=0.1,
+    )
+
+
+def _with_error(ename: str = "ValueError") -> CellOutputs:
+    outputs = CellOutputs(None, None)
+    outputs.add("stream", {"name": "stdout", "text": "x\n"})
+    outputs.add("error", {"ename": ename, "evalue": "bad", "traceback": ["t"]})
+    return outputs
+
+
+def test_a_timeout_says_how_it_was_stopped_and_keeps_the_kernels_own_error() -> None:
+    interrupted = _result(_with_error("KeyboardInterrupt"), CellReply(), interrupts=2)
+    assert (interrupted.status, interrupted.interrupted, interrupted.state_lost) == (
+        "timeout",
+        True,
+        False,
+    )
+    assert interrupted.error is not None and interrupted.error.ename == TIMEOUT_ENAME
+    assert (
+        interrupted.error.evalue == "cell exceeded its 1.5 s timeout; interrupted on the second try"
+    )
+    assert [o["ename"] for o in interrupted.outputs if o["output_type"] == "error"] == [
+        "KeyboardInterrupt"
+    ]
+    restarted = _result(
+        _with_error("KeyboardInterrupt"), CellReply(), interrupts=1, state_lost=True
+    )
+    assert (restarted.status, restarted.interrupted, restarted.state_lost) == (
+        "timeout",
+        False,
+        True,
+    )
+    assert restarted.outputs[-1]["ename"] == TIMEOUT_ENAME
+    assert "restarted, state lost" in restarted.outputs[-1]["evalue"]
+    # A backend that restarted the kernel on its own deadline: a timeout too, state lost.
+    backstop = _result(CellOutputs(None, None), CellReply(state_lost=True))
+    assert (backstop.status, backstop.state_lost) == ("timeout", True)
+
+
+def test_the_reply_decides_whether_user_code_raised_when_it_says() -> None:
+    # An error output with an ok execute_reply (showtraceback() in user code) is no failure.
+    shown = _result(_with_error(), CellReply(raised=False, msg_id="m-1"))
+    assert (shown.status, shown.error, shown.msg_id) == ("ok", None, "m-1")
+    # Without a reply status, the error output decides; its error is the cell's.
+    raised = _result(_with_error(), CellReply())
+    assert raised.status == "error" and raised.error is not None
+    assert (raised.error.ename, raised.error.traceback, raised.msg_id) == (
+        "ValueError",
+        ["t"],
+        None,
+    )
+    # A failure reported only by the reply gets an error output, so the notebook shows it.
+    reply_only = CellError(ename="KeyboardInterrupt", evalue="interrupted")
+    stopped = _result(CellOutputs(None, None), CellReply(error=reply_only))
+    assert stopped.status == "error" and stopped.error == reply_only
+    assert stopped.outputs == [
+        {
+            "output_type": "error",
+            "ename": "KeyboardInterrupt",
+            "evalue": "interrupted",
+            "traceback": [],
+        }
+    ]
+
+
+def test_execute_results_get_the_replys_count_and_outputs_are_handed_over_once() -> None:
+    seen: list[dict[str, Any]] = []
+    outputs = CellOutputs(None, seen.append)
+    outputs.add("stream", {"name": "stdout", "text": "a"}, hold=True)
+    outputs.add("stream", {"name": "stdout", "text": "b"}, hold=True)
+    assert seen == [] and outputs.held
+    outputs.add("execute_result", {"data": {"text/plain": "1"}, "metadata": {}})
+    assert seen == [
+        {"output_type": "stream", "name": "stdout", "text": "ab"},
+        {
+            "output_type": "execute_result",
+            "data": {"text/plain": "1"},
+            "metadata": {},
+            "execution_count": None,
+        },
+    ]
+    result = _result(outputs, CellReply(execution_count=7))
+    assert (result.status, result.execution_count, result.outputs[-1]["execution_count"]) == (
+        "ok",
+        7,
+        7,
+    )

@@ -26,7 +26,6 @@ from prefect_sandbox.sandbox.backends.daytona import (
     _bootstrap_code,
     _cell_code,
     close_code_of,
-    daemon_error_content,
     import_sdk,
     record_content,
     retry_delay_s,
@@ -42,6 +41,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from tests.conftest import stream_text
 
@@ -88,10 +88,11 @@ def test_records_become_nbformat_message_contents() -> None:
     error = {"kind": "error", "ename": "E", "evalue": "v", "traceback": ["t"]}
     assert record_content(error) == ("error", {"ename": "E", "evalue": "v", "traceback": ["t"]})
     assert record_content({"kind": "start", "count": 1, "pid": 2}) is None
-    assert daemon_error_content("E", "v", "line 1\nline 2\n") == (
-        "error",
-        {"ename": "E", "evalue": "v", "traceback": ["line 1", "line 2"]},
-    )
+    assert error_content("E", "v", "line 1\nline 2\n") == {
+        "ename": "E",
+        "evalue": "v",
+        "traceback": ["line 1", "line 2"],
+    }
 
 
 def test_close_codes_are_read_from_sdk_errors() -> None:

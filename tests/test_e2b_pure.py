@@ -12,7 +12,6 @@ from e2b_code_interpreter.models import Result
 
 from prefect_sandbox.sandbox.backends.e2b import (
     E2BConfig,
-    error_output,
     glob_match,
     mime_bundle,
     translate_error,
@@ -24,6 +23,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.testing.e2b.wire import execute_lines, operation_of, result_fields
 
 
@@ -51,13 +51,13 @@ def test_mime_bundle_maps_every_field_and_keeps_extra() -> None:
     }
 
 
-def test_error_output_splits_the_joined_traceback() -> None:
-    assert error_output("ValueError", "bad", "line 1\nline 2") == {
+def test_error_content_splits_the_joined_traceback() -> None:
+    assert error_content("ValueError", "bad", "line 1\nline 2") == {
         "ename": "ValueError",
         "evalue": "bad",
         "traceback": ["line 1", "line 2"],
     }
-    assert error_output("E", "v", "")["traceback"] == []
+    assert error_content("E", "v", "")["traceback"] == []
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ import psutil
 import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 
+from prefect_sandbox.sandbox.backends.jupyter import STREAM_MESSAGE_CHARS
 from prefect_sandbox.sandbox.backends.local import (
     HOST_ENV_ALLOW_LIST,
-    STREAM_MESSAGE_CHARS,
     LocalKernelConfig,
     LocalKernelSandbox,
 )

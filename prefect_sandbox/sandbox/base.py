@@ -3,31 +3,46 @@
 from __future__ import annotations
 
 import abc
+import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, Field
 
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, CellOutputs
 
 __all__ = [
     "NO_TIMEOUT",
+    "SECOND_INTERRUPT_S",
+    "TIMEOUT_ENAME",
     "CellError",
+    "CellReply",
     "CellResult",
     "KernelInfo",
     "OutputCallback",
     "RemoteFile",
+    "RunningCell",
     "Sandbox",
     "SandboxConfig",
     "SandboxHandle",
+    "cell_result",
     "checked_timeout_s",
     "is_python_language",
 ]
+
+TIMEOUT_ENAME = "CellTimeoutError"
+"""The ``ename`` of the ``error`` output a cell that ran past its deadline ends with."""
+
+SECOND_INTERRUPT_S = 1.0
+"""Seconds a cell gets to stop after a second interrupt, before its kernel is restarted."""
+
+logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[dict[str, Any]], None]
 """Called with nbformat output dicts as they arrive from the kernel, before the cell's outputs
@@ -207,6 +222,146 @@ class SandboxConfig:
                 raise ValueError(f"{name} must be positive or None, not {value}")
 
 
+@dataclass(frozen=True)
+class CellReply:
+    """What a backend's transport knows of a cell once it has finished (see `RunningCell`).
+
+    Attributes:
+        execution_count: the kernel's execution counter for the cell, when it reported one.
+        raised: whether user code raised, when the transport's reply says so (a Jupyter
+            ``execute_reply``'s status); None to judge by whether an ``error`` output came.
+        error: the exception as the reply reports it, used when no ``error`` output came for
+            it (a reply-only failure, a cell stopped from outside); None if none.
+        msg_id: the Jupyter ``execute_request`` id, for backends that talk Jupyter's protocol
+            (so that late output can be matched to the cell); None for the others.
+        state_lost: True when the backend itself had to restart the kernel (its own deadline
+            ended the cell), so the cell counts as timed out with its state lost.
+    """
+
+    execution_count: int | None = None
+    raised: bool | None = None
+    error: CellError | None = None
+    msg_id: str | None = None
+    state_lost: bool = False
+
+
+def cell_result(
+    outputs: CellOutputs,
+    reply: CellReply,
+    *,
+    timeout_s: float | None,
+    interrupts: int,
+    state_lost: bool,
+    started_at: datetime,
+    duration_s: float,
+) -> CellResult:
+    """Build a finished cell's `CellResult`, the same way for every backend.
+
+    A cell that was interrupted or restarted after its deadline has status ``"timeout"`` and
+    a `TIMEOUT_ENAME` error (also added as an ``error`` output when the kernel sent none, or
+    when a restart cut it off). Otherwise the status is ``"error"`` when user code raised (as
+    the reply says, or else as an ``error`` output or the reply's error shows), with the last
+    ``error`` output as the error. ``execute_result`` outputs get the reply's execution count.
+
+    Args:
+        outputs: what the cell produced (the collector gets the error output, if any is added).
+        reply: what the transport said once the cell finished.
+        timeout_s: the cell's deadline, for the timeout message.
+        interrupts: how many interrupts the deadline took (0 when it never passed).
+        state_lost: True when the kernel was restarted (by the deadline or by the backend).
+        started_at: when the cell was sent.
+        duration_s: seconds from sending the cell to its end.
+    """
+    collector = outputs.collector
+    state_lost = state_lost or reply.state_lost
+    status: Literal["ok", "error", "timeout"] = "ok"
+    error = None
+    if interrupts or state_lost:
+        status = "timeout"
+        how = "interrupted" + (" on the second try" if interrupts == 2 else "")
+        if state_lost:
+            how = "the kernel was restarted, state lost"
+        error = CellError(
+            ename=TIMEOUT_ENAME, evalue=f"cell exceeded its {timeout_s} s timeout; {how}"
+        )
+        if state_lost or not collector.has_error():
+            collector.append_error(error.ename, error.evalue, error.traceback)
+    elif reply.raised or (
+        reply.raised is None and (reply.error is not None or collector.has_error())
+    ):
+        status = "error"
+        if not collector.has_error():
+            missing = reply.error or CellError(ename="UnknownError", evalue="the cell failed")
+            collector.append_error(missing.ename, missing.evalue, missing.traceback)
+    result_outputs = collector.outputs
+    if status == "error":
+        last = [o for o in result_outputs if o["output_type"] == "error"][-1]
+        error = CellError(ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"])
+    if reply.execution_count is not None:
+        for output in result_outputs:
+            if output["output_type"] == "execute_result":
+                output["execution_count"] = reply.execution_count
+    return CellResult(
+        status=status,
+        execution_count=reply.execution_count,
+        outputs=result_outputs,
+        error=error,
+        started_at=started_at,
+        duration_s=duration_s,
+        interrupted=bool(interrupts) and not state_lost,
+        state_lost=state_lost,
+        msg_id=reply.msg_id,
+        output_bytes=collector.total_bytes,
+        omitted_bytes=collector.omitted_bytes,
+    )
+
+
+class RunningCell(abc.ABC):
+    """One cell in flight: the transport half of `Sandbox.run_cell`.
+
+    Made by a backend's `Sandbox._start_cell`. `Sandbox.run_cell` calls `wait` until it returns
+    True; when it returns False (the deadline passed), `interrupt` with the attempt number and
+    `wait` again with the grace period as the deadline; when the backend's interrupts are spent,
+    `abandon` and then `Sandbox.restart`. Last, `finish` (with ``state_lost`` after a
+    restart). On any error or cancellation, `abandon`. Outputs go to the `CellOutputs` given to
+    `Sandbox._start_cell` as they arrive.
+    """
+
+    @abc.abstractmethod
+    async def wait(self, deadline: float | None) -> bool:
+        """Wait until the cell has finished, its outputs all in, or until ``deadline``.
+
+        Args:
+            deadline: a `time.monotonic` time; None for no deadline.
+
+        Returns:
+            True when the cell finished; False when the deadline passed, or earlier when the
+            backend already knows that its interrupt failed.
+
+        Raises:
+            SandboxDiedError: the kernel ended.
+        """
+
+    @abc.abstractmethod
+    async def interrupt(self, attempt: int) -> None:
+        """Interrupt the cell after its deadline; ``attempt`` counts from 1."""
+
+    @abc.abstractmethod
+    async def abandon(self) -> None:
+        """Stop waiting for the cell and release what waits for it. Safe to call twice."""
+
+    @abc.abstractmethod
+    async def finish(self, *, state_lost: bool) -> CellReply:
+        """What the finished cell's reply says; called once, after `wait` returned True or a
+        restart (``state_lost``).
+
+        Raises:
+            SandboxDiedError: the cell ended the kernel (``exit()``, a crash).
+            SandboxNotFoundError: the sandbox went away during the cell.
+            SandboxUnavailableError: the connection failed; the cell may or may not have run.
+        """
+
+
 class Sandbox(abc.ABC):
     """One live execution environment whose state persists between cells.
 
@@ -221,7 +376,16 @@ class Sandbox(abc.ABC):
 
     A backend whose SDK is an optional extra imports it lazily, and raises
     `BackendNotInstalledError` (naming the extra) from the first call that needs it.
+
+    `run_cell` is written here once; a backend supplies the transport through two hooks,
+    `_prepare_cell` and `_start_cell`, and the `RunningCell` the latter returns.
     """
+
+    _config: SandboxConfig
+    """The sandbox's settings; each backend sets it to its own config."""
+
+    _interrupts_before_restart: ClassVar[int] = 2
+    """How many interrupts a timed-out cell gets before its kernel is restarted."""
 
     @classmethod
     @abc.abstractmethod
@@ -294,7 +458,6 @@ class Sandbox(abc.ABC):
     def handle(self) -> SandboxHandle:
         """The address of this sandbox, to pass between tasks, threads and processes."""
 
-    @abc.abstractmethod
     async def run_cell(
         self,
         code: str,
@@ -303,6 +466,11 @@ class Sandbox(abc.ABC):
         on_output: OutputCallback | None = None,
     ) -> CellResult:
         """Run one cell of code and wait for it to finish.
+
+        On the deadline the cell is interrupted; if it is still busy ``interrupt_grace_s``
+        later, it is interrupted once more where the backend has a second try
+        (`_interrupts_before_restart`) and given a second; then the kernel is restarted and the
+        result says ``state_lost``. The cell is never sent twice.
 
         Args:
             code: the cell's source.
@@ -315,8 +483,74 @@ class Sandbox(abc.ABC):
 
         Raises:
             ValueError: ``timeout_s`` is zero, negative other than -1, NaN or infinite.
-            SandboxDiedError: the sandbox's process ended before or during the cell.
+            SandboxDiedError: the sandbox's kernel ended before or during the cell.
             SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxUnavailableError: the connection failed during the cell; the cell may or
+                may not have run, and is not run again.
+        """
+        timeout_s = checked_timeout_s(timeout_s)
+        await self._prepare_cell()
+        outputs = CellOutputs(self._config.max_output_bytes, on_output)
+        started_at = datetime.now(UTC)
+        start = time.monotonic()
+        cell = await self._start_cell(code, outputs, timeout_s)
+        interrupts = 0
+        state_lost = False
+        deadline = None if timeout_s is None else start + timeout_s
+        try:
+            while not await cell.wait(deadline):
+                if interrupts == self._interrupts_before_restart:
+                    logger.warning(
+                        "Sandbox %s: cell still busy after %d interrupt(s); restarting its "
+                        "kernel, state lost",
+                        self.handle.sandbox_id,
+                        interrupts,
+                    )
+                    await cell.abandon()
+                    await self.restart()
+                    state_lost = True
+                    break
+                interrupts += 1
+                await cell.interrupt(interrupts)
+                grace_s = self._config.interrupt_grace_s if interrupts == 1 else SECOND_INTERRUPT_S
+                deadline = time.monotonic() + grace_s
+            outputs.flush()
+            reply = await cell.finish(state_lost=state_lost)
+        except BaseException:
+            await cell.abandon()
+            raise
+        return cell_result(
+            outputs,
+            reply,
+            timeout_s=timeout_s,
+            interrupts=interrupts,
+            state_lost=state_lost,
+            started_at=started_at,
+            duration_s=time.monotonic() - start,
+        )
+
+    @abc.abstractmethod
+    async def _prepare_cell(self) -> None:
+        """Make the sandbox ready to run a cell, before the cell's clock starts.
+
+        Raises:
+            SandboxDiedError: its kernel is known to have ended.
+            SandboxNotFoundError: the sandbox was killed or expired.
+        """
+
+    @abc.abstractmethod
+    async def _start_cell(
+        self, code: str, outputs: CellOutputs, timeout_s: float | None
+    ) -> RunningCell:
+        """Send the cell to the kernel; pure transport, called once per cell by `run_cell`.
+
+        Args:
+            code: the cell's source.
+            outputs: where the cell's outputs go as they arrive.
+            timeout_s: the cell's deadline, for a backend that sets a backstop of its own.
+
+        Returns:
+            The cell in flight.
         """
 
     @abc.abstractmethod

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
     "OUTPUT_MSG_TYPES",
+    "CellOutputs",
     "OutputCollector",
     "collapse_carriage_returns",
+    "error_content",
     "error_output",
     "merged_streams",
     "output_from_content",
@@ -29,6 +32,10 @@ __all__ = [
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+
+# Held outputs are handed over at the latest once this many, or this much text, are waiting.
+_HAND_OVER_OUTPUTS = 1000
+_HAND_OVER_CHARS = 1 << 20
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
@@ -112,6 +119,23 @@ def error_output(ename: str, evalue: str, traceback: list[str]) -> dict[str, Any
         The output dict.
     """
     return {"output_type": "error", "ename": ename, "evalue": evalue, "traceback": traceback}
+
+
+def error_content(ename: str, evalue: str, traceback: str) -> dict[str, Any]:
+    """The iopub ``error`` content of an exception whose traceback came as one string.
+
+    E2B's code interpreter and Daytona's daemon join the kernel's traceback lines; this splits
+    them again, for `OutputCollector.add` (``add("error", error_content(...))``).
+
+    Args:
+        ename: the exception's class name.
+        evalue: its message.
+        traceback: the traceback as one string.
+
+    Returns:
+        ``{"ename", "evalue", "traceback"}``, the traceback as a list of lines.
+    """
+    return {"ename": ename, "evalue": evalue, "traceback": traceback.splitlines()}
 
 
 def _size(output: dict[str, Any]) -> int:
@@ -324,6 +348,64 @@ class OutputCollector:
         output = error_output(ename, evalue, traceback)
         target = self._tail if self._tail else self._head
         target.append(_sanitised(output))
+
+
+class CellOutputs:
+    """One cell's outputs as they arrive: kept by an `OutputCollector` and handed, as received
+    (before coalescing and capping), to the cell's ``on_output`` callback.
+
+    A backend that reads messages faster than a slow callback takes them (one log record per
+    output) may hold outputs back and hand them over in batches, back-to-back stream text
+    merged, so it never falls behind its kernel.
+
+    Args:
+        max_output_bytes: the collector's cap (see `OutputCollector`).
+        on_output: called with each output; None for no callback.
+    """
+
+    def __init__(
+        self,
+        max_output_bytes: int | None,
+        on_output: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.collector = OutputCollector(max_output_bytes)
+        self._on_output = on_output
+        self._held: list[dict[str, Any]] = []
+        self._held_chars = 0
+
+    @property
+    def held(self) -> bool:
+        """Whether outputs are waiting to be handed over (see `flush`)."""
+        return bool(self._held)
+
+    def add(self, msg_type: str, content: dict[str, Any], *, hold: bool = False) -> None:
+        """Take one iopub message's type and content (see `OutputCollector.add`).
+
+        Args:
+            msg_type: the Jupyter message type.
+            content: the message's content.
+            hold: keep the output back for a later `flush`, unless too much is held already.
+        """
+        output = self.collector.add(msg_type, content)
+        if output is None or self._on_output is None:
+            return
+        self._held.append(output)
+        self._held_chars += len(output.get("text", ""))
+        if (
+            not hold
+            or self._held_chars >= _HAND_OVER_CHARS
+            or len(self._held) >= _HAND_OVER_OUTPUTS
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the held outputs to ``on_output``, back-to-back stream text merged."""
+        if not self._held:
+            return
+        assert self._on_output is not None
+        held, self._held, self._held_chars = self._held, [], 0
+        for output in merged_streams(held):
+            self._on_output(output)
 
 
 def merged_streams(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,8 @@ LIMITS: dict[str, frozenset[str]] = {
             "exit_call_status",
             # Its server drops output that no running cell owns.
             "late_output",
+            # It speaks no Jupyter protocol to us, so a cell has no execute_request id.
+            "msg_id",
             # A deadline closes the execute stream, so the kernel's KeyboardInterrupt never
             # arrives; the cell ends with our CellTimeoutError output instead.
             "interrupt_output",
@@ -39,6 +41,8 @@ LIMITS: dict[str, frozenset[str]] = {
             "exit_status",
             # Its interpreter drops what threads print between cells.
             "late_output",
+            # Its interpreter speaks no Jupyter protocol, so a cell has no execute_request id.
+            "msg_id",
         }
     ),
 }

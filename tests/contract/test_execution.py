@@ -185,3 +185,12 @@ async def test_background_thread_output_is_recorded_once(sandbox: Sandbox) -> No
     third = await sandbox.run_cell("import time; time.sleep(0.8); print('cell four')")
     assert stream_text(third.outputs) == "during next\ncell four\n"
     assert await sandbox.take_late_outputs() == {}
+
+
+async def test_msg_id_is_the_cells_execute_request_or_none(sandbox: Sandbox) -> None:
+    first = await sandbox.run_cell("1")
+    second = await sandbox.run_cell("2")
+    if cannot(sandbox, "msg_id"):
+        assert first.msg_id is None and second.msg_id is None
+    else:
+        assert first.msg_id and second.msg_id and first.msg_id != second.msg_id

@@ -10,12 +10,14 @@ No backend is imported here, so importing one never imports another's SDK.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from types import ModuleType
+from typing import Any
 
 from prefect_sandbox.sandbox.errors import BackendNotInstalledError
 
-__all__ = ["import_extra"]
+__all__ = ["cancel_and_wait", "import_extra"]
 
 
 def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
@@ -40,3 +42,11 @@ def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
             f"pip install 'prefect-sandbox[{extra}]'",
             extra=extra,
         ) from exc
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel a task and wait for it to end; what it raises then no longer matters."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

@@ -33,11 +33,10 @@ import types
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import import_extra
+from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra
 from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
     MARKER_START,
@@ -45,15 +44,14 @@ from prefect_sandbox.sandbox.backends._daytona_runner import (
     RUNNER_FILENAME,
 )
 from prefect_sandbox.sandbox.base import (
-    CellError,
-    CellResult,
+    SECOND_INTERRUPT_S,
+    CellReply,
     KernelInfo,
-    OutputCallback,
     RemoteFile,
+    RunningCell,
     Sandbox,
     SandboxConfig,
     SandboxHandle,
-    checked_timeout_s,
 )
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -64,7 +62,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.outputs import OutputCollector
+from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import checked_relative_path
 
 if TYPE_CHECKING:
@@ -78,7 +76,6 @@ __all__ = [
     "DaytonaSandboxConfig",
     "MarkerSplitter",
     "close_code_of",
-    "daemon_error_content",
     "import_sdk",
     "record_content",
     "retry_delay_s",
@@ -91,7 +88,6 @@ CREATE_TOKEN_LABEL = "prefect-sandbox-create-token"
 WORKDIR_NAME = "work"
 """The working directory: this folder of the sandbox's own work directory."""
 
-_SECOND_INTERRUPT_S = 1.0
 _SERVER_TIMEOUT_MARGIN_S = 10
 _EXEC_TIMEOUT_S = 60
 _BOOTSTRAP_TIMEOUT_S = 120
@@ -250,11 +246,6 @@ def record_content(record: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | No
             "traceback": list(record["traceback"]),
         }
     return None
-
-
-def daemon_error_content(name: str, value: str, traceback: str) -> tuple[str, dict[str, Any]]:
-    """The Jupyter message type and content of an error the Daytona daemon reported itself."""
-    return "error", {"ename": name, "evalue": value, "traceback": traceback.splitlines()}
 
 
 def close_code_of(exc: BaseException) -> int | None:
@@ -467,12 +458,11 @@ class DaytonaSandboxConfig(SandboxConfig):
 
 
 class _CellRun:
-    """One cell's outputs as they stream in: stdout split into text and runner records."""
+    """One cell's stdout and stderr as they stream in: stdout split into text and records."""
 
-    def __init__(self, max_output_bytes: int | None, on_output: OutputCallback | None) -> None:
-        self.collector = OutputCollector(max_output_bytes)
+    def __init__(self, outputs: CellOutputs) -> None:
+        self.outputs = outputs
         self.splitter = MarkerSplitter()
-        self.on_output = on_output
         self.count: int | None = None
         self.pid: int | None = None
         self.exit_code: int | None = None
@@ -482,10 +472,10 @@ class _CellRun:
         self._take(self.splitter.feed(message.output))
 
     def stderr(self, message: OutputMessage) -> None:
-        self._add("stream", {"name": "stderr", "text": message.output})
+        self.outputs.add("stream", {"name": "stderr", "text": message.output})
 
     def daemon_error(self, error: ExecutionError) -> None:
-        self._add(*daemon_error_content(error.name, error.value, error.traceback))
+        self.outputs.add("error", error_content(error.name, error.value, error.traceback))
 
     def finish(self) -> None:
         self._take(self.splitter.finish())
@@ -493,7 +483,7 @@ class _CellRun:
     def _take(self, items: list[str | dict[str, Any]]) -> None:
         for item in items:
             if isinstance(item, str):
-                self._add("stream", {"name": "stdout", "text": item})
+                self.outputs.add("stream", {"name": "stdout", "text": item})
                 continue
             kind = item.get("kind")
             if kind == "start":
@@ -504,12 +494,7 @@ class _CellRun:
                 self.lost = True
             content = record_content(item)
             if content is not None:
-                self._add(*content)
-
-    def _add(self, msg_type: str, content: dict[str, Any]) -> None:
-        output = self.collector.add(msg_type, content)
-        if output is not None and self.on_output is not None:
-            self.on_output(output)
+                self.outputs.add(*content)
 
 
 class DaytonaSandbox(Sandbox):
@@ -518,6 +503,8 @@ class DaytonaSandbox(Sandbox):
     Make one with `create`, reach it again with `attach`. Holds one SDK client, bound to the
     event loop it was made on: attach once per loop.
     """
+
+    _config: DaytonaSandboxConfig
 
     def __init__(
         self,
@@ -695,150 +682,14 @@ class DaytonaSandbox(Sandbox):
         finally:
             await _close(client)
 
-    async def run_cell(
-        self,
-        code: str,
-        *,
-        timeout_s: float | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> CellResult:
-        """Run one cell (see `Sandbox.run_cell`).
-
-        On the deadline the interpreter gets SIGINT; ``interrupt_grace_s`` later a second one;
-        if the cell still runs, the interpreter context is made again and the result says
-        ``state_lost``. The sandbox is kept from auto-stopping while the cell runs.
-
-        Raises:
-            ValueError: ``timeout_s`` is zero or negative.
-            SandboxDiedError: the interpreter ended (a crash, ``exit()``, an auto-stop), now
-                or before; `restart` gives a fresh one.
-            SandboxNotFoundError: the sandbox was deleted or expired.
-            SandboxUnavailableError: the connection dropped while the cell ran; the cell may
-                have run, and is not run again.
-        """
-        timeout_s = checked_timeout_s(timeout_s)
+    async def _prepare_cell(self) -> None:
         if self._ended is not None or self._context is None:
             raise self._died(self._ended or "no interpreter is running")
-        sdk = import_sdk()
-        cell = _CellRun(self._config.max_output_bytes, on_output)
-        server_timeout_s = 0
-        if timeout_s is not None:
-            server_timeout_s = _SERVER_TIMEOUT_MARGIN_S + math.ceil(
-                timeout_s + self._config.interrupt_grace_s + _SECOND_INTERRUPT_S
-            )
-        started_at = datetime.now(UTC)
-        start = time.monotonic()
-        execution = asyncio.create_task(
-            self._remote.code_interpreter.run_code(
-                _cell_code(code),
-                context=self._context,
-                on_stdout=cell.stdout,
-                on_stderr=cell.stderr,
-                on_error=cell.daemon_error,
-                timeout=server_timeout_s,
-            )
-        )
-        keep_alive = self._keep_alive()
-        interrupts = 0
-        state_lost = False
-        try:
-            deadline = None if timeout_s is None else start + timeout_s
-            while True:
-                wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                done, _ = await asyncio.wait({execution}, timeout=wait_s)
-                if done:
-                    break
-                if interrupts == 2:
-                    logger.warning(
-                        "Sandbox %s: cell still busy after two interrupts; starting a new "
-                        "interpreter",
-                        self._handle.sandbox_id,
-                    )
-                    await _cancel(execution)
-                    await self.restart()
-                    state_lost = True
-                    break
-                interrupts += 1
-                await self._signal_interrupt(cell.pid)
-                grace_s = self._config.interrupt_grace_s if interrupts == 1 else _SECOND_INTERRUPT_S
-                deadline = time.monotonic() + grace_s
-        except BaseException:
-            await _cancel(execution)
-            raise
-        finally:
-            if keep_alive is not None:
-                await _cancel(keep_alive)
-        if not state_lost:
-            try:
-                execution.result()
-            except Exception as exc:
-                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
-                    exc, sdk.DaytonaConnectionError
-                )
-                if not timed_out:
-                    raise await self._run_failure(exc) from exc
-                # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
-                # may have killed the interpreter, or an interrupt escaped the runner.
-                if not interrupts:
-                    await self.restart()
-                    state_lost = True
-        cell.finish()
-        duration_s = time.monotonic() - start
-        if cell.pid is not None:
-            self._worker_pid = cell.pid
-        if cell.lost:
-            self._ended = "its interpreter was restarted behind our back"
-            raise self._died(self._ended)
-        if cell.exit_code is not None:
-            await self._end_interpreter()
-            self._ended = "the cell called exit()"
-            raise self._died(self._ended, exit_code=cell.exit_code)
-        return self._result(cell, timeout_s, interrupts, state_lost, started_at, duration_s)
 
-    def _result(
-        self,
-        cell: _CellRun,
-        timeout_s: float | None,
-        interrupts: int,
-        state_lost: bool,
-        started_at: datetime,
-        duration_s: float,
-    ) -> CellResult:
-        collector = cell.collector
-        status: Literal["ok", "error", "timeout"] = "ok"
-        error = None
-        if interrupts or state_lost:
-            status = "timeout"
-            how = (
-                "the interpreter was restarted, state lost"
-                if state_lost
-                else f"interrupted{' on the second try' if interrupts == 2 else ''}"
-            )
-            evalue = f"cell exceeded its {timeout_s} s timeout; {how}"
-            if state_lost or not collector.has_error():
-                collector.append_error("CellTimeoutError", evalue, [])
-            error = CellError(ename="CellTimeoutError", evalue=evalue)
-        elif collector.has_error():
-            status = "error"
-        outputs = collector.outputs
-        if status == "error":
-            last = [o for o in outputs if o["output_type"] == "error"][-1]
-            error = CellError(
-                ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
-            )
-        return CellResult(
-            status=status,
-            execution_count=cell.count,
-            outputs=outputs,
-            error=error,
-            started_at=started_at,
-            duration_s=duration_s,
-            interrupted=bool(interrupts) and not state_lost,
-            state_lost=state_lost,
-            msg_id=uuid.uuid4().hex,
-            output_bytes=collector.total_bytes,
-            omitted_bytes=collector.omitted_bytes,
-        )
+    async def _start_cell(
+        self, code: str, outputs: CellOutputs, timeout_s: float | None
+    ) -> RunningCell:
+        return _DaytonaCell(self, code, outputs, timeout_s)
 
     async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
         """Always empty: Daytona's interpreter drops what threads print between cells.
@@ -941,7 +792,7 @@ class DaytonaSandbox(Sandbox):
             lambda: self._remote.code_interpreter.create_context(cwd=self._workdir),
             idempotent=False,
         )
-        cell = _CellRun(None, None)
+        cell = _CellRun(CellOutputs(None, None))
         try:
             await self._remote.code_interpreter.run_code(
                 _bootstrap_code(),
@@ -954,8 +805,8 @@ class DaytonaSandbox(Sandbox):
         except Exception as exc:
             raise await self._run_failure(exc) from exc
         cell.finish()
-        if cell.collector.has_error():
-            errors = [o for o in cell.collector.outputs if o["output_type"] == "error"]
+        if cell.outputs.collector.has_error():
+            errors = [o for o in cell.outputs.collector.outputs if o["output_type"] == "error"]
             raise SandboxError(
                 f"sandbox {self._handle.sandbox_id}: the interpreter did not start: "
                 f"{errors[-1]['ename']}: {errors[-1]['evalue']}",
@@ -1188,9 +1039,79 @@ async def _close(client: AsyncDaytona) -> None:
     await client.close()  # type: ignore[no-untyped-call]
 
 
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    """Cancel a task and wait for it to end; what it raises then no longer matters."""
-    task.cancel()
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()
+class _DaytonaCell(RunningCell):
+    """A cell as one ``run_code`` of the interpreter context, through the runner.
+
+    Interrupts are SIGINTs to the interpreter process (its pid comes in the cell's first
+    record). The daemon gets a deadline of its own, past ours and the grace periods, as a
+    backstop; the sandbox is kept from auto-stopping while the cell runs.
+    """
+
+    def __init__(
+        self, sandbox: DaytonaSandbox, code: str, outputs: CellOutputs, timeout_s: float | None
+    ) -> None:
+        self._sandbox = sandbox
+        self._run = _CellRun(outputs)
+        self._interrupted = False
+        server_timeout_s = 0
+        if timeout_s is not None:
+            server_timeout_s = _SERVER_TIMEOUT_MARGIN_S + math.ceil(
+                timeout_s + sandbox._config.interrupt_grace_s + SECOND_INTERRUPT_S
+            )
+        self._execution: asyncio.Task[Any] = asyncio.create_task(
+            sandbox._remote.code_interpreter.run_code(
+                _cell_code(code),
+                context=sandbox._context,
+                on_stdout=self._run.stdout,
+                on_stderr=self._run.stderr,
+                on_error=self._run.daemon_error,
+                timeout=server_timeout_s,
+            )
+        )
+        self._keep_alive = sandbox._keep_alive()
+
+    async def wait(self, deadline: float | None) -> bool:
+        timeout_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        done, _ = await asyncio.wait({self._execution}, timeout=timeout_s)
+        return bool(done)
+
+    async def interrupt(self, attempt: int) -> None:
+        self._interrupted = True
+        await self._sandbox._signal_interrupt(self._run.pid)
+
+    async def abandon(self) -> None:
+        for task in (self._keep_alive, self._execution):
+            if task is not None:
+                await cancel_and_wait(task)
+
+    async def finish(self, *, state_lost: bool) -> CellReply:
+        sandbox = self._sandbox
+        if self._keep_alive is not None:
+            await cancel_and_wait(self._keep_alive)
+        self._run.finish()
+        if state_lost:
+            return CellReply()
+        try:
+            self._execution.result()
+        except Exception as exc:
+            sdk = import_sdk()
+            timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                exc, sdk.DaytonaConnectionError
+            )
+            if not timed_out:
+                raise await sandbox._run_failure(exc) from exc
+            # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
+            # may have killed the interpreter, or an interrupt escaped the runner.
+            if not self._interrupted:
+                await sandbox.restart()
+                return CellReply(execution_count=self._run.count, state_lost=True)
+        if self._run.pid is not None:
+            sandbox._worker_pid = self._run.pid
+        if self._run.lost:
+            sandbox._ended = "its interpreter was restarted behind our back"
+            raise sandbox._died(sandbox._ended)
+        if self._run.exit_code is not None:
+            await sandbox._end_interpreter()
+            sandbox._ended = "the cell called exit()"
+            raise sandbox._died(sandbox._ended, exit_code=self._run.exit_code)
+        return CellReply(execution_count=self._run.count)

@@ -26,29 +26,28 @@ import asyncio
 import contextlib
 import json
 import logging
+import posixpath
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from functools import partial
 from pathlib import Path, PurePosixPath
 from types import ModuleType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import import_extra
+from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra
 from prefect_sandbox.sandbox.base import (
     CellError,
-    CellResult,
+    CellReply,
     KernelInfo,
-    OutputCallback,
     RemoteFile,
+    RunningCell,
     Sandbox,
     SandboxConfig,
     SandboxHandle,
-    checked_timeout_s,
 )
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -59,7 +58,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.outputs import OutputCollector
+from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import checked_relative_path
 
 __all__ = [
@@ -67,7 +66,6 @@ __all__ = [
     "DEFAULT_WORKDIR",
     "E2BConfig",
     "E2BSandbox",
-    "error_output",
     "glob_match",
     "import_sdk",
     "mime_bundle",
@@ -179,20 +177,6 @@ def mime_bundle(result: Any) -> dict[str, Any]:
             bundle[mime] = value
     bundle.update(getattr(result, "extra", None) or {})
     return bundle
-
-
-def error_output(name: str, value: str, traceback: str) -> dict[str, Any]:
-    """The iopub ``error`` content for an SDK ``ExecutionError``'s fields.
-
-    Args:
-        name: the exception's class name.
-        value: its message.
-        traceback: the traceback as one string (the server joins the kernel's lines).
-
-    Returns:
-        ``{"ename", "evalue", "traceback"}`` with the traceback split into lines.
-    """
-    return {"ename": name, "evalue": value, "traceback": traceback.split("\n") if traceback else []}
 
 
 def glob_match(pattern: str, path: str) -> bool:
@@ -325,6 +309,10 @@ class E2BSandbox(Sandbox):
     Make one with `create`, reach it again with `attach`. Not safe to share one instance
     between event loops; attach once per loop instead.
     """
+
+    _config: E2BConfig
+    # Closing the execute stream is the one interrupt E2B has; a second would find no stream.
+    _interrupts_before_restart = 1
 
     def __init__(self, sdk_sandbox: Any, config: E2BConfig, handle: SandboxHandle) -> None:
         self._sdk = sdk_sandbox
@@ -484,141 +472,14 @@ class E2BSandbox(Sandbox):
             except SandboxUnavailableError as exc:
                 logger.warning("Sandbox %s: lifetime not extended: %s", self._id, exc)
 
-    async def run_cell(
-        self,
-        code: str,
-        *,
-        timeout_s: float | None = None,
-        on_output: OutputCallback | None = None,
-    ) -> CellResult:
-        """Run one cell in the sandbox's code context (see `Sandbox.run_cell`).
-
-        On the deadline the execute stream is closed, which interrupts the cell; if the kernel
-        is not idle ``interrupt_grace_s`` later, the context is restarted and the result says
-        ``state_lost``. The cell is never sent twice.
-
-        Raises:
-            ValueError: ``timeout_s`` is zero or negative.
-            SandboxDiedError: the kernel died (or restarted behind our back); state is lost
-                until `restart`.
-            SandboxNotFoundError: the sandbox expired or was killed.
-            SandboxUnavailableError: the connection failed; the cell may or may not have run.
-        """
-        timeout_s = checked_timeout_s(timeout_s)
+    async def _prepare_cell(self) -> None:
         self._check_alive()
         await self._extend_lifetime(in_cell=True)
-        context = await self._code_context()
-        collector = OutputCollector(self._config.max_output_bytes)
-        restarted: list[str] = []
 
-        def add(msg_type: str, content: dict[str, Any]) -> None:
-            output = collector.add(msg_type, content)
-            if output is not None and on_output is not None:
-                on_output(output)
-
-        def on_error(error: Any) -> None:
-            if error.name == _KERNEL_RESTARTED or error.name in _SERVER_LOST_CELL:
-                restarted.append(error.name)
-            else:
-                add("error", error_output(error.name, error.value, error.traceback))
-
-        def on_result(result: Any) -> None:
-            kind = "execute_result" if result.is_main_result else "display_data"
-            add(kind, {"data": mime_bundle(result), "metadata": {}, "execution_count": None})
-
-        started_at = datetime.now(UTC)
-        start = time.monotonic()
-        self._running = asyncio.create_task(
-            self._sdk.run_code(
-                code,
-                context=context,
-                on_stdout=lambda m: add("stream", {"name": "stdout", "text": m.line}),
-                on_stderr=lambda m: add("stream", {"name": "stderr", "text": m.line}),
-                on_result=on_result,
-                on_error=on_error,
-                timeout=0,  # no SDK deadline: ours is below
-            )
-        )
-        keep_alive = asyncio.create_task(self._keep_alive())
-        try:
-            done, _ = await asyncio.wait({self._running}, timeout=timeout_s)
-        finally:
-            keep_alive.cancel()
-        running, self._running = self._running, None
-        timed_out = running not in done
-        execution = None
-        if timed_out:
-            running.cancel()
-        with (
-            contextlib.suppress(asyncio.CancelledError),
-            _translated("run_cell", sandbox_id=self._id, in_cell=True),
-        ):
-            execution = await running
-        duration_s = time.monotonic() - start
-        if restarted:
-            self._dead = True
-            raise self._died(
-                "its kernel died and was restarted"
-                if restarted[0] == _KERNEL_RESTARTED
-                else f"the code interpreter lost the cell ({restarted[0]})"
-            )
-        execution_count = execution.execution_count if execution is not None else None
-        self._check_count(execution_count)
-        status: Literal["ok", "error", "timeout"] = "ok"
-        error = None
-        interrupted = state_lost = False
-        if timed_out or execution is None:
-            interrupted = True
-            if timed_out:
-                state_lost = not await self._wait_idle_after_interrupt(context)
-                status = "timeout"
-                how = "the kernel was restarted, state lost" if state_lost else "interrupted"
-                evalue = f"cell exceeded its {timeout_s} s timeout; {how}"
-                ename = "CellTimeoutError"
-            else:
-                status, ename, evalue = "error", "KeyboardInterrupt", "interrupted"
-            collector.append_error(ename, evalue, [])
-            error = CellError(ename=ename, evalue=evalue)
-        elif collector.has_error():
-            status = "error"
-        outputs = collector.outputs
-        for output in outputs:
-            if output["output_type"] == "execute_result":
-                output["execution_count"] = execution_count
-        if status == "error" and error is None:
-            last = [o for o in outputs if o["output_type"] == "error"][-1]
-            error = CellError(
-                ename=last["ename"], evalue=last["evalue"], traceback=last["traceback"]
-            )
-        return CellResult(
-            status=status,
-            execution_count=execution_count,
-            outputs=outputs,
-            error=error,
-            started_at=started_at,
-            duration_s=duration_s,
-            interrupted=interrupted and not state_lost,
-            state_lost=state_lost,
-            output_bytes=collector.total_bytes,
-            omitted_bytes=collector.omitted_bytes,
-        )
-
-    async def _wait_idle_after_interrupt(self, context: Any) -> bool:
-        """After closing a cell's stream: True if the kernel took a probe cell within the grace.
-
-        Otherwise the context is restarted, so the cell really stops, and False is returned.
-        """
-        probe = asyncio.create_task(self._sdk.run_code(_PROBE_CODE, context=context, timeout=0))
-        done, _ = await asyncio.wait({probe}, timeout=self._config.interrupt_grace_s)
-        if probe in done and probe.exception() is None and probe.result().error is None:
-            self._last_count = probe.result().execution_count
-            return True
-        probe.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await probe
-        logger.warning("Sandbox %s: cell still busy after an interrupt; restarting", self._id)
-        await self.restart()
-        return False
+    async def _start_cell(
+        self, code: str, outputs: CellOutputs, timeout_s: float | None
+    ) -> RunningCell:
+        return _E2BCell(self, await self._code_context(), code, outputs)
 
     def _check_count(self, execution_count: int | None) -> None:
         """A counter that went back means the kernel restarted unseen between two cells."""
@@ -805,12 +666,97 @@ class E2BSandbox(Sandbox):
         """Nothing to release: the SDK's connections are pooled per event loop."""
 
 
+class _E2BCell(RunningCell):
+    """A cell as one ``/execute`` stream of the code interpreter.
+
+    Interrupting it closes the stream, which makes the server interrupt the cell; a tiny probe
+    cell then tells whether the kernel went idle within the grace period. The lifetime is kept
+    extended while the cell runs.
+    """
+
+    def __init__(self, sandbox: E2BSandbox, context: Any, code: str, outputs: CellOutputs) -> None:
+        self._sandbox = sandbox
+        self._context = context
+        self._restarted: list[str] = []
+        self._probe: asyncio.Task[Any] | None = None
+
+        def on_error(error: Any) -> None:
+            if error.name == _KERNEL_RESTARTED or error.name in _SERVER_LOST_CELL:
+                self._restarted.append(error.name)
+            else:
+                outputs.add("error", error_content(error.name, error.value, error.traceback))
+
+        def on_result(result: Any) -> None:
+            kind = "execute_result" if result.is_main_result else "display_data"
+            content = {"data": mime_bundle(result), "metadata": {}, "execution_count": None}
+            outputs.add(kind, content)
+
+        self._execution: asyncio.Task[Any] = asyncio.create_task(
+            sandbox._sdk.run_code(
+                code,
+                context=context,
+                on_stdout=lambda m: outputs.add("stream", {"name": "stdout", "text": m.line}),
+                on_stderr=lambda m: outputs.add("stream", {"name": "stderr", "text": m.line}),
+                on_result=on_result,
+                on_error=on_error,
+                timeout=0,  # no SDK deadline: ours is run_cell's
+            )
+        )
+        sandbox._running = self._execution
+        self._keep_alive = asyncio.create_task(sandbox._keep_alive())
+
+    async def wait(self, deadline: float | None) -> bool:
+        task = self._probe or self._execution
+        timeout_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if self._probe is None or not done:
+            return bool(done)
+        # The kernel took the probe: it is idle again, its state intact.
+        return self._probe.exception() is None and self._probe.result().error is None
+
+    async def interrupt(self, attempt: int) -> None:
+        self._execution.cancel()
+        await asyncio.wait({self._execution})
+        self._probe = asyncio.create_task(
+            self._sandbox._sdk.run_code(_PROBE_CODE, context=self._context, timeout=0)
+        )
+
+    async def abandon(self) -> None:
+        self._sandbox._running = None
+        for task in (self._keep_alive, self._execution, self._probe):
+            if task is not None:
+                await cancel_and_wait(task)
+
+    async def finish(self, *, state_lost: bool) -> CellReply:
+        sandbox = self._sandbox
+        sandbox._running = None
+        await cancel_and_wait(self._keep_alive)
+        if state_lost:
+            return CellReply()
+        execution = None
+        if not self._execution.cancelled():
+            with _translated("run_cell", sandbox_id=sandbox._id, in_cell=True):
+                execution = self._execution.result()
+        if self._restarted:
+            sandbox._dead = True
+            raise sandbox._died(
+                "its kernel died and was restarted"
+                if self._restarted[0] == _KERNEL_RESTARTED
+                else f"the code interpreter lost the cell ({self._restarted[0]})"
+            )
+        if self._probe is not None:
+            # Interrupted at the deadline: the probe ran after the cell, and counted.
+            sandbox._check_count(self._probe.result().execution_count)
+            return CellReply()
+        execution_count = execution.execution_count if execution is not None else None
+        sandbox._check_count(execution_count)
+        if execution is None:
+            # The stream was closed by `E2BSandbox.interrupt` from outside, not by a deadline.
+            return CellReply(error=CellError(ename="KeyboardInterrupt", evalue="interrupted"))
+        return CellReply(execution_count=execution_count)
+
+
 def _lexically_inside(path: PurePosixPath, root: PurePosixPath) -> bool:
-    parts: list[str] = []
-    for part in path.parts[1:]:
-        if part == "..":
-            if parts:
-                parts.pop()
-        elif part != ".":
-            parts.append(part)
-    return PurePosixPath("/", *parts).is_relative_to(root)
+    # normpath keeps POSIX's special leading "//"; one slash is what the sandbox means.
+    normal = posixpath.normpath("/" + str(path).lstrip("/"))
+    return PurePosixPath(normal).is_relative_to(root)

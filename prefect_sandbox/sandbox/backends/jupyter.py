@@ -1,0 +1,403 @@
+"""`JupyterKernelSandbox`: a kernel reached through a Jupyter connection file on this machine.
+
+This is the half of a kernel backend that talks Jupyter's protocol with jupyter_client: the
+start-up handshake, each cell's ``execute_request``, its iopub messages and ``execute_reply``,
+and output that earlier cells' threads print later. It assumes nothing about where the kernel
+process runs: a subclass launches it, watches it and ends it (`LocalKernelSandbox` on this
+machine; a container backend whose connection file and working directory are bind-mounted
+folders works the same way).
+
+Kernels write the ``stream`` messages we read; `write_ipython_startup` installs a startup file
+that bounds their size (`STREAM_MESSAGE_CHARS`), for a launcher to put in the kernel's
+``IPYTHONDIR``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import zmq
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from prefect_sandbox.sandbox.base import (
+    CellError,
+    CellReply,
+    RemoteFile,
+    RunningCell,
+    Sandbox,
+    SandboxConfig,
+    SandboxHandle,
+)
+from prefect_sandbox.sandbox.errors import FileTransferError, SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.outputs import OUTPUT_MSG_TYPES, CellOutputs, OutputCollector
+from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+
+__all__ = [
+    "STREAM_MESSAGE_CHARS",
+    "JupyterKernelConfig",
+    "JupyterKernelSandbox",
+    "write_ipython_startup",
+]
+
+_LIVENESS_POLL_S = 0.5
+_EXIT_WAIT_S = 5.0
+_HANDSHAKE_POLL_S = 0.2
+_REPLY_WAIT_S = 5.0
+_IDLE_LOST_S = 2.0
+
+logger = logging.getLogger(__name__)
+
+STREAM_MESSAGE_CHARS = 256 * 1024
+"""Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
+
+# ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
+# us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
+# file in every kernel of the sandbox (restarts too): a write that fills the buffer past the
+# limit waits for it to be sent, which bounds each message. It leaves no name behind.
+_STARTUP_CODE = f"""
+def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if not hasattr(stream, "pub_thread"):
+            continue  # not ipykernel's OutStream
+        unsent = [0]
+
+        def write(text, _write=stream.write, _stream=stream, _unsent=unsent):
+            count = _write(text)
+            _unsent[0] += len(text)
+            if _unsent[0] >= limit:
+                _unsent[0] = 0
+                _stream.flush()
+            return count
+
+        stream.write = write
+
+
+_prefect_sandbox_bound_stream_messages()
+del _prefect_sandbox_bound_stream_messages
+"""
+
+
+def write_ipython_startup(ipython_dir: Path) -> None:
+    """Put our startup file (it bounds ``stream`` messages) in a kernel's ``IPYTHONDIR``."""
+    startup = ipython_dir / "profile_default" / "startup" / "00-prefect-sandbox.py"
+    startup.parent.mkdir(parents=True, exist_ok=True)
+    startup.write_text(_STARTUP_CODE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JupyterKernelConfig(SandboxConfig):
+    """Settings of kernels reached through a connection file (besides `SandboxConfig`'s).
+
+    Attributes:
+        startup_timeout_s: seconds a kernel may take to start and answer.
+    """
+
+    startup_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_positive("startup_timeout_s")
+
+
+def _asked_to_exit(reply: dict[str, Any]) -> bool:
+    """Whether IPython's ``exit()`` ran: ipykernel adds an ``ask_exit`` payload to the reply."""
+    return any(
+        item.get("source") == "ask_exit" and not item.get("keepkernel")
+        for item in reply.get("payload", [])
+    )
+
+
+def _new_client(connection_file: Path) -> AsyncKernelClient:
+    client = AsyncKernelClient()
+    # Past 1,000 queued messages zmq DROPS iopub messages for a slow reader (one that logs each
+    # output), the closing idle status among them. Unlimited: our side queues them all instead.
+    client.context.setsockopt(zmq.RCVHWM, 0)
+    client.load_connection_file(str(connection_file))
+    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    return client
+
+
+class JupyterKernelSandbox(Sandbox):
+    """A sandbox whose kernel is reached through a Jupyter connection file on this machine.
+
+    A subclass owns the kernel process: it provides the factories (`Sandbox.create`,
+    `Sandbox.attach`, `Sandbox.list_handles`), `_check_alive`, `interrupt`, `restart` (which
+    ends with `_reconnect`) and `kill`. This class drives the kernel and the working directory,
+    which is a folder on this machine.
+
+    Args:
+        handle: the sandbox's handle.
+        config: its settings.
+        connection_file: the kernel's connection file.
+        workdir: the working directory, as a path on this machine.
+    """
+
+    _config: JupyterKernelConfig
+
+    def __init__(
+        self,
+        handle: SandboxHandle,
+        config: JupyterKernelConfig,
+        connection_file: Path,
+        workdir: Path,
+    ) -> None:
+        self._handle = handle
+        self._config = config
+        self._connection_file = connection_file
+        self._workdir = workdir
+        self._client = _new_client(connection_file)
+        self._ready = False
+        self._late: dict[str, OutputCollector] = {}
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The address of this sandbox (see `SandboxHandle`)."""
+        return self._handle
+
+    @abc.abstractmethod
+    def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
+
+    # --- cells -----------------------------------------------------------------------------
+
+    async def _prepare_cell(self) -> None:
+        self._check_alive()
+        if not self._ready:
+            await self._handshake()
+
+    async def _start_cell(
+        self, code: str, outputs: CellOutputs, timeout_s: float | None
+    ) -> RunningCell:
+        msg_id = self._client.execute(
+            code, store_history=True, allow_stdin=False, stop_on_error=False
+        )
+        return _KernelCell(self, msg_id, outputs)
+
+    def _keep_late_output(self, msg: dict[str, Any]) -> None:
+        """Keep output that an earlier cell's background thread printed after that cell ended."""
+        parent_id = msg["parent_header"].get("msg_id")
+        msg_type = msg["header"]["msg_type"]
+        if parent_id and msg_type in OUTPUT_MSG_TYPES:
+            collector = self._late.setdefault(
+                parent_id, OutputCollector(self._config.max_output_bytes)
+            )
+            collector.add(msg_type, msg["content"])
+
+    async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """Output printed by earlier cells' background threads after those cells ended.
+
+        Drains what the kernel has sent so far without waiting.
+
+        Returns:
+            The earlier cell's ``CellResult.msg_id`` to its late outputs, in order; each id
+            appears once, so every late output is reported exactly once.
+        """
+        while True:
+            try:
+                msg = await self._client.get_iopub_msg(timeout=0)
+            except Empty:
+                break
+            self._keep_late_output(msg)
+        late = {msg_id: collector.outputs for msg_id, collector in self._late.items()}
+        self._late.clear()
+        return late
+
+    async def _wait_for_exit(self) -> None:
+        """The cell called ``exit()``: wait for the kernel to end, then report it."""
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            self._check_alive("the cell called exit()")
+            await asyncio.sleep(0.02)
+
+    async def _poll_execute_reply(self, msg_id: str) -> dict[str, Any] | None:
+        """The cell's ``execute_reply`` if it has arrived, without waiting; else None."""
+        while True:
+            try:
+                reply: dict[str, Any] = await self._client.get_shell_msg(timeout=0)
+            except Empty:
+                return None
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+
+    async def _language_info(self) -> dict[str, Any]:
+        """The kernel's ``language_info``, from its answer to a kernel_info request."""
+        reply = await self._shell_reply(self._client.kernel_info(), "kernel_info_reply")
+        return dict(reply["content"].get("language_info") or {})
+
+    async def _shell_reply(self, msg_id: str, kind: str) -> dict[str, Any]:
+        """The reply (of type ``kind``) to request ``msg_id``, within `_REPLY_WAIT_S`."""
+        deadline = time.monotonic() + _REPLY_WAIT_S
+        while True:
+            try:
+                reply: dict[str, Any] = await self._client.get_shell_msg(timeout=_LIVENESS_POLL_S)
+            except Empty:
+                self._check_alive()
+                if time.monotonic() >= deadline:
+                    raise SandboxError(
+                        f"sandbox {self._handle.sandbox_id}: kernel sent no {kind} within "
+                        f"{_REPLY_WAIT_S} s",
+                        sandbox_id=self._handle.sandbox_id,
+                    ) from None
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+
+    async def _handshake(self) -> None:
+        """Wait until the kernel answers and our iopub subscription receives its messages."""
+        deadline = time.monotonic() + self._config.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            msg_id = self._client.kernel_info()
+            try:
+                while True:
+                    msg = await self._client.get_iopub_msg(timeout=_HANDSHAKE_POLL_S)
+                    if msg["parent_header"].get("msg_id") == msg_id:
+                        self._ready = True
+                        return
+            except Empty:
+                continue
+        raise SandboxDiedError(
+            f"kernel of sandbox {self._handle.sandbox_id} did not answer within "
+            f"{self._config.startup_timeout_s} s",
+            sandbox_id=self._handle.sandbox_id,
+        )
+
+    async def _reconnect(self) -> None:
+        """Connect afresh to a kernel started again on the same connection file."""
+        await self.close()
+        self._client = _new_client(self._connection_file)
+        self._ready = False
+        await self._handshake()
+
+    async def close(self) -> None:
+        """Close this process's sockets to the kernel; the kernel keeps running."""
+        if self._client.channels_running:
+            self._client.stop_channels()
+
+    # --- files -----------------------------------------------------------------------------
+
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a local file into the working directory (see `Sandbox.upload`)."""
+        target = resolve_inside(self._workdir, dest)
+        if not src.is_file():
+            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, src, target)
+
+    async def download(self, src: str, dest: Path) -> int:
+        """Copy a file out of the working directory (see `Sandbox.download`)."""
+        source = resolve_inside(self._workdir, src)
+        if not source.is_file():
+            raise FileTransferError(
+                f"file {src!r} is not in sandbox {self._handle.sandbox_id}",
+                path=src,
+                sandbox_id=self._handle.sandbox_id,
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, source, dest)
+        return dest.stat().st_size
+
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """List files matching a glob (see `Sandbox.list_files`).
+
+        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        """
+        checked_relative_path(pattern)
+        files = []
+        for path in self._workdir.glob(pattern):
+            if path.is_file():
+                relative = path.relative_to(self._workdir).as_posix()
+                files.append(RemoteFile(path=relative, size_bytes=path.lstat().st_size))
+        return sorted(files, key=lambda remote: remote.path)
+
+
+class _KernelCell(RunningCell):
+    """A cell sent as an ``execute_request``: its iopub messages until the kernel goes idle,
+    then its ``execute_reply``. Messages of earlier cells are kept as late output."""
+
+    def __init__(self, sandbox: JupyterKernelSandbox, msg_id: str, outputs: CellOutputs) -> None:
+        self._sandbox = sandbox
+        self._msg_id = msg_id
+        self._outputs = outputs
+        self._reply: dict[str, Any] | None = None
+        self._last_message_at = time.monotonic()
+
+    async def wait(self, deadline: float | None) -> bool:
+        sandbox = self._sandbox
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                self._reply = self._reply or await sandbox._poll_execute_reply(self._msg_id)
+                if self._reply is None:
+                    return False
+                # The cell ended in time; only its output is still on its way to us.
+                deadline = None
+            wait_s = _LIVENESS_POLL_S
+            if deadline is not None:
+                wait_s = min(wait_s, max(deadline - time.monotonic(), 0.0))
+            try:
+                # Outputs held for a slow callback are handed over whenever the queue is empty.
+                timeout_s = 0 if self._outputs.held else wait_s
+                msg = await sandbox._client.get_iopub_msg(timeout=timeout_s)
+            except Empty:
+                if self._outputs.held:
+                    self._outputs.flush()
+                    continue
+                sandbox._check_alive()
+                self._reply = self._reply or await sandbox._poll_execute_reply(self._msg_id)
+                idle_s = time.monotonic() - self._last_message_at
+                if self._reply is not None and idle_s > _IDLE_LOST_S:
+                    logger.warning(
+                        "Sandbox %s: the kernel replied but its idle status never came; "
+                        "some output of the cell may be missing",
+                        sandbox.handle.sandbox_id,
+                    )
+                    return True
+                continue
+            self._last_message_at = time.monotonic()
+            if msg["parent_header"].get("msg_id") != self._msg_id:
+                sandbox._keep_late_output(msg)
+                continue
+            msg_type = msg["header"]["msg_type"]
+            content = msg["content"]
+            if msg_type == "status" and content["execution_state"] == "idle":
+                return True
+            self._outputs.add(msg_type, content, hold=True)
+
+    async def interrupt(self, attempt: int) -> None:
+        await self._sandbox.interrupt()
+
+    async def abandon(self) -> None:
+        """Nothing waits in the background: reading happens only inside `wait`."""
+
+    async def finish(self, *, state_lost: bool) -> CellReply:
+        if state_lost:
+            return CellReply(msg_id=self._msg_id)
+        sandbox = self._sandbox
+        message = self._reply or await sandbox._shell_reply(self._msg_id, "execute_reply")
+        reply = message["content"]
+        if _asked_to_exit(reply):
+            await sandbox._wait_for_exit()
+        raised = reply.get("status") != "ok"
+        error = None
+        if raised:
+            error = CellError(
+                ename=reply.get("ename", "UnknownError"),
+                evalue=reply.get("evalue", f"execute_reply status {reply.get('status')!r}"),
+                traceback=reply.get("traceback", []),
+            )
+        return CellReply(
+            execution_count=reply.get("execution_count"),
+            raised=raised,
+            error=error,
+            msg_id=self._msg_id,
+        )
