@@ -1,11 +1,14 @@
 """The seam every backend implements, checked once over all of them: the factories' one
-signature, the one error a missing extra raises, and how every cell's result is built."""
+signature, the one error a missing extra raises, how every cell's result is built, and the one
+retry policy."""
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import pickle
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,8 +27,18 @@ from prefect_sandbox.sandbox.base import (
     Sandbox,
     cell_result,
 )
-from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError
+from prefect_sandbox.sandbox.errors import (
+    BackendNotInstalledError,
+    SandboxError,
+    SandboxUnavailableError,
+)
 from prefect_sandbox.sandbox.outputs import CellOutputs
+from prefect_sandbox.sandbox.retries import (
+    MAX_RETRY_DELAY_S,
+    async_retrying,
+    retry_delay_s,
+    sync_retrying,
+)
 
 BACKENDS = [LocalKernelSandbox, E2BSandbox, DaytonaSandbox]
 
@@ -169,3 +182,51 @@ def test_execute_results_get_the_replys_count_and_outputs_are_handed_over_once()
         7,
         7,
     )
+
+
+def test_one_retry_policy_waits_as_asked_and_retries_only_what_it_is_told() -> None:
+    calls: list[float] = []
+
+    def flaky() -> str:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise SandboxUnavailableError("busy", status_code=429, retry_after_s=0.2)
+        return "done"
+
+    for attempt in sync_retrying(
+        attempts=4, retry_if=lambda e: isinstance(e, SandboxUnavailableError), what="test call"
+    ):
+        with attempt:
+            result = flaky()
+    assert result == "done" and len(calls) == 3
+    assert all(later - earlier >= 0.2 for earlier, later in itertools.pairwise(calls))
+    # Without Retry-After: the first delay, doubling, capped; a huge Retry-After is capped too.
+    plain = SandboxUnavailableError("busy", status_code=503)
+    assert [retry_delay_s(plain, n, first_delay_s=0.1) for n in (1, 2, 3)] == [0.1, 0.2, 0.4]
+    assert retry_delay_s(plain, 20) == MAX_RETRY_DELAY_S
+    assert retry_delay_s(SandboxUnavailableError("x", retry_after_s=1e6), 1) == MAX_RETRY_DELAY_S
+
+
+async def test_the_async_loop_gives_up_after_its_attempts_and_never_retries_the_rest() -> None:
+    tries = 0
+
+    async def always(error: Exception) -> None:
+        nonlocal tries
+        tries += 1
+        raise error
+
+    for error, expected in (
+        (SandboxUnavailableError("down", status_code=502), 2),
+        (KeyError("bug"), 1),
+    ):
+        tries = 0
+        with pytest.raises(type(error)):
+            async for attempt in async_retrying(
+                attempts=2,
+                retry_if=lambda e: isinstance(e, SandboxUnavailableError),
+                first_delay_s=0.01,
+                what="test call",
+            ):
+                with attempt:
+                    await always(error)
+        assert tries == expected

@@ -22,13 +22,14 @@ import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
 from prefect_sandbox.sandbox.backends.daytona import (
+    DaytonaSandboxConfig,
     MarkerSplitter,
     _bootstrap_code,
+    _call,
     _cell_code,
     close_code_of,
     import_sdk,
     record_content,
-    retry_delay_s,
     translate_error,
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
@@ -42,6 +43,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
 )
 from prefect_sandbox.sandbox.outputs import error_content
+from prefect_sandbox.sandbox.retries import retry_delay_s
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from tests.conftest import stream_text
 
@@ -159,6 +161,22 @@ def test_statuses_on_causes_and_retry_after_are_found() -> None:
     assert retry_delay_s(SandboxUnavailableError("x", retry_after_s=600), 1) == 30.0
     copy = pickle.loads(pickle.dumps(limited))
     assert (copy.status_code, copy.operation, copy.retry_after_s) == (429, "create", 2.0)
+
+
+async def test_bugs_are_let_through_the_error_mapper_unchanged() -> None:
+    # Only the SDK's and its transport's exceptions become ours; a bug stays a bug.
+    assert translate_error(KeyError("boom"), operation="upload", path="a.csv") is None
+    assert translate_error(TypeError("boom"), operation="create") is None
+    calls = 0
+
+    async def buggy() -> None:
+        nonlocal calls
+        calls += 1
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        await _call("get", "sb-1", DaytonaSandboxConfig(request_attempts=3), buggy, True)
+    assert calls == 1
 
 
 def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,12 +25,6 @@ from prefect.artifacts import acreate_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
-from tenacity import (
-    retry,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
 
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
@@ -40,6 +34,7 @@ from prefect_sandbox.sandbox.paths import (
     resolve_inside,
     run_folder_name,
 )
+from prefect_sandbox.sandbox.retries import sync_retrying
 
 __all__ = [
     "MULTIPART_THRESHOLD_BYTES",
@@ -262,13 +257,8 @@ class S3Store(ArtifactStore):
             ChunksizeAdjuster().adjust_chunksize(MULTIPART_CHUNK_BYTES, source.stat().st_size)
         )
 
-    @retry(
-        retry=retry_if_exception(_is_transient),
-        stop=stop_after_attempt(_ATTEMPTS),
-        wait=wait_exponential(multiplier=0.5, max=8),
-        reraise=True,
-    )
     def _upload(self, source: Path, key_in_folder: str) -> str:
+        """Upload with boto3's managed transfer; transient S3 errors are tried again."""
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(
@@ -280,10 +270,16 @@ class S3Store(ArtifactStore):
             "ExtraArgs": {"ChecksumAlgorithm": "SHA256"},
             "Config": config,
         }
-        # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
-        return str(
-            self._bucket.upload_from_path(source, key_in_folder, _sync=True, **upload_kwargs)  # type: ignore[arg-type]
+        bucket = self._bucket
+        retrying = sync_retrying(
+            attempts=_ATTEMPTS, retry_if=_is_transient, what=f"S3 upload of {key_in_folder!r}"
         )
+        for attempt in retrying:
+            with attempt:
+                # _sync: prefect-aws dispatches on the run context, async inside our flows.
+                key = bucket.upload_from_path(source, key_in_folder, _sync=True, **upload_kwargs)  # type: ignore[arg-type]
+                return str(key)
+        raise AssertionError("unreachable: tenacity reraises")
 
     def _verify(self, key: str, size: int, whole: bytes, parts: list[bytes], relative: str) -> None:
         client = self._bucket.credentials.get_s3_client()

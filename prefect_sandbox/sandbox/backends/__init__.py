@@ -11,13 +11,15 @@ No backend is imported here, so importing one never imports another's SDK.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from prefect_sandbox.sandbox.errors import BackendNotInstalledError
+from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError
 
-__all__ = ["cancel_and_wait", "import_extra"]
+__all__ = ["cancel_and_wait", "import_extra", "translated"]
 
 
 def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
@@ -50,3 +52,24 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()
+
+
+@contextlib.contextmanager
+def translated(translate: Callable[[Exception], SandboxError | None]) -> Iterator[None]:
+    """Raise what a backend's error mapper makes of an exception, ``from`` it.
+
+    Our own errors pass unchanged, and so does anything the mapper returns None for (a bug,
+    not the vendor's or the transport's failure).
+
+    Args:
+        translate: the backend's one translation function, its call details bound.
+    """
+    try:
+        yield
+    except SandboxError:
+        raise
+    except Exception as exc:
+        mapped = translate(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc

@@ -33,10 +33,11 @@ import types
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra
+from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra, translated
 from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
     MARKER_START,
@@ -64,6 +65,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import checked_relative_path
+from prefect_sandbox.sandbox.retries import async_retrying
 
 if TYPE_CHECKING:
     from daytona import AsyncDaytona, AsyncSandbox
@@ -78,7 +80,6 @@ __all__ = [
     "close_code_of",
     "import_sdk",
     "record_content",
-    "retry_delay_s",
     "translate_error",
 ]
 
@@ -91,8 +92,6 @@ WORKDIR_NAME = "work"
 _SERVER_TIMEOUT_MARGIN_S = 10
 _EXEC_TIMEOUT_S = 60
 _BOOTSTRAP_TIMEOUT_S = 120
-_MAX_RETRY_DELAY_S = 30.0
-_FIRST_RETRY_DELAY_S = 0.5
 _CLOSE_CODE = re.compile(r"\(close code (\d+)\)")
 _GONE_STATES = frozenset({"destroyed", "destroying", "error", "build_failed"})
 _STOPPED_STATES = frozenset({"stopped", "archived", "stopping", "archiving"})
@@ -282,30 +281,56 @@ def _retry_after_of(exc: BaseException) -> float | None:
     return None
 
 
+def _is_sdk_or_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the SDK, its generated API clients or their transport."""
+    import aiohttp
+    import httpx
+    from daytona_api_client_async.exceptions import OpenApiException as ApiError
+    from daytona_toolbox_api_client_async.exceptions import OpenApiException as ToolboxError
+
+    sdk = import_sdk()
+    return isinstance(
+        exc,
+        sdk.DaytonaError
+        | ApiError
+        | ToolboxError
+        | aiohttp.ClientError
+        | httpx.HTTPError
+        | OSError
+        | TimeoutError,
+    )
+
+
 def translate_error(
     exc: BaseException,
     *,
     operation: str,
     sandbox_id: str | None = None,
     path: str | None = None,
-) -> SandboxError:
+    in_cell: bool = False,
+) -> SandboxError | None:
     """Map an exception from the daytona SDK (or its transport) to our error tree.
 
-    The SDK raises `DaytonaError` subclasses, but some failures reach us as a plain
-    `DaytonaError` whose status sits only on a cause (a raw toolbox ``ApiException``, an
-    aiohttp response error); the status is read from the whole cause chain.
+    The one place where Daytona's exceptions become ours. The SDK raises `DaytonaError`
+    subclasses, but some failures reach us as a plain `DaytonaError` whose status sits only on
+    a cause (a raw toolbox ``ApiException``, an aiohttp response error); the status is read
+    from the whole cause chain. Pure: nothing is raised or logged here.
 
     Args:
         exc: what the SDK raised.
         operation: our name for the call (``"create"``, ``"upload"``, ...).
         sandbox_id: the sandbox concerned, when known.
         path: the file concerned, for file calls: then 404 is a `FileTransferError`.
+        in_cell: True when the call ran a cell (which is then never run again).
 
     Returns:
         `SandboxAuthError` (401, 403), `SandboxUnavailableError` (429, 5xx, timeouts,
         dropped connections), `SandboxNotFoundError` (404, 410 on sandbox calls),
-        `FileTransferError` (other failures of file calls) or `SandboxError`.
+        `FileTransferError` (other failures of file calls) or `SandboxError`; None when
+        ``exc`` is not the SDK's or its transport's (a bug, to let through unchanged).
     """
+    if not _is_sdk_or_transport_error(exc):
+        return None
     sdk = import_sdk()
     status = _status_of(exc)
     where = f" (sandbox {sandbox_id})" if sandbox_id else ""
@@ -327,6 +352,8 @@ def translate_error(
         )
         or isinstance(exc, OSError | TimeoutError)
     ):
+        if in_cell:
+            message = f"{message}; the cell may have run, so it is not run again"
         return SandboxUnavailableError(
             message,
             status_code=status,
@@ -337,16 +364,6 @@ def translate_error(
     if path is not None:
         return FileTransferError(message, path=path, sandbox_id=sandbox_id)
     return SandboxError(message, sandbox_id=sandbox_id)
-
-
-def retry_delay_s(error: SandboxUnavailableError, attempt: int) -> float:
-    """Seconds to wait before retrying after ``error`` on the ``attempt``-th try (1-based).
-
-    The backend's ``Retry-After`` wins; otherwise 0.5 s, doubling, at most 30 s.
-    """
-    if error.retry_after_s is not None:
-        return min(error.retry_after_s, _MAX_RETRY_DELAY_S)
-    return min(_FIRST_RETRY_DELAY_S * 2.0 ** (attempt - 1), _MAX_RETRY_DELAY_S)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -416,12 +433,10 @@ class DaytonaSandboxConfig(SandboxConfig):
             SandboxAuthError: no credentials were given or found in the environment.
         """
         sdk = import_sdk()
-        try:
+        with translated(partial(translate_error, operation="connect")):
             if self.client_factory is not None:
                 return self.client_factory()
             client: AsyncDaytona = sdk.AsyncDaytona()
-        except sdk.DaytonaError as exc:
-            raise translate_error(exc, operation="connect") from exc
         return client
 
     def refresh_period_s(self) -> float | None:
@@ -803,7 +818,10 @@ class DaytonaSandbox(Sandbox):
                 timeout=_BOOTSTRAP_TIMEOUT_S,
             )
         except Exception as exc:
-            raise await self._run_failure(exc) from exc
+            error = await self._run_failure(exc, in_cell=False)
+            if error is None:
+                raise
+            raise error from exc
         cell.finish()
         if cell.outputs.collector.has_error():
             errors = [o for o in cell.outputs.collector.outputs if o["output_type"] == "error"]
@@ -860,8 +878,22 @@ class DaytonaSandbox(Sandbox):
             idempotent=False,
         )
 
-    async def _run_failure(self, exc: Exception) -> SandboxError:
-        """What a failed ``run_code`` means: the sandbox or interpreter ended, or the link."""
+    async def _run_failure(self, exc: Exception, *, in_cell: bool) -> SandboxError | None:
+        """What a failed ``run_code`` means: the sandbox or interpreter ended, or the link.
+
+        Args:
+            exc: what ``run_code`` raised.
+            in_cell: True for a user's cell, False for installing the runner.
+
+        Returns:
+            The error to raise from ``exc``; None when ``exc`` is a bug, to let through.
+        """
+        operation = "run_cell" if in_cell else "start_interpreter"
+        error = translate_error(
+            exc, operation=operation, sandbox_id=self._handle.sandbox_id, in_cell=in_cell
+        )
+        if error is None:
+            return None
         gone = await self._check_gone()
         if gone is not None:
             return gone
@@ -869,10 +901,6 @@ class DaytonaSandbox(Sandbox):
             # 1001: the interpreter process ended; 1008: its context is gone.
             self._ended = "its interpreter process ended"
             return self._died(self._ended)
-        error = translate_error(exc, operation="run_cell", sandbox_id=self._handle.sandbox_id)
-        if isinstance(error, SandboxUnavailableError):
-            error.message = f"{error.message}; the cell may have run, so it is not run again"
-            error.args = (error.message,)
         return error
 
     async def _check_gone(self) -> SandboxError | None:
@@ -974,24 +1002,24 @@ async def _call(
     Raises:
         SandboxError: the translated error of the last try (see `translate_error`).
     """
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
+
+    def transient(error: BaseException) -> bool:
+        return isinstance(error, SandboxUnavailableError) and (
+            idempotent or error.status_code == 429
+        )
+
+    retrying = async_retrying(
+        attempts=config.request_attempts, retry_if=transient, what=f"Daytona {operation}"
+    )
+    async for attempt in retrying:
+        with (
+            attempt,
+            translated(
+                partial(translate_error, operation=operation, sandbox_id=sandbox_id, path=path)
+            ),
+        ):
             return await call()
-        except SandboxError:
-            raise
-        except Exception as exc:
-            error = translate_error(exc, operation=operation, sandbox_id=sandbox_id, path=path)
-            retry = isinstance(error, SandboxUnavailableError) and (
-                idempotent or error.status_code == 429
-            )
-            if not retry or attempt >= config.request_attempts:
-                raise error from exc
-            assert isinstance(error, SandboxUnavailableError)
-            delay_s = retry_delay_s(error, attempt)
-            logger.info("Daytona %s failed (%s); trying again in %.1f s", operation, exc, delay_s)
-            await asyncio.sleep(delay_s)
+    raise AssertionError("unreachable: tenacity reraises")
 
 
 async def _create_remote(
@@ -1000,25 +1028,28 @@ async def _create_remote(
     """Create the sandbox; a try that fails with 5xx may have made one, so delete it first."""
     sdk = import_sdk()
     token = labels[CREATE_TOKEN_LABEL]
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            remote: AsyncSandbox = await client.create(
-                config.create_params(labels), timeout=config.create_timeout_s
-            )
-            return remote
-        except Exception as exc:
-            error = translate_error(exc, operation="create")
-            if isinstance(exc, sdk.DaytonaTimeoutError) or (
-                isinstance(error, SandboxUnavailableError) and error.status_code != 429
-            ):
-                await _delete_by_label(client, config, token)
-            if not isinstance(error, SandboxUnavailableError) or attempt >= config.request_attempts:
+    retrying = async_retrying(
+        attempts=config.request_attempts,
+        retry_if=lambda error: isinstance(error, SandboxUnavailableError),
+        what="Daytona create",
+    )
+    async for attempt in retrying:
+        with attempt:
+            try:
+                remote: AsyncSandbox = await client.create(
+                    config.create_params(labels), timeout=config.create_timeout_s
+                )
+                return remote
+            except Exception as exc:
+                error = translate_error(exc, operation="create")
+                if error is None:
+                    raise
+                if isinstance(exc, sdk.DaytonaTimeoutError) or (
+                    isinstance(error, SandboxUnavailableError) and error.status_code != 429
+                ):
+                    await _delete_by_label(client, config, token)
                 raise error from exc
-            delay_s = retry_delay_s(error, attempt)
-            logger.info("Daytona create failed (%s); trying again in %.1f s", exc, delay_s)
-            await asyncio.sleep(delay_s)
+    raise AssertionError("unreachable: tenacity reraises")
 
 
 async def _delete_by_label(client: AsyncDaytona, config: DaytonaSandboxConfig, token: str) -> None:
@@ -1099,7 +1130,10 @@ class _DaytonaCell(RunningCell):
                 exc, sdk.DaytonaConnectionError
             )
             if not timed_out:
-                raise await sandbox._run_failure(exc) from exc
+                error = await sandbox._run_failure(exc, in_cell=True)
+                if error is None:
+                    raise
+                raise error from exc
             # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
             # may have killed the interpreter, or an interrupt escaped the runner.
             if not self._interrupted:

@@ -12,8 +12,8 @@ did, state is intact; if not, the context is restarted and the result says ``sta
 
 Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
 ``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
-context listing and restart) with exponential backoff, since the SDK drops the response
-headers of those. An execute that may have reached the kernel is never replayed.
+context listing and restart) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK
+drops the response headers of those. An execute that may have reached the kernel is never replayed.
 
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
 and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
@@ -30,7 +30,7 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import partial
@@ -38,7 +38,7 @@ from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra
+from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra, translated
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -60,6 +60,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import checked_relative_path
+from prefect_sandbox.sandbox.retries import async_retrying
 
 __all__ = [
     "BACKEND_SLUG",
@@ -129,7 +130,8 @@ class E2BConfig(SandboxConfig):
         allow_internet_access: False to cut the sandbox off the internet; None for the default.
         workdir: the working directory inside the sandbox; made if missing.
         file_retries: retries of an idempotent file or context call that met a transient error.
-        retry_backoff_s: the first wait between those retries, doubled each time (max 10 s).
+        retry_backoff_s: the first wait between those retries, doubled each time (see
+            `prefect_sandbox.sandbox.retries`).
     """
 
     client_factory: Callable[[], Any] | None = None
@@ -282,25 +284,19 @@ def translate_error(
     return None
 
 
-@contextlib.contextmanager
 def _translated(
     operation: str,
     *,
     sandbox_id: str | None = None,
     path: str | None = None,
     in_cell: bool = False,
-) -> Iterator[None]:
-    try:
-        yield
-    except SandboxError:
-        raise
-    except Exception as exc:
-        mapped = translate_error(
-            exc, operation=operation, sandbox_id=sandbox_id, path=path, in_cell=in_cell
+) -> contextlib.AbstractContextManager[None]:
+    """Raise `translate_error`'s mapping of what the block raises (see `translated`)."""
+    return translated(
+        partial(
+            translate_error, operation=operation, sandbox_id=sandbox_id, path=path, in_cell=in_cell
         )
-        if mapped is None:
-            raise
-        raise mapped from exc
+    )
 
 
 class E2BSandbox(Sandbox):
@@ -512,19 +508,12 @@ class E2BSandbox(Sandbox):
         path: str | None = None,
         in_cell: bool = False,
     ) -> T:
-        """Run an idempotent call, retrying transient errors with exponential backoff."""
-        from tenacity import (
-            AsyncRetrying,
-            retry_if_exception_type,
-            stop_after_attempt,
-            wait_exponential,
-        )
-
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(SandboxUnavailableError),
-            stop=stop_after_attempt(self._config.file_retries + 1),
-            wait=wait_exponential(multiplier=self._config.retry_backoff_s, max=10),
-            reraise=True,
+        """Run an idempotent call, retrying transient errors (see `async_retrying`)."""
+        retrying = async_retrying(
+            attempts=self._config.file_retries + 1,
+            retry_if=lambda error: isinstance(error, SandboxUnavailableError),
+            first_delay_s=self._config.retry_backoff_s,
+            what=f"E2B {operation}",
         )
         async for attempt in retrying:
             with attempt, _translated(operation, sandbox_id=self._id, path=path, in_cell=in_cell):
