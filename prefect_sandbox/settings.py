@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefect_sandbox.sandbox.base import checked_timeout_s
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 
 __all__ = ["DEFAULT_CELL_TIMEOUT_S", "DEFAULT_STORAGE", "PrefectSandboxSettings"]
 
@@ -68,16 +68,16 @@ class PrefectSandboxSettings(BaseSettings):
             "no limit."
         ),
     )
-    max_output_bytes: int | None = Field(
-        default=DEFAULT_MAX_OUTPUT_BYTES,
+    max_output_chars: int | None = Field(
+        default=DEFAULT_MAX_OUTPUT_CHARS,
         gt=0,
         description=(
             "Cap on each cell's stored and logged output, in characters of text: the default "
-            "of every backend block's max_output_bytes; none: no cap."
+            "of every backend block's max_output_chars; none: no cap."
         ),
     )
 
-    @field_validator("cell_timeout_s", "max_output_bytes", mode="before")
+    @field_validator("cell_timeout_s", "max_output_chars", mode="before")
     @classmethod
     def _none_is_no_limit(cls, value: object) -> object:
         return None if isinstance(value, str) and value.strip().lower() == "none" else value

@@ -201,6 +201,12 @@ def test_backend_settings_are_checked() -> None:
     assert DaytonaBackend(auto_stop_interval_min=0)._config().refresh_period_s() is None
 
 
+def test_the_maximum_lifetime_is_seconds_rounded_up_to_daytonas_minutes() -> None:
+    assert DaytonaBackend(max_lifetime_s=61)._config().create_params({}).ttl_minutes == 2
+    assert DaytonaBackend(max_lifetime_s=3600)._config().create_params({}).ttl_minutes == 60
+    assert DaytonaBackend()._config().create_params({}).ttl_minutes is None
+
+
 _WORKER = """
 import json, sys
 cells = json.loads(sys.stdin.read())

@@ -600,7 +600,7 @@ async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> Non
     cap = 64 * 1024
     result = await amodeling_pipeline(
         stages={"flood": ["for i in range(2000): print(f'line {i} ' + 'y' * 1000)"]},
-        backend=LocalKernelBackend(max_output_bytes=cap),
+        backend=LocalKernelBackend(max_output_chars=cap),
         storage=str(tmp_path),
     )
     cell = _cells(Path(result.output_dir) / "executed.ipynb")[0]

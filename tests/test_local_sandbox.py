@@ -214,7 +214,7 @@ async def test_cpu_time_limit_ends_the_kernel_and_says_so(isolation: Isolation) 
 
 
 def test_limits_must_be_positive() -> None:
-    for name in ("memory_limit_bytes", "cpu_time_limit_s", "max_output_bytes"):
+    for name in ("memory_limit_bytes", "cpu_time_limit_s", "max_output_chars"):
         with pytest.raises(ValueError, match=name):
             LocalKernelConfig(**{name: 0})
 

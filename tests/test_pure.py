@@ -95,7 +95,7 @@ def test_streams_coalesce_and_clear_output_waits() -> None:
 def test_progress_bar_output_past_the_cap_keeps_its_last_state() -> None:
     # A tqdm-like loop: 200,000 "\r<i>" updates, more than the cap in all, arriving in several
     # messages. A terminal shows only the last state; so must we, with nothing omitted.
-    collector = OutputCollector(max_output_bytes=1000)
+    collector = OutputCollector(max_output_chars=1000)
     updates = "".join(f"\r{i}" for i in range(200_000))
     for start in range(0, len(updates), 100_000):
         collector.add("stream", {"name": "stdout", "text": updates[start : start + 100_000]})
@@ -103,13 +103,13 @@ def test_progress_bar_output_past_the_cap_keeps_its_last_state() -> None:
     assert collector.outputs == [
         {"output_type": "stream", "name": "stdout", "text": "199999\ndone\n"}
     ]
-    assert collector.omitted_bytes == 0
+    assert collector.omitted_chars == 0
 
 
 def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None:
     text = "".join(f"step {i}: 0%\rstep {i}: 100%\n" for i in range(3000))
     for chunk in (1, 7, 100, 5000, len(text)):
-        collector = OutputCollector(max_output_bytes=1000)
+        collector = OutputCollector(max_output_chars=1000)
         for start in range(0, len(text), chunk):
             collector.add("stream", {"name": "stdout", "text": text[start : start + chunk]})
         (output,) = collector.outputs
@@ -120,7 +120,7 @@ def test_capped_stream_keeps_its_last_lines_whatever_the_message_sizes() -> None
         assert tail.endswith("step 2998: 100%\nstep 2999: 100%\n"), chunk
         assert "0%\r" not in head + tail and "%step" not in head + tail, chunk
         assert 400 <= len(head) <= 500 and 400 <= len(tail) <= 500, (chunk, len(head), len(tail))
-        assert f"{len(text)} bytes in all" in marker and collector.omitted_bytes > 0
+        assert f"{len(text)} characters in all" in marker and collector.omitted_chars > 0
 
 
 def _figure(number: int, payload_chars: int = 24_000) -> dict[str, object]:
@@ -136,7 +136,7 @@ def test_h11_outputs_between_half_the_cap_and_the_cap_are_all_kept() -> None:
     for number in range(30):
         figures.add("display_data", _figure(number))
     assert [o["data"]["text/plain"] for o in figures.outputs] == [f"fig {n}" for n in range(30)]
-    assert figures.omitted_bytes == 0
+    assert figures.omitted_chars == 0
     # 700 KB of text: kept whole, END included, no marker.
     text = OutputCollector()
     for _ in range(7):
@@ -145,20 +145,20 @@ def test_h11_outputs_between_half_the_cap_and_the_cap_are_all_kept() -> None:
     assert text.outputs == [
         {"output_type": "stream", "name": "stdout", "text": ("x" * 100_000 + "\n") * 7 + "END\n"}
     ]
-    assert text.omitted_bytes == 0
+    assert text.omitted_chars == 0
 
 
 def test_outputs_that_fit_under_the_cap_are_kept_whatever_half_the_head_took() -> None:
     # The head takes 4 figures (480 of its 500); the tail gets the rest of the cap (520), so
     # 4 more figures of 120 still fit: 960 <= 1000, nothing dropped.
-    collector = OutputCollector(max_output_bytes=1000)
+    collector = OutputCollector(max_output_chars=1000)
     for number in range(8):
         collector.add("display_data", _figure(number, payload_chars=115))
-    assert len(collector.outputs) == 8 and collector.omitted_bytes == 0
+    assert len(collector.outputs) == 8 and collector.omitted_chars == 0
 
 
 def test_every_cut_leaves_a_marker_naming_what_was_dropped() -> None:
-    collector = OutputCollector(max_output_bytes=100_000)
+    collector = OutputCollector(max_output_chars=100_000)
     collector.add("stream", {"name": "stdout", "text": "start\n"})
     for number in range(10):
         collector.add("display_data", _figure(number, payload_chars=20_000))
@@ -168,14 +168,15 @@ def test_every_cut_leaves_a_marker_naming_what_was_dropped() -> None:
     shown = [o["data"]["text/plain"] for o in outputs if o["output_type"] == "display_data"]
     sizes = {"start": 6, "figure": 20_000 + len("fig 0"), "stderr": 30_000, "end": 4}
     total = sizes["start"] + 10 * sizes["figure"] + sizes["stderr"] + sizes["end"]
-    assert collector.total_bytes == total
+    assert collector.total_chars == total
     # The head keeps "start" and 2 figures (under half); the tail the last figure, all of
     # stderr and END; the 7 figures between are dropped, and the marker says so.
     assert shown == ["fig 0", "fig 1", "fig 9"]
-    assert collector.omitted_bytes == 7 * sizes["figure"]
+    assert collector.omitted_chars == 7 * sizes["figure"]
     (marker,) = [o for o in outputs if "output truncated" in o.get("text", "")]
     assert marker["text"] == (
-        f"\n... [output truncated: {total} bytes in all, {7 * sizes['figure']} bytes omitted]"
+        f"\n... [output truncated: {total} characters in all, "
+        f"{7 * sizes['figure']} characters omitted]"
         " [omitted: 7 display_data (image/png, text/plain)] ...\n"
     )
     assert outputs.index(marker) == 3
@@ -186,13 +187,13 @@ def test_every_cut_leaves_a_marker_naming_what_was_dropped() -> None:
 
 
 def test_error_outputs_are_never_dropped_by_the_cap() -> None:
-    collector = OutputCollector(max_output_bytes=1000)
+    collector = OutputCollector(max_output_chars=1000)
     collector.add("stream", {"name": "stdout", "text": "x" * 5000})
     collector.add("error", {"ename": "ValueError", "evalue": "E" * 3000, "traceback": ["tb"]})
     collector.add("stream", {"name": "stdout", "text": "y" * 5000})
     (error,) = [o for o in collector.outputs if o["output_type"] == "error"]
     assert error["evalue"] == "E" * 3000
-    assert collector.omitted_bytes == 10_000 - 1000 and collector.has_error()
+    assert collector.omitted_chars == 10_000 - 1000 and collector.has_error()
 
 
 def test_undeclared_parameters_are_the_names_the_parameters_cell_does_not_set() -> None:

@@ -33,11 +33,11 @@ def test_settings_are_read_when_built_not_at_import(monkeypatch: pytest.MonkeyPa
     assert PrefectSandboxSettings().storage == "prefect-sandbox-output"
     assert PrefectSandboxSettings().isolation == "bubblewrap"
     monkeypatch.setenv("PREFECT_SANDBOX_CELL_TIMEOUT_S", "2.5")
-    monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_BYTES", "none")
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "none")
     monkeypatch.setenv("PREFECT_SANDBOX_STORAGE", "s3://bucket/runs")
     monkeypatch.setenv("PREFECT_SANDBOX_ISOLATION", "none")
     settings = PrefectSandboxSettings()
-    assert (settings.cell_timeout_s, settings.max_output_bytes) == (2.5, None)
+    assert (settings.cell_timeout_s, settings.max_output_chars) == (2.5, None)
     assert (settings.storage, settings.isolation) == ("s3://bucket/runs", "none")
     assert PrefectSandboxSettings(cell_timeout_s=9).cell_timeout_s == 9
     monkeypatch.setenv("PREFECT_SANDBOX_CELL_TIMEOUT_S", "-1")  # nbclient's "no limit"
@@ -50,7 +50,7 @@ def test_settings_are_read_when_built_not_at_import(monkeypatch: pytest.MonkeyPa
         ("PREFECT_SANDBOX_CELL_TIMEOUT_S", "0"),
         ("PREFECT_SANDBOX_CELL_TIMEOUT_S", "-2"),
         ("PREFECT_SANDBOX_CELL_TIMEOUT_S", "soon"),
-        ("PREFECT_SANDBOX_MAX_OUTPUT_BYTES", "-1"),
+        ("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "-1"),
         ("PREFECT_SANDBOX_ISOLATION", "docker"),
         ("PREFECT_SANDBOX_BACKEND_BLOCK", "no-slug"),
         ("PREFECT_SANDBOX_STORAGE", ""),
@@ -72,14 +72,14 @@ def test_blocks_take_their_defaults_from_the_settings_and_explicit_fields_win(
     credentials = E2BCredentials(api_key="k")
     assert LocalKernelBackend().cell_timeout_s == 600.0
     monkeypatch.setenv("PREFECT_SANDBOX_CELL_TIMEOUT_S", "3")
-    monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_BYTES", "4096")
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "4096")
     for block in (LocalKernelBackend(), E2BBackend(credentials=credentials)):
-        assert (block.cell_timeout_s, block.max_output_bytes) == (3.0, 4096)
-    explicit = LocalKernelBackend(cell_timeout_s=None, max_output_bytes=100)
-    assert (explicit.cell_timeout_s, explicit.max_output_bytes) == (None, 100)
+        assert (block.cell_timeout_s, block.max_output_chars) == (3.0, 4096)
+    explicit = LocalKernelBackend(cell_timeout_s=None, max_output_chars=100)
+    assert (explicit.cell_timeout_s, explicit.max_output_chars) == (None, 100)
     # A saved block's fields are explicit too.
     saved = LocalKernelBackend.model_validate({"cell_timeout_s": 30.0})
-    assert (saved.cell_timeout_s, saved.max_output_bytes) == (30.0, 4096)
+    assert (saved.cell_timeout_s, saved.max_output_chars) == (30.0, 4096)
     # The UI still offers the unset environment's defaults.
     schema = LocalKernelBackend.model_json_schema()["properties"]
     assert schema["cell_timeout_s"]["default"] == 600.0

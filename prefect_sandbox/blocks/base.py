@@ -15,7 +15,7 @@ from prefect_sandbox.sandbox.base import (
     SandboxHandle,
     checked_timeout_s,
 )
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSettings
 
 __all__ = ["SandboxBackend"]
@@ -29,9 +29,9 @@ class SandboxBackend(Block, ABC):
     here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
     Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
 
-    ``cell_timeout_s`` and ``max_output_bytes``, when not given, take this process's
+    ``cell_timeout_s`` and ``max_output_chars``, when not given, take this process's
     `PrefectSandboxSettings` (``PREFECT_SANDBOX_CELL_TIMEOUT_S``,
-    ``PREFECT_SANDBOX_MAX_OUTPUT_BYTES``) as the block is made; the defaults below are those of
+    ``PREFECT_SANDBOX_MAX_OUTPUT_CHARS``) as the block is made; the defaults below are those of
     an unset environment, and what the Prefect UI offers.
     """
 
@@ -44,10 +44,10 @@ class SandboxBackend(Block, ABC):
         description="Seconds a cell may run before it is interrupted; -1 or empty for no limit.",
     )
 
-    max_output_bytes: int | None = Field(
-        default=DEFAULT_MAX_OUTPUT_BYTES,
+    max_output_chars: int | None = Field(
+        default=DEFAULT_MAX_OUTPUT_CHARS,
         gt=0,
-        title="Max output bytes per cell",
+        title="Max output characters per cell",
         description="Cap on each cell's stored and logged output; start and end are kept.",
     )
 
@@ -65,7 +65,7 @@ class SandboxBackend(Block, ABC):
         """The `SandboxConfig` fields every backend's config takes from these blocks."""
         return {
             "interrupt_grace_s": self.interrupt_grace_s,
-            "max_output_bytes": self.max_output_bytes,
+            "max_output_chars": self.max_output_chars,
         }
 
     @field_validator("cell_timeout_s")
@@ -82,7 +82,7 @@ class SandboxBackend(Block, ABC):
         settings = PrefectSandboxSettings()
         defaults = {
             "cell_timeout_s": settings.cell_timeout_s,
-            "max_output_bytes": settings.max_output_bytes,
+            "max_output_chars": settings.max_output_chars,
         }
         return {**defaults, **data}
 

@@ -138,11 +138,14 @@ class DaytonaBackend(SandboxBackend):
         title="Auto-delete interval (min)",
         description="Minutes after a stop before Daytona deletes the sandbox; empty never.",
     )
-    lifetime_min: int | None = Field(
+    max_lifetime_s: int | None = Field(
         default=None,
         gt=0,
-        title="Lifetime (min)",
-        description="Minutes after which Daytona deletes a sandbox, running or not; empty none.",
+        title="Maximum lifetime (s)",
+        description=(
+            "Seconds after creation when Daytona deletes a sandbox, running or not, rounded up "
+            "to whole minutes; never renewed. Empty for no limit."
+        ),
     )
     network_block_all: bool = Field(
         default=False,
@@ -203,7 +206,7 @@ class DaytonaBackend(SandboxBackend):
             labels=self.labels,
             auto_stop_interval_min=self.auto_stop_interval_min,
             auto_delete_interval_min=self.auto_delete_interval_min,
-            lifetime_min=self.lifetime_min,
+            max_lifetime_s=self.max_lifetime_s,
             network_block_all=self.network_block_all,
             network_allow_list=self.network_allow_list,
             cpu=self.cpu,

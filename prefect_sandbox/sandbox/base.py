@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, Field
 
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES, CellOutputs
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS, CellOutputs
 
 __all__ = [
     "NO_TIMEOUT",
@@ -162,8 +162,9 @@ class CellResult(BaseModel):
         interrupted: True when an interrupt stopped the cell after its deadline.
         state_lost: True when the kernel was restarted, losing variables and imports.
         msg_id: the Jupyter ``execute_request`` id, to match output that arrives later.
-        output_bytes: size of all output the cell produced (characters of text).
-        omitted_bytes: how much of it was dropped from ``outputs`` by the output cap.
+        output_chars: size of all output the cell produced, in characters (of text, and of
+            rich values as strings: base64 for images).
+        omitted_chars: how many of those characters the output cap dropped from ``outputs``.
     """
 
     status: Literal["ok", "error", "timeout"]
@@ -175,8 +176,8 @@ class CellResult(BaseModel):
     interrupted: bool = False
     state_lost: bool = False
     msg_id: str | None = None
-    output_bytes: int = 0
-    omitted_bytes: int = 0
+    output_chars: int = 0
+    omitted_chars: int = 0
 
 
 class RemoteFile(BaseModel):
@@ -202,17 +203,18 @@ class SandboxConfig:
     Attributes:
         interrupt_grace_s: seconds a timed-out cell gets to stop after the first interrupt
             before the backend escalates (a second interrupt, then a restart).
-        max_output_bytes: cap on each cell's stored output (head and tail kept); None for none.
+        max_output_chars: cap on each cell's stored output, in characters (head and tail
+            kept; see `OutputCollector`); None for none.
 
     Raises:
         ValueError: a duration or a limit is zero or negative.
     """
 
     interrupt_grace_s: float = 5.0
-    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    max_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS
 
     def __post_init__(self) -> None:
-        self._check_positive("interrupt_grace_s", "max_output_bytes")
+        self._check_positive("interrupt_grace_s", "max_output_chars")
 
     def _check_positive(self, *names: str) -> None:
         """Raise `ValueError` for each named field that is set but zero or negative."""
@@ -311,8 +313,8 @@ def cell_result(
         interrupted=bool(interrupts) and not state_lost,
         state_lost=state_lost,
         msg_id=reply.msg_id,
-        output_bytes=collector.total_bytes,
-        omitted_bytes=collector.omitted_bytes,
+        output_chars=collector.total_chars,
+        omitted_chars=collector.omitted_chars,
     )
 
 
@@ -490,7 +492,7 @@ class Sandbox(abc.ABC):
         """
         timeout_s = checked_timeout_s(timeout_s)
         await self._prepare_cell()
-        outputs = CellOutputs(self._config.max_output_bytes, on_output)
+        outputs = CellOutputs(self._config.max_output_chars, on_output)
         started_at = datetime.now(UTC)
         start = time.monotonic()
         cell = await self._start_cell(code, outputs, timeout_s)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "DEFAULT_MAX_OUTPUT_BYTES",
+    "DEFAULT_MAX_OUTPUT_CHARS",
     "OUTPUT_MSG_TYPES",
     "CellOutputs",
     "OutputCollector",
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
-DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
 
 # Held outputs are handed over at the latest once this many, or this much text, are waiting.
 _HAND_OVER_OUTPUTS = 1000
@@ -139,7 +139,8 @@ def error_content(ename: str, evalue: str, traceback: str) -> dict[str, Any]:
 
 
 def _size(output: dict[str, Any]) -> int:
-    """Approximate stored size in bytes (characters of text; whole payload of rich data)."""
+    """Stored size in characters: of text, or of each rich value as a string (base64 for
+    images)."""
     if output["output_type"] == "stream":
         return len(output["text"])
     if output["output_type"] == "error":
@@ -165,7 +166,8 @@ class OutputCollector:
     """Collects one cell's outputs from its iopub messages, as Jupyter front ends show them.
 
     Args:
-        max_output_bytes: cap on the stored outputs of the cell (about that many characters).
+        max_output_chars: cap on the stored outputs of the cell, in characters (of text, and
+            of rich values as strings).
             Outputs are all kept while they fit under it. Past it, the start (up to half the
             cap) and the end (the rest of it) are kept, with a marker between them giving the
             original size and naming what was dropped: whole outputs by type and MIME types,
@@ -173,18 +175,18 @@ class OutputCollector:
             the cap. None for no cap.
     """
 
-    def __init__(self, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> None:
-        if max_output_bytes is not None and max_output_bytes <= 0:
-            raise ValueError(f"max_output_bytes must be positive or None, not {max_output_bytes}")
-        self._max = max_output_bytes
-        self._half = None if max_output_bytes is None else max_output_bytes // 2
+    def __init__(self, max_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS) -> None:
+        if max_output_chars is not None and max_output_chars <= 0:
+            raise ValueError(f"max_output_chars must be positive or None, not {max_output_chars}")
+        self._max = max_output_chars
+        self._half = None if max_output_chars is None else max_output_chars // 2
         self._head: list[dict[str, Any]] = []
         self._tail: deque[dict[str, Any]] = deque()
-        self._head_bytes = self._tail_bytes = 0
-        self.total_bytes = 0
-        self.omitted_bytes = 0
+        self._head_chars = self._tail_chars = 0
+        self.total_chars = 0
+        self.omitted_chars = 0
         self._omitted_outputs: dict[str, int] = {}
-        self._omitted_chars: dict[str, int] = {}
+        self._omitted_stream_chars: dict[str, int] = {}
         self._clear_before_next = False
         self._displays: dict[str, list[dict[str, Any]]] = {}
 
@@ -198,18 +200,19 @@ class OutputCollector:
 
     def _omission_marker(self) -> list[dict[str, Any]]:
         """The marker output naming what the cap dropped; none when nothing was."""
-        if not self.omitted_bytes:
+        if not self.omitted_chars:
             return []
         name = "stdout"
         if self._tail and self._tail[0]["output_type"] == "stream":
             name = self._tail[0]["name"]
         dropped = [f"{count} {kind}" for kind, count in self._omitted_outputs.items()]
         dropped += [
-            f"{count} characters of {stream}" for stream, count in self._omitted_chars.items()
+            f"{count} characters of {stream}"
+            for stream, count in self._omitted_stream_chars.items()
         ]
         text = (
-            f"\n... [output truncated: {self.total_bytes} bytes in all, "
-            f"{self.omitted_bytes} bytes omitted] [omitted: {', '.join(dropped)}] ...\n"
+            f"\n... [output truncated: {self.total_chars} characters in all, "
+            f"{self.omitted_chars} characters omitted] [omitted: {', '.join(dropped)}] ...\n"
         )
         return [{"output_type": "stream", "name": name, "text": text}]
 
@@ -239,15 +242,15 @@ class OutputCollector:
             self._clear()
         output = _sanitised(output_from_content(msg_type, content))
         size = _size(output)
-        self.total_bytes += size
+        self.total_chars += size
         kept = dict(output)  # later output may still be merged into it; the caller's stays
         display_id = (content.get("transient") or {}).get("display_id")
         if display_id:
             self._displays.setdefault(display_id, []).append(kept)
         if output["output_type"] == "error":
             (self._tail if self._tail else self._head).append(kept)
-        elif self._half is None or (not self._tail and self._head_bytes + size <= self._half):
-            self._head_bytes += _append_coalescing(self._head, kept)
+        elif self._half is None or (not self._tail and self._head_chars + size <= self._half):
+            self._head_chars += _append_coalescing(self._head, kept)
         elif not self._tail and output["output_type"] == "stream" and "\r" in output["text"]:
             self._keep_overwriting_text(kept)
         else:
@@ -259,15 +262,15 @@ class OutputCollector:
         bar's thousands of updates stay one short line; only what is left past the head's half
         goes on to the tail."""
         assert self._half is not None
-        self._head_bytes += _append_coalescing(self._head, output)
-        excess = self._head_bytes - self._half
+        self._head_chars += _append_coalescing(self._head, output)
+        excess = self._head_chars - self._half
         if excess <= 0:
             return
         last = self._head[-1]
         keep = len(last["text"]) - excess
         spill = dict(last, text=last["text"][keep:])
         last["text"] = last["text"][:keep]
-        self._head_bytes = self._half
+        self._head_chars = self._half
         self._keep_in_tail(spill)
 
     def _keep_in_tail(self, output: dict[str, Any]) -> None:
@@ -279,57 +282,57 @@ class OutputCollector:
             if not self._tail:
                 # Fill the head up to its half with the start of the text, cut after a newline
                 # where there is one, so that a later \r still overwrites the right line.
-                start = max(self._half - self._head_bytes, 0)
+                start = max(self._half - self._head_chars, 0)
                 start = text.rfind("\n", 0, start) + 1 or start
                 if start:
-                    self._head_bytes += _append_coalescing(
+                    self._head_chars += _append_coalescing(
                         self._head, dict(output, text=text[:start])
                     )
             # Copy no more of a huge text than the tail can keep.
-            room = self._max - self._head_bytes
+            room = self._max - self._head_chars
             if len(text) - start > room:
                 self._omit_text(output["name"], len(text) - start - room)
                 start = len(text) - room
             output = dict(output, text=text[start:])
-        self._tail_bytes += _append_coalescing(self._tail, output)
+        self._tail_chars += _append_coalescing(self._tail, output)
         self._trim_tail()
 
     def _trim_tail(self) -> None:
         assert self._max is not None
-        room = self._max - self._head_bytes
-        while self._tail_bytes > room:
+        room = self._max - self._head_chars
+        while self._tail_chars > room:
             index = next(
                 (i for i, kept in enumerate(self._tail) if kept["output_type"] != "error"), None
             )
             if index is None:
                 return
             oldest = self._tail[index]
-            excess = self._tail_bytes - room
+            excess = self._tail_chars - room
             if oldest["output_type"] == "stream" and len(oldest["text"]) > excess:
                 oldest["text"] = oldest["text"][excess:]
-                self._tail_bytes -= excess
+                self._tail_chars -= excess
                 self._omit_text(oldest["name"], excess)
                 continue
             del self._tail[index]
             size = _size(oldest)
-            self._tail_bytes -= size
+            self._tail_chars -= size
             if oldest["output_type"] == "stream":
                 self._omit_text(oldest["name"], size)
             else:
                 kind = f"{oldest['output_type']} ({', '.join(oldest.get('data', {}))})"
                 self._omitted_outputs[kind] = self._omitted_outputs.get(kind, 0) + 1
-                self.omitted_bytes += size
+                self.omitted_chars += size
 
     def _omit_text(self, stream: str, chars: int) -> None:
-        self._omitted_chars[stream] = self._omitted_chars.get(stream, 0) + chars
-        self.omitted_bytes += chars
+        self._omitted_stream_chars[stream] = self._omitted_stream_chars.get(stream, 0) + chars
+        self.omitted_chars += chars
 
     def _clear(self) -> None:
         self._head.clear()
         self._tail.clear()
-        self._head_bytes = self._tail_bytes = self.total_bytes = self.omitted_bytes = 0
+        self._head_chars = self._tail_chars = self.total_chars = self.omitted_chars = 0
         self._omitted_outputs.clear()
-        self._omitted_chars.clear()
+        self._omitted_stream_chars.clear()
         self._displays.clear()
         self._clear_before_next = False
 
@@ -359,16 +362,16 @@ class CellOutputs:
     merged, so it never falls behind its kernel.
 
     Args:
-        max_output_bytes: the collector's cap (see `OutputCollector`).
+        max_output_chars: the collector's cap (see `OutputCollector`).
         on_output: called with each output; None for no callback.
     """
 
     def __init__(
         self,
-        max_output_bytes: int | None,
+        max_output_chars: int | None,
         on_output: Callable[[dict[str, Any]], None] | None,
     ) -> None:
-        self.collector = OutputCollector(max_output_bytes)
+        self.collector = OutputCollector(max_output_chars)
         self._on_output = on_output
         self._held: list[dict[str, Any]] = []
         self._held_chars = 0

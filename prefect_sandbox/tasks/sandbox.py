@@ -111,10 +111,10 @@ async def upload_inputs(
     return [dest for _, dest in pairs]
 
 
-def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> OutputCallback:
+def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> OutputCallback:
     """A callback that sends a cell's outputs to the run logger as they arrive.
 
-    Lines are ANSI-stripped and cut at `_LOG_TEXT_LIMIT` characters; once ``budget_bytes`` of a
+    Lines are ANSI-stripped and cut at `_LOG_TEXT_LIMIT` characters; once ``budget_chars`` of a
     cell's output were logged, one marker line says the rest is in the notebook only.
     """
     logger = get_run_logger()
@@ -127,7 +127,7 @@ def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> Outp
         if kind == "error":
             logger.error("%s %s: %s", prefix, output["ename"], strip_ansi(output["evalue"]))
             return
-        if budget_bytes is not None and logged >= budget_bytes:
+        if budget_chars is not None and logged >= budget_chars:
             return
         if kind == "stream":
             text = output["text"]
@@ -141,8 +141,8 @@ def _output_logger(stage: str, cell: CellSpec, budget_bytes: int | None) -> Outp
             text = f"{text[:_LOG_TEXT_LIMIT]}... [{len(text) - _LOG_TEXT_LIMIT} more characters]"
         if text.strip():
             logger.info("%s %s", prefix, text)
-        if budget_bytes is not None and logged >= budget_bytes:
-            logger.warning("%s output past %d bytes is not logged", prefix, budget_bytes)
+        if budget_chars is not None and logged >= budget_chars:
+            logger.warning("%s output past %d characters is not logged", prefix, budget_chars)
 
     return log
 
@@ -266,7 +266,7 @@ async def run_stage(
                 result = await sandbox.run_cell(
                     cell.source,
                     timeout_s=timeout_s,
-                    on_output=_output_logger(stage.name, cell, backend.max_output_bytes),
+                    on_output=_output_logger(stage.name, cell, backend.max_output_chars),
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
             except (SandboxDiedError, SandboxNotFoundError) as exc:

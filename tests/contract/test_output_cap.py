@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from prefect_sandbox.sandbox.base import Sandbox
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_BYTES
+from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 from tests.conftest import stream_text
 
 MIB = 1 << 20
@@ -16,13 +16,15 @@ async def test_h05_hundred_megabytes_of_stdout(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(code, timeout_s=60)
     assert result.status == "ok"
     text = stream_text(result.outputs)
-    assert len(text) <= DEFAULT_MAX_OUTPUT_BYTES + 200
+    assert len(text) <= DEFAULT_MAX_OUTPUT_CHARS + 200
     assert text.endswith("END\n")
-    assert result.output_bytes == 100 * (MIB + 1) + 4
-    marker = re.search(r"\[output truncated: (\d+) bytes in all, (\d+) bytes omitted\]", text)
+    assert result.output_chars == 100 * (MIB + 1) + 4
+    marker = re.search(
+        r"\[output truncated: (\d+) characters in all, (\d+) characters omitted\]", text
+    )
     assert marker is not None
-    assert int(marker.group(1)) == result.output_bytes
-    assert int(marker.group(2)) == result.omitted_bytes > 99 * MIB
+    assert int(marker.group(1)) == result.output_chars
+    assert int(marker.group(2)) == result.omitted_chars > 99 * MIB
     assert text.startswith("x" * 1000)
     after = await sandbox.run_cell("print('next')")
     assert stream_text(after.outputs) == "next\n"
@@ -36,7 +38,7 @@ async def test_h11_outputs_under_the_cap_are_all_kept(sandbox: Sandbox) -> None:
         timeout_s=60,
     )
     assert [o["data"]["text/plain"] for o in figures.outputs] == [f"fig {i}" for i in range(30)]
-    assert figures.omitted_bytes == 0
+    assert figures.omitted_chars == 0
     text = await sandbox.run_cell("print('x' * 700_000)\nprint('END')", timeout_s=60)
     assert stream_text(text.outputs) == "x" * 700_000 + "\nEND\n"
-    assert text.omitted_bytes == 0
+    assert text.omitted_chars == 0

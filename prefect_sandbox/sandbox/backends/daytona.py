@@ -382,8 +382,9 @@ class DaytonaSandboxConfig(SandboxConfig):
             its interpreter state is lost); 0 never. Kept alive while a cell runs.
         auto_delete_interval_min: minutes after a stop before Daytona deletes the sandbox;
             0 at once, None never.
-        lifetime_min: minutes after creation when Daytona deletes it whatever it is doing;
-            None for no limit.
+        max_lifetime_s: seconds after creation when Daytona deletes the sandbox whatever it is
+            doing (never renewed, unlike E2B's ``lifetime_s``); Daytona counts whole minutes,
+            so it is rounded up to one. None for no limit.
         network_block_all: block all network access of the sandbox.
         network_allow_list: comma-separated CIDRs the sandbox may reach.
         cpu, memory_gib, disk_gib, gpu: resources; only with ``image``.
@@ -400,7 +401,7 @@ class DaytonaSandboxConfig(SandboxConfig):
     labels: Mapping[str, str] = field(default_factory=dict)
     auto_stop_interval_min: int = 15
     auto_delete_interval_min: int | None = 0
-    lifetime_min: int | None = None
+    max_lifetime_s: int | None = None
     network_block_all: bool = False
     network_allow_list: str | None = None
     cpu: int | None = None
@@ -419,7 +420,7 @@ class DaytonaSandboxConfig(SandboxConfig):
         if not self.image and any(value is not None for value in resources):
             raise ValueError("cpu, memory_gib, disk_gib and gpu can only be set with an image")
         self._check_positive(
-            "create_timeout_s", "activity_refresh_s", "request_attempts", "lifetime_min"
+            "create_timeout_s", "activity_refresh_s", "request_attempts", "max_lifetime_s"
         )
         if self.auto_stop_interval_min < 0:
             raise ValueError("auto_stop_interval_min must be 0 or more")
@@ -458,7 +459,9 @@ class DaytonaSandboxConfig(SandboxConfig):
             "auto_delete_interval": (
                 -1 if self.auto_delete_interval_min is None else self.auto_delete_interval_min
             ),
-            "ttl_minutes": self.lifetime_min,
+            "ttl_minutes": (
+                None if self.max_lifetime_s is None else math.ceil(self.max_lifetime_s / 60)
+            ),
             "network_block_all": self.network_block_all,
             "network_allow_list": self.network_allow_list,
         }

@@ -189,7 +189,7 @@ class JupyterKernelSandbox(Sandbox):
         msg_type = msg["header"]["msg_type"]
         if parent_id and msg_type in OUTPUT_MSG_TYPES:
             collector = self._late.setdefault(
-                parent_id, OutputCollector(self._config.max_output_bytes)
+                parent_id, OutputCollector(self._config.max_output_chars)
             )
             collector.add(msg_type, msg["content"])
 

@@ -633,7 +633,7 @@ class _App:
             workdir_root=self.state.root / "_kernels",
             env=sandbox.envs,
             interrupt_grace_s=self.state.kernel_config.interrupt_grace_s,
-            max_output_bytes=None,
+            max_output_chars=None,
             startup_timeout_s=self.state.kernel_config.startup_timeout_s,
             # The kernel works in the emulated sandbox's folder on this machine, outside its
             # own working directory: a test double, not a boundary (see the README).
