@@ -383,8 +383,8 @@ class DaytonaSandboxConfig(SandboxConfig):
         auto_delete_interval_min: minutes after a stop before Daytona deletes the sandbox;
             0 at once, None never.
         max_lifetime_s: seconds after creation when Daytona deletes the sandbox whatever it is
-            doing (never renewed, unlike E2B's ``lifetime_s``); Daytona counts whole minutes,
-            so it is rounded up to one. None for no limit.
+            doing (never renewed, unlike E2B's ``lifetime_s``); rounded up to whole minutes,
+            which Daytona counts in. None for no limit.
         network_block_all: block all network access of the sandbox.
         network_allow_list: comma-separated CIDRs the sandbox may reach.
         cpu, memory_gib, disk_gib, gpu: resources; only with ``image``.
