@@ -323,6 +323,18 @@ async def test_a_slow_output_callback_keeps_up_with_thousands_of_flushed_writes(
     assert "".join(calls) == "".join(f"\rstep {i}" for i in range(20000)) + "\nend\n"
 
 
+async def test_the_kernel_never_drops_output_for_a_slow_reader() -> None:
+    # zmq's default send high-water mark (1,000 messages) makes the kernel DROP iopub output
+    # once a reader on a loaded machine falls that far behind.
+    code = "import zmq\nprint(get_ipython().kernel.iopub_thread.socket.getsockopt(zmq.SNDHWM))"
+    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        result = await box.run_cell(code)
+    finally:
+        await box.kill()
+    assert stream_text(result.outputs) == "0\n"
+
+
 async def test_a_cell_that_ended_in_time_is_not_interrupted_while_its_output_is_read() -> None:
     # The callback holds the reader past the deadline; the kernel had long replied by then.
     stalled: list[dict[str, object]] = []

@@ -87,11 +87,36 @@ del _prefect_sandbox_bound_stream_messages
 """
 
 
+# ipykernel's iopub socket keeps zmq's default send high-water mark of 1,000 messages: when our
+# reader falls behind (a loaded machine, thousands of flushed writes) the kernel silently DROPS
+# output past it. ipykernel has no setting for it, but it loads this config file before it
+# makes its sockets, so the context it makes there sends without a limit instead.
+_KERNEL_CONFIG_CODE = """
+import zmq
+
+
+class _UnboundedSendContext(zmq.Context):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.setsockopt(zmq.SNDHWM, 0)
+
+
+zmq.Context = _UnboundedSendContext
+del _UnboundedSendContext
+"""
+
+
 def write_ipython_startup(ipython_dir: Path) -> None:
-    """Put our startup file (it bounds ``stream`` messages) in a kernel's ``IPYTHONDIR``."""
-    startup = ipython_dir / "profile_default" / "startup" / "00-prefect-sandbox.py"
+    """Put our kernel config and startup file in a kernel's ``IPYTHONDIR``.
+
+    The config file lifts the iopub send limit (no output is dropped for a slow reader); the
+    startup file bounds the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`).
+    """
+    profile = ipython_dir / "profile_default"
+    startup = profile / "startup" / "00-prefect-sandbox.py"
     startup.parent.mkdir(parents=True, exist_ok=True)
     startup.write_text(_STARTUP_CODE)
+    (profile / "ipython_kernel_config.py").write_text(_KERNEL_CONFIG_CODE)
 
 
 @dataclass(frozen=True, kw_only=True)
