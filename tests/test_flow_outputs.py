@@ -3,7 +3,11 @@ huge errors (issue 12, found cases B05, B07, B14, B17). Real flows on real local
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +119,58 @@ async def test_b07_a_cell_tagged_skip_execution_is_not_run(tmp_path: Path) -> No
     executed = nbformat.read(Path(result.output_dir) / "executed.ipynb", as_version=4)
     assert executed.cells[1].outputs == [] and executed.cells[1].execution_count is None
     assert executed.cells[2].outputs[0]["text"] == "x is 1\n"
+
+
+def _api_env() -> dict[str, str]:
+    """This process's environment pointed at the session's Prefect API."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+
+
+async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_notebook(
+    tmp_path: Path,
+) -> None:
+    from prefect.client.orchestration import get_client
+
+    raising = "raise ValueError('bad row: ' + 'E' * 3_000_000 + ' :end')"
+    source = _notebook(
+        tmp_path / "b17.ipynb",
+        "open('partial.txt', 'w').write('kept')\n"
+        "print('L' * 2_000_000)\nprint('after the long line')",
+        raising,
+    )
+    options = ["--artifact", "partial.txt", "--out", str(tmp_path / "out")]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), *options],
+        env=_api_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: pipeline failed: stage 'setup', cell 1: ValueError")
+    assert len(last) < 5000 and "characters," in last and last.count("E") < 5000
+    assert len(done.stderr) < 100_000
+    (out,) = (tmp_path / "out").iterdir()
+    assert (out / "partial.txt").read_text() == "kept"
+    summary_text = (out / "summary.json").read_text()
+    assert len(summary_text) < 20_000
+    summary = json.loads(summary_text)
+    assert len(summary["error"]) <= 4096 and len(summary["stages"][0]["evalue"]) <= 4096
+    assert summary["stages"][0]["evalue"].endswith("EEE :end")
+    executed = nbformat.read(out / "executed.ipynb", as_version=4)
+    (error,) = [o for o in executed.cells[1].outputs if o["output_type"] == "error"]
+    assert error["evalue"] == "bad row: " + "E" * 3_000_000 + " :end"
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(summary["flow_run_id"])
+    assert flow_run.state is not None and flow_run.state.is_failed()
+    assert len(flow_run.state.message or "") < 5000
+    messages = [log.message for log in await _run_logs(summary["flow_run_id"])]
+    assert max(len(message) for message in messages) < 20_000
+    assert any("after the long line" in m for m in messages if m.startswith("[setup cell 0]"))
+    (logged,) = [m for m in messages if m.startswith("[setup cell 1] ValueError")]
+    assert raising in logged and "\x1b" not in logged

@@ -196,6 +196,38 @@ def test_error_outputs_are_never_dropped_by_the_cap() -> None:
     assert collector.omitted_chars == 10_000 - 1000 and collector.has_error()
 
 
+def test_cap_text_keeps_start_and_end_with_a_marker_within_the_limit() -> None:
+    from prefect_sandbox.sandbox.outputs import cap_text
+
+    assert cap_text("short", 100) == "short"
+    text = "head " + "E" * 3_000_000 + " :end"
+    capped = cap_text(text, 4096)
+    assert len(capped) == 4096 and cap_text(capped, 4096) == capped
+    assert capped.startswith("head EEE") and capped.endswith("EEE :end")
+    assert f"[{len(text)} characters, {len(text) - 4096} left out here]" in capped
+
+
+def test_cell_error_is_capped_and_ansi_free_wherever_it_is_copied() -> None:
+    from prefect_sandbox.sandbox.base import CellError
+    from prefect_sandbox.sandbox.outputs import ERROR_TEXT_CHARS, TRACEBACK_CHARS
+
+    evalue = "bad row: " + "E" * 3_000_000
+    traceback = [
+        "\x1b[0;31m-----\x1b[0m",
+        "Cell \x1b[0;32mIn[2], line 1\x1b[0m",
+        "\x1b[0;32m----> 1\x1b[0m raise ValueError(...)",
+        f"\x1b[0;31mValueError\x1b[0m: {evalue}",
+    ]
+    error = CellError(ename="ValueError", evalue=f"\x1b[1m{evalue}\x1b[0m", traceback=traceback)
+    assert len(error.evalue) == ERROR_TEXT_CHARS and error.evalue.startswith("bad row: E")
+    joined = "\n".join(error.traceback)
+    assert len(joined) == TRACEBACK_CHARS and "\x1b" not in joined
+    assert joined.startswith("-----\nCell In[2], line 1\n----> 1 raise ValueError(...)\n")
+    short = CellError(ename="E", evalue="v", traceback=["\x1b[31ma\x1b[0m", "b"])
+    assert short.traceback == ["a", "b"]
+    assert CellError.model_validate_json(error.model_dump_json()) == error
+
+
 def test_undeclared_parameters_are_the_names_the_parameters_cell_does_not_set() -> None:
     from prefect_sandbox.sandbox.notebook import undeclared_parameters
 

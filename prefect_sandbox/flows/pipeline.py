@@ -60,6 +60,7 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
     undeclared_parameters,
 )
+from prefect_sandbox.sandbox.outputs import cap_text
 from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
@@ -261,7 +262,8 @@ class _PipelineRun:
             artifacts=self.stored,
             output_dir=self.store.location,
             duration_s=round(duration_s, 6),
-            error=str(self.failure) if self.failure else None,
+            # One line for people; a cell's full exception text is in the notebook only.
+            error=cap_text(str(self.failure)) if self.failure else None,
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)

@@ -13,9 +13,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS, CellOutputs
+from prefect_sandbox.sandbox.outputs import (
+    DEFAULT_MAX_OUTPUT_CHARS,
+    CellOutputs,
+    cap_text,
+    cap_traceback,
+    strip_ansi,
+)
 
 __all__ = [
     "NO_TIMEOUT",
@@ -140,11 +146,30 @@ class SandboxHandle(BaseModel):
 
 
 class CellError(BaseModel):
-    """The exception user code raised in a cell, as the kernel reported it."""
+    """The exception user code raised in a cell, as people read it wherever it is copied (errors,
+    logs, ``summary.json``): ANSI codes removed, ``evalue`` capped at `ERROR_TEXT_CHARS` and
+    ``traceback`` at `TRACEBACK_CHARS` (joined), with a marker where text was left out. The
+    cell's ``error`` output keeps the full text.
+
+    Attributes:
+        ename: the exception's class name.
+        evalue: its message.
+        traceback: the traceback's lines; they name the cell's failing source line.
+    """
 
     ename: str
     evalue: str
     traceback: list[str] = Field(default_factory=list)
+
+    @field_validator("evalue")
+    @classmethod
+    def _capped_message(cls, evalue: str) -> str:
+        return cap_text(strip_ansi(evalue))
+
+    @field_validator("traceback")
+    @classmethod
+    def _capped_traceback(cls, traceback: list[str]) -> list[str]:
+        return cap_traceback(traceback)
 
 
 class CellResult(BaseModel):

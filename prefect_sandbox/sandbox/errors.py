@@ -70,8 +70,9 @@ class CellExecutionError(SandboxError):
     Args:
         message: a sentence naming the stage, the cell and the exception.
         ename: the exception's class name, as the kernel reported it (e.g. ``"ValueError"``).
-        evalue: the exception's message.
-        traceback: the traceback lines as the kernel sent them (may hold ANSI colour codes).
+        evalue: the exception's message, capped as in ``CellError`` (the notebook has it all).
+        traceback: the traceback lines, ANSI codes removed and capped as in ``CellError``; they
+            name the cell's failing source line.
         stage: the stage the cell belongs to, when run as part of a pipeline.
         cell_index: 0-based index of the cell in its notebook's ``cells`` list.
     """

@@ -18,9 +18,13 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_CHARS",
+    "ERROR_TEXT_CHARS",
     "OUTPUT_MSG_TYPES",
+    "TRACEBACK_CHARS",
     "CellOutputs",
     "OutputCollector",
+    "cap_text",
+    "cap_traceback",
     "collapse_carriage_returns",
     "error_content",
     "error_output",
@@ -32,6 +36,10 @@ __all__ = [
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
 DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
+ERROR_TEXT_CHARS = 4096
+"""Characters an exception's message keeps wherever it is copied (errors, logs, summaries)."""
+TRACEBACK_CHARS = 8192
+"""Characters a traceback keeps wherever it is copied, its lines joined."""
 
 # Held outputs are handed over at the latest once this many, or this much text, are waiting.
 _HAND_OVER_OUTPUTS = 1000
@@ -43,6 +51,27 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 def strip_ansi(text: str) -> str:
     """Remove ANSI escape sequences (colours, cursor moves) from ``text``."""
     return _ANSI_ESCAPE.sub("", text)
+
+
+def cap_text(text: str, max_chars: int = ERROR_TEXT_CHARS) -> str:
+    """``text`` if it has at most ``max_chars`` characters; else its start and end, with a
+    marker between them saying how many characters were left out, ``max_chars`` in all."""
+    if len(text) <= max_chars:
+        return text
+    marker = f" ... [{len(text)} characters, {len(text) - max_chars} left out here] ... "
+    keep = max(max_chars - len(marker), 0)
+    head = keep - keep // 2
+    return f"{text[:head]}{marker}{text[len(text) - keep // 2 :]}"
+
+
+def cap_traceback(lines: list[str], max_chars: int = TRACEBACK_CHARS) -> list[str]:
+    """Traceback lines as people read them: ANSI codes removed and, past ``max_chars`` joined,
+    the start (where the cell's failing line is named) and end kept (see `cap_text`)."""
+    plain = [strip_ansi(line) for line in lines]
+    joined = "\n".join(plain)
+    if len(joined) <= max_chars:
+        return plain
+    return cap_text(joined, max_chars).split("\n")
 
 
 def valid_text(text: str) -> str:

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.results import CellRecord, StageResult
 from prefect_sandbox.sandbox.base import (
+    CellError,
     CellResult,
     OutputCallback,
     SandboxHandle,
@@ -28,7 +29,7 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
-from prefect_sandbox.sandbox.outputs import collapse_carriage_returns, strip_ansi
+from prefect_sandbox.sandbox.outputs import cap_text, collapse_carriage_returns, strip_ansi
 from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
@@ -42,7 +43,8 @@ __all__ = [
 ]
 
 RAISES_EXCEPTION_TAG = "raises-exception"
-_LOG_TEXT_LIMIT = 4000
+_LOG_LINE_CHARS = 4000
+_LOG_RECORD_CHARS = 64 * 1024
 # Where a stage's error carries the stage's partial result: the core's errors know no stages.
 _PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
 
@@ -114,8 +116,11 @@ async def upload_inputs(
 def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> OutputCallback:
     """A callback that sends a cell's outputs to the run logger as they arrive.
 
-    Lines are ANSI-stripped and cut at `_LOG_TEXT_LIMIT` characters; once ``budget_chars`` of a
-    cell's output were logged, one marker line says the rest is in the notebook only.
+    Each line is ANSI-stripped, shown as a terminal ends up showing it and cut at
+    `_LOG_LINE_CHARS` characters; one record holds at most `_LOG_RECORD_CHARS`. What is logged
+    counts against ``budget_chars``: once a cell's budget is used up, one marker line says the
+    rest is in the notebook only. An error is logged with its traceback, capped as in
+    `CellError`, whatever the budget.
     """
     logger = get_run_logger()
     prefix = f"[{stage} cell {cell.index}]"
@@ -125,7 +130,11 @@ def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> Outp
         nonlocal logged
         kind = output["output_type"]
         if kind == "error":
-            logger.error("%s %s: %s", prefix, output["ename"], strip_ansi(output["evalue"]))
+            error = CellError(
+                ename=output["ename"], evalue=output["evalue"], traceback=output["traceback"]
+            )
+            traceback = "".join(f"\n{line}" for line in error.traceback)
+            logger.error("%s %s: %s%s", prefix, error.ename, error.evalue, traceback)
             return
         if budget_chars is not None and logged >= budget_chars:
             return
@@ -133,12 +142,17 @@ def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> Outp
             text = output["text"]
         else:
             text = output.get("data", {}).get("text/plain", f"<{kind}>")
-        logged += len(text)
         # Each line as a terminal ends up showing it: a progress bar's updates as one line.
         lines = collapse_carriage_returns(strip_ansi(text)).split("\n")
-        text = "\n".join(line.split("\r", 1)[0] for line in lines).strip("\n")
-        if len(text) > _LOG_TEXT_LIMIT:
-            text = f"{text[:_LOG_TEXT_LIMIT]}... [{len(text) - _LOG_TEXT_LIMIT} more characters]"
+        text = "\n".join(cap_text(line.split("\r", 1)[0], _LOG_LINE_CHARS) for line in lines).strip(
+            "\n"
+        )
+        room = _LOG_RECORD_CHARS
+        if budget_chars is not None:
+            room = min(room, budget_chars - logged)
+        logged += min(len(text), room)
+        if len(text) > room:
+            text = f"{text[:room]}... [{len(text) - room} more characters]"
         if text.strip():
             logger.info("%s %s", prefix, text)
         if budget_chars is not None and logged >= budget_chars:
@@ -200,7 +214,7 @@ def _cell_failure(
             state_lost=result.state_lost,
         )
     return CellExecutionError(
-        f"{where}: {result.error.ename}: {strip_ansi(result.error.evalue)}",
+        f"{where}: {result.error.ename}: {result.error.evalue}",
         ename=result.error.ename,
         evalue=result.error.evalue,
         traceback=result.error.traceback,
