@@ -257,6 +257,114 @@ def test_update_display_data_replaces_the_shown_output() -> None:
     assert collector.outputs[0]["data"] == {"text/plain": "new"}
 
 
+def test_a_new_display_with_an_id_rewrites_the_earlier_ones_and_is_reported() -> None:
+    collector = OutputCollector()
+    d1 = {"display_id": "d1"}
+    collector.add("display_data", {"data": {"text/plain": "a"}, "metadata": {}, "transient": d1})
+    collector.add("stream", {"name": "stdout", "text": "x\n"})
+    collector.add("display_data", {"data": {"text/plain": "b"}, "metadata": {}, "transient": d1})
+    collector.add(
+        "update_display_data",
+        {"data": {"text/plain": "u"}, "metadata": {}, "transient": {"display_id": "elsewhere"}},
+    )
+    assert [o.get("data") for o in collector.outputs] == [
+        {"text/plain": "b"},
+        None,
+        {"text/plain": "b"},
+    ]
+    assert collector.display_ids == {"d1": [0, 2]}
+    assert collector.display_updates == {
+        "d1": {"data": {"text/plain": "b"}, "metadata": {}},
+        "elsewhere": {"data": {"text/plain": "u"}, "metadata": {}},
+    }
+    collector.add("clear_output", {"wait": False})
+    assert collector.display_ids == {} and "elsewhere" in collector.display_updates
+
+
+def test_b06_a_display_update_from_a_later_cell_rewrites_the_earlier_cells_output() -> None:
+    from datetime import UTC, datetime
+
+    from prefect_sandbox.sandbox.base import CellResult
+    from prefect_sandbox.sandbox.notebook import ExecutedNotebook
+
+    def result(*messages: tuple[str, dict[str, object]]) -> CellResult:
+        collector = OutputCollector()
+        for msg_type, content in messages:
+            collector.add(msg_type, content)
+        return CellResult(
+            status="ok",
+            outputs=collector.outputs,
+            started_at=datetime.now(UTC),
+            duration_s=0,
+            display_ids=collector.display_ids,
+            display_updates=collector.display_updates,
+        )
+
+    def shown(text: str) -> dict[str, object]:
+        return {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": "d1"}}
+
+    executed = ExecutedNotebook(_notebook(_code("a"), _code("b"), _code("c"), _code("d")))
+    executed.record(0, "s", result(("display_data", shown("before"))))
+    executed.record(1, "s", result(("stream", {"name": "stdout", "text": "x\n"})))
+    executed.record(2, "s", result(("update_display_data", shown("after"))))
+    cells = executed.notebook.cells
+    assert cells[0].outputs[0]["data"] == {"text/plain": "after"}
+    assert cells[2].outputs == []
+    executed.record(3, "s", result(("display_data", shown("again"))))
+    assert cells[0].outputs[0]["data"] == cells[3].outputs[0]["data"] == {"text/plain": "again"}
+
+
+def test_e2b_results_marked_by_the_display_hooks_become_jupyter_messages() -> None:
+    from prefect_sandbox.sandbox.backends.e2b import DISPLAY_CONTROL_MIME, result_content
+
+    def marked(**control: object) -> dict[str, object]:
+        return {"text/plain": "step 1", "image/png": "iVBO", DISPLAY_CONTROL_MIME: control}
+
+    exact = {"text/plain": "'step 1'", "metadata": {"image/png": {"width": 10}}}
+    assert result_content(marked(display_id="d1", update=False, **exact), is_main_result=False) == (
+        "display_data",
+        {
+            "data": {"text/plain": "'step 1'", "image/png": "iVBO"},
+            "metadata": {"image/png": {"width": 10}},
+            "transient": {"display_id": "d1"},
+        },
+    )
+    assert result_content(marked(display_id="d1", update=True), is_main_result=False)[0] == (
+        "update_display_data"
+    )
+    assert result_content(
+        {DISPLAY_CONTROL_MIME: {"clear": True, "wait": True}}, is_main_result=False
+    ) == (
+        "clear_output",
+        {"wait": True},
+    )
+    assert result_content(marked(**exact), is_main_result=True) == (
+        "execute_result",
+        {
+            "data": {"text/plain": "'step 1'", "image/png": "iVBO"},
+            "metadata": {"image/png": {"width": 10}},
+            "execution_count": None,
+        },
+    )
+    # A sandbox without the hooks (made before them): the bundle as E2B gives it.
+    assert result_content({"text/plain": "x"}, is_main_result=False) == (
+        "display_data",
+        {"data": {"text/plain": "x"}, "metadata": {}},
+    )
+
+
+def test_daytona_runner_update_and_clear_records_become_jupyter_messages() -> None:
+    from prefect_sandbox.sandbox.backends.daytona import record_content
+
+    shown = {"data": {"text/plain": "'a'"}, "metadata": {}, "display_id": "d1"}
+    assert record_content({"kind": "display", **shown}) == (
+        "display_data",
+        {"data": {"text/plain": "'a'"}, "metadata": {}, "transient": {"display_id": "d1"}},
+    )
+    assert record_content({"kind": "update", **shown})[0] == "update_display_data"
+    assert record_content({"kind": "clear", "wait": True}) == ("clear_output", {"wait": True})
+
+
 def _notebook(*cells: nbformat.NotebookNode) -> nbformat.NotebookNode:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = list(cells)

@@ -190,6 +190,11 @@ class CellResult(BaseModel):
         output_chars: size of all output the cell produced, in characters (of text, and of
             rich values as strings: base64 for images).
         omitted_chars: how many of those characters the output cap dropped from ``outputs``.
+        display_ids: each display id (``display(..., display_id=...)``) to the indexes in
+            ``outputs`` of the outputs shown with it.
+        display_updates: each display id to the last ``data`` and ``metadata`` the cell sent
+            for it (an update, or a new display with that id): outputs that earlier cells
+            showed with the id show it too, as nbclient does (see ``ExecutedNotebook``).
     """
 
     status: Literal["ok", "error", "timeout"]
@@ -203,6 +208,8 @@ class CellResult(BaseModel):
     msg_id: str | None = None
     output_chars: int = 0
     omitted_chars: int = 0
+    display_ids: dict[str, list[int]] = Field(default_factory=dict)
+    display_updates: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class RemoteFile(BaseModel):
@@ -340,6 +347,8 @@ def cell_result(
         msg_id=reply.msg_id,
         output_chars=collector.total_chars,
         omitted_chars=collector.omitted_chars,
+        display_ids=collector.display_ids,
+        display_updates=collector.display_updates,
     )
 
 

@@ -422,6 +422,8 @@ class ExecutedNotebook:
 
     def __init__(self, source: NotebookNode) -> None:
         self.notebook = copy.deepcopy(source)
+        # Display id -> cell index -> indexes of the cell's outputs shown with that id.
+        self._displays: dict[str, dict[int, list[int]]] = {}
         for cell in self.notebook.cells:
             if cell.cell_type == "code" and SKIP_TAG not in _tags(cell):
                 cell.outputs = []
@@ -429,7 +431,11 @@ class ExecutedNotebook:
                 cell.metadata.pop(METADATA_KEY, None)
 
     def record(self, cell_index: int, stage: str, result: CellResult) -> None:
-        """Put one cell's result into the notebook.
+        """Put one cell's result into the notebook; call it for the cells in the order they ran.
+
+        Display ids are tracked across the whole run, as nbclient does: what a cell sends for
+        a display id (``result.display_updates``) rewrites the outputs that cells recorded
+        before it showed with that id.
 
         Args:
             cell_index: 0-based index of the cell in the notebook.
@@ -438,6 +444,16 @@ class ExecutedNotebook:
         """
         cell = self.notebook.cells[cell_index]
         cell.outputs = [nbformat.from_dict(output) for output in result.outputs]
+        for shown in self._displays.values():
+            shown.pop(cell_index, None)
+        for display_id, content in result.display_updates.items():
+            for other, indexes in self._displays.get(display_id, {}).items():
+                for index in indexes:
+                    output = self.notebook.cells[other].outputs[index]
+                    output["data"] = nbformat.from_dict(copy.deepcopy(content["data"]))
+                    output["metadata"] = nbformat.from_dict(copy.deepcopy(content["metadata"]))
+        for display_id, indexes in result.display_ids.items():
+            self._displays.setdefault(display_id, {})[cell_index] = list(indexes)
         cell.execution_count = result.execution_count
         cell.metadata[METADATA_KEY] = {
             "stage": stage,

@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
+_DISPLAY_MSG_TYPES = frozenset({"display_data", "execute_result", "update_display_data"})
 DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
 ERROR_TEXT_CHARS = 4096
 """Characters an exception's message keeps wherever it is copied (errors, logs, summaries)."""
@@ -218,14 +219,34 @@ class OutputCollector:
         self._omitted_stream_chars: dict[str, int] = {}
         self._clear_before_next = False
         self._displays: dict[str, list[dict[str, Any]]] = {}
+        self.display_updates: dict[str, dict[str, Any]] = {}
+        """The last content (``data`` and ``metadata``) the cell sent for each display id, by
+        an update or a new display with that id: outputs of earlier cells shown with the id
+        show it too, as in nbclient."""
 
     @property
     def outputs(self) -> list[dict[str, Any]]:
         """The outputs to store: head, a truncation marker if anything was dropped, tail."""
+        return self._assembled()[0]
+
+    @property
+    def display_ids(self) -> dict[str, list[int]]:
+        """Each display id to the indexes in `outputs` of the outputs shown with it."""
+        return self._assembled()[1]
+
+    def _assembled(self) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
         merged: list[dict[str, Any]] = []
+        index_of: dict[int, int] = {}
         for output in [*self._head, *self._omission_marker(), *self._tail]:
-            _append_coalescing(merged, dict(output))
-        return merged
+            copied = dict(output)
+            _append_coalescing(merged, copied)
+            if merged[-1] is copied:
+                index_of[id(output)] = len(merged) - 1
+        shown = {
+            display_id: [index_of[id(output)] for output in outputs if id(output) in index_of]
+            for display_id, outputs in self._displays.items()
+        }
+        return merged, {display_id: indexes for display_id, indexes in shown.items() if indexes}
 
     def _omission_marker(self) -> list[dict[str, Any]]:
         """The marker output naming what the cap dropped; none when nothing was."""
@@ -262,9 +283,9 @@ class OutputCollector:
             else:
                 self._clear()
             return None
-        if msg_type == "update_display_data":
-            self._update_display(content)
-            return None
+        display_id = (content.get("transient") or {}).get("display_id")
+        if display_id and msg_type in _DISPLAY_MSG_TYPES:
+            self._update_display(display_id, content)
         if msg_type not in OUTPUT_MSG_TYPES:
             return None
         if self._clear_before_next:
@@ -273,7 +294,6 @@ class OutputCollector:
         size = _size(output)
         self.total_chars += size
         kept = dict(output)  # later output may still be merged into it; the caller's stays
-        display_id = (content.get("transient") or {}).get("display_id")
         if display_id:
             self._displays.setdefault(display_id, []).append(kept)
         if output["output_type"] == "error":
@@ -365,11 +385,15 @@ class OutputCollector:
         self._displays.clear()
         self._clear_before_next = False
 
-    def _update_display(self, content: dict[str, Any]) -> None:
-        display_id = (content.get("transient") or {}).get("display_id")
-        for output in self._displays.get(display_id or "", []):
-            output["data"] = content.get("data", {})
-            output["metadata"] = content.get("metadata", {})
+    def _update_display(self, display_id: str, content: dict[str, Any]) -> None:
+        """Show new content in the outputs shown with ``display_id`` so far (nbclient's rule:
+        an update, or a new display with the same id, rewrites them all)."""
+        shown = _sanitised(output_from_content("display_data", content))
+        update = {"data": shown["data"], "metadata": shown["metadata"]}
+        self.display_updates[display_id] = update
+        for output in self._displays.get(display_id, []):
+            output["data"] = dict(update["data"])
+            output["metadata"] = dict(update["metadata"])
 
     def has_error(self) -> bool:
         """Whether an ``error`` output was collected."""

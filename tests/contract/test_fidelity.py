@@ -20,3 +20,38 @@ async def test_b17_error_text_is_capped_and_names_the_failing_line(sandbox: Sand
     traceback = "\n".join(result.error.traceback)
     assert len(traceback) <= TRACEBACK_CHARS
     assert line in traceback and "\x1b" not in traceback
+
+
+async def test_b06_b22_display_ids_updates_and_clear_output_as_in_jupyter(
+    sandbox: Sandbox,
+) -> None:
+    shown = await sandbox.run_cell(
+        "from IPython.display import clear_output, display\n"
+        "status = display('step 0 of 3', display_id=True)\n"
+        "handle = display('before', display_id='d1')\n"
+        "handle.display('again')"
+    )
+    assert [o["data"] for o in shown.outputs] == [{"text/plain": "'step 0 of 3'"}] + 2 * [
+        {"text/plain": "'again'"}
+    ]
+    status_id = next(key for key in shown.display_ids if key != "d1")
+    assert shown.display_ids == {status_id: [0], "d1": [1, 2]}
+    updated = await sandbox.run_cell(
+        "status.update('step 3 of 3 (finished)')\nhandle.update('after')\nprint('updated')"
+    )
+    assert updated.status == "ok"
+    assert updated.outputs == [{"output_type": "stream", "name": "stdout", "text": "updated\n"}]
+    assert updated.display_updates == {
+        status_id: {"data": {"text/plain": "'step 3 of 3 (finished)'"}, "metadata": {}},
+        "d1": {"data": {"text/plain": "'after'"}, "metadata": {}},
+    }
+    cleared = await sandbox.run_cell(
+        "for i in range(5):\n"
+        "    clear_output(wait=True)\n"
+        "    print(f'epoch {i}')\n"
+        "display('final table')"
+    )
+    assert [(o["output_type"], o.get("text", o.get("data"))) for o in cleared.outputs] == [
+        ("stream", "epoch 4\n"),
+        ("display_data", {"text/plain": "'final table'"}),
+    ]

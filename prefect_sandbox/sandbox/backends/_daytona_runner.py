@@ -9,7 +9,11 @@ record ends at the first ``MARKER_END`` after its start. Records (``kind`` and i
 - ``ready``: ``pid`` of the interpreter process; sent once, by `install`.
 - ``start``: ``count`` (the cell's execution count) and ``pid``; first record of every cell.
 - ``result``: ``count``, ``data``, ``metadata``: the value of the cell's last expression.
-- ``display``: ``data``, ``metadata``: a ``display()`` call or a matplotlib figure.
+- ``display``: ``data``, ``metadata``, and ``display_id`` when it has one: a ``display()`` call
+  or a matplotlib figure.
+- ``update``: ``data``, ``metadata``, ``display_id``: ``update_display()`` or a display handle's
+  ``update()``; what was shown with that id shows this instead.
+- ``clear``: ``wait``: ``clear_output()``.
 - ``error``: ``ename``, ``evalue``, ``traceback`` (lines): the exception the cell raised.
 - ``exit``: ``code``: the cell called ``exit()`` or ``quit()``.
 - ``lost``: sent by the per-cell wrapper instead of running the cell when the interpreter has
@@ -37,6 +41,7 @@ import sys
 import tokenize
 import traceback
 import types
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +53,8 @@ RUNNER_FILENAME = "<prefect-sandbox>"
 NAMESPACE_KEY = "__prefect_sandbox__"
 
 _EMIT_PIECE_CHARS = 256 * 1024
-# IPython's display functions live here; each gets our `display` once imported.
+# IPython's display functions live here; each gets ours (display, update_display,
+# clear_output) once imported.
 _DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
 
 
@@ -228,30 +234,71 @@ class Runner:
             return source
         return str(TransformerManager().transform_cell(source))  # type: ignore[no-untyped-call]
 
-    def format(self, value: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    def format(
+        self, value: object, include: Any = None, exclude: Any = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The MIME bundle and metadata of a value, as IPython's display formatter makes them."""
         shell = _shell()
         if shell is not None:
-            data, metadata = shell.display_formatter.format(value)
+            data, metadata = shell.display_formatter.format(value, include, exclude)
             return dict(data), dict(metadata)
         try:
             from IPython.core.formatters import DisplayFormatter
         except ImportError:
             return {"text/plain": repr(value)}, {}
-        data, metadata = DisplayFormatter().format(value)  # type: ignore[no-untyped-call]
+        formatter = DisplayFormatter()
+        data, metadata = formatter.format(value, include, exclude)  # type: ignore[no-untyped-call]
         return dict(data), dict(metadata)
 
-    def display(self, *objs: object, **kwargs: Any) -> None:
-        """``display()``: send each object as a ``display`` record."""
+    def display(
+        self,
+        *objs: object,
+        include: Any = None,
+        exclude: Any = None,
+        metadata: dict[str, Any] | None = None,
+        transient: dict[str, Any] | None = None,
+        display_id: Any = None,
+        raw: bool = False,
+        clear: bool = False,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> DisplayHandle | None:
+        """``display()`` as IPython's: a ``display`` record per object (``update`` records with
+        ``update=True``); with a ``display_id`` (True for a new one), returns its handle."""
+        transient = dict(transient or {})
+        if display_id:
+            if display_id is True:
+                display_id = uuid.uuid4().hex
+            transient["display_id"] = display_id
+        shown_id = transient.get("display_id")
+        if update and not shown_id:
+            raise TypeError("display_id required for update_display")
+        if not objs and display_id:
+            objs, raw = ({},), True
+        if clear:
+            self.clear_output(wait=True)
         for obj in objs:
-            metadata: dict[str, Any] = {}
-            if kwargs.get("raw"):
+            if raw:
                 data: dict[str, Any] = dict(obj)  # type: ignore[call-overload]
+                shown_metadata = dict(metadata or {})
             else:
-                data, metadata = self.format(obj)
-            metadata.update(kwargs.get("metadata") or {})
-            if data:
-                self.emit("display", data=data, metadata=metadata)
+                data, shown_metadata = self.format(obj, include, exclude)
+                if not data:
+                    continue
+                _merge(shown_metadata, metadata or {})
+            fields: dict[str, Any] = {"data": data, "metadata": shown_metadata}
+            if shown_id:
+                fields["display_id"] = shown_id
+            self.emit("update" if update else "display", **fields)
+        return DisplayHandle(self, display_id) if display_id else None
+
+    def update_display(self, obj: object, *, display_id: Any, **kwargs: Any) -> None:
+        """``update_display()``: show ``obj`` where ``display_id`` was shown."""
+        self.display(obj, display_id=display_id, update=True, **kwargs)
+
+    def clear_output(self, wait: bool = False) -> None:
+        """``clear_output()``: a ``clear`` record (with ``wait``, at the next output)."""
+        self.emit("clear", wait=bool(wait))
 
     def show_figures(self, *args: object, **kwargs: object) -> None:
         """Send every open matplotlib figure as a PNG, then close them all (the inline way)."""
@@ -281,6 +328,34 @@ class Runner:
                 pyplot.close("all")
 
 
+class DisplayHandle:
+    """What ``display(..., display_id=...)`` returns, as IPython's ``DisplayHandle``."""
+
+    def __init__(self, runner: Runner, display_id: str) -> None:
+        self.runner = runner
+        self.display_id = display_id
+
+    def __repr__(self) -> str:
+        return f"<DisplayHandle display_id={self.display_id}>"
+
+    def display(self, obj: object, **kwargs: Any) -> None:
+        """Show ``obj`` anew with this id, and where the id was shown before."""
+        self.runner.display(obj, display_id=self.display_id, **kwargs)
+
+    def update(self, obj: object, **kwargs: Any) -> None:
+        """Show ``obj`` where this id was shown."""
+        self.runner.update_display(obj, display_id=self.display_id, **kwargs)
+
+
+def _merge(target: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Merge metadata as IPython's display does: nested dicts key by key."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
 def _shell() -> Any:
     """The running IPython shell, if this interpreter is one."""
     ipython = sys.modules.get("IPython")
@@ -288,8 +363,9 @@ def _shell() -> Any:
 
 
 def _patch_display(runner: Runner, module: types.ModuleType) -> None:
-    if hasattr(module, "display"):
-        module.display = runner.display  # type: ignore[attr-defined]
+    for name in ("display", "update_display", "clear_output"):
+        if hasattr(module, name):
+            setattr(module, name, getattr(runner, name))
 
 
 def _use_figure_backend(matplotlib: types.ModuleType) -> None:

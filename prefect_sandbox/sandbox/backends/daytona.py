@@ -226,12 +226,18 @@ def record_content(record: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | No
     """The Jupyter message type and content of a runner record that is an output.
 
     Returns:
-        ``(msg_type, content)`` for `OutputCollector.add`; None for records that are not
+        ``(msg_type, content)`` for `OutputCollector.add` (``update`` and ``clear`` records
+        give ``update_display_data`` and ``clear_output``); None for records that are not
         outputs (``start``, ``ready``, ``exit``, ``lost``).
     """
     kind = record.get("kind")
-    if kind == "display":
-        return "display_data", {"data": record["data"], "metadata": record.get("metadata", {})}
+    if kind in ("display", "update"):
+        content = {"data": record["data"], "metadata": record.get("metadata", {})}
+        if record.get("display_id"):
+            content["transient"] = {"display_id": record["display_id"]}
+        return "display_data" if kind == "display" else "update_display_data", content
+    if kind == "clear":
+        return "clear_output", {"wait": bool(record.get("wait"))}
     if kind == "result":
         return "execute_result", {
             "data": record["data"],

@@ -15,6 +15,13 @@ Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honourin
 context listing and restart) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK
 drops the response headers of those. An execute that may have reached the kernel is never replayed.
 
+Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
+quotes stripped) and drops ``update_display_data`` and ``clear_output``. So each context's
+kernel gets display hooks as an IPython startup file (installed once, then the context is
+restarted so that no execution count is spent): they carry display ids, updates,
+``clear_output``, metadata and the exact ``text/plain`` inside the bundle, under
+`DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages.
+
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
 and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
 sandbox whose flow died expires ``lifetime_s`` later at most.
@@ -65,11 +72,13 @@ from prefect_sandbox.sandbox.retries import async_retrying
 __all__ = [
     "BACKEND_SLUG",
     "DEFAULT_WORKDIR",
+    "DISPLAY_CONTROL_MIME",
     "E2BConfig",
     "E2BSandbox",
     "glob_match",
     "import_sdk",
     "mime_bundle",
+    "result_content",
     "translate_error",
 ]
 
@@ -83,6 +92,53 @@ _SERVER_LOST_CELL = frozenset({"UnexpectedEndOfExecution", "WebSocketError", "Ex
 # How the SDK words a sandbox that is gone, in exceptions with no better type.
 _GONE_PHRASES = ("was not found", "sandbox was killed")
 _PROBE_CODE = "pass"
+_HOOKS_TIMEOUT_S = 60
+
+DISPLAY_CONTROL_MIME = "application/vnd.prefect-sandbox.display+json"
+"""The key our kernel hooks add to a display's bundle: what E2B would otherwise lose of it."""
+_DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
+# Runs at kernel start, in the user's namespace, which it leaves as it found it.
+_DISPLAY_HOOKS_CODE = f"""
+def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    publisher, displayhook = shell.display_pub, shell.displayhook
+    publish, write_format_data = publisher.publish, displayhook.write_format_data
+
+    def controlled(data, metadata, **control):
+        if "text/plain" in data:
+            control["text/plain"] = data["text/plain"]
+        control["metadata"] = metadata or {{}}
+        return dict(data, **{{key: control}})
+
+    def hooked_publish(data, metadata=None, *args, transient=None, update=False, **kwargs):
+        display_id = (transient or {{}}).get("display_id")
+        data = controlled(data, metadata, display_id=display_id, update=bool(update))
+        return publish(data, metadata, *args, transient=transient, **kwargs)
+
+    def hooked_clear_output(wait=False):
+        publish({{key: {{"clear": True, "wait": bool(wait)}}}})
+
+    def hooked_write_format_data(format_dict, md_dict=None):
+        return write_format_data(controlled(format_dict, md_dict), md_dict)
+
+    publisher.publish = hooked_publish
+    publisher.clear_output = hooked_clear_output
+    displayhook.write_format_data = hooked_write_format_data
+
+
+_prefect_sandbox_display_hooks()
+del _prefect_sandbox_display_hooks
+"""
+# Writes the hooks into the kernel's own IPython startup folder, wherever its profile lives.
+_INSTALL_DISPLAY_HOOKS_CODE = f"""
+import os as _os
+_path = _os.path.join(get_ipython().profile_dir.startup_dir, {_DISPLAY_HOOKS_FILE!r})
+_os.makedirs(_os.path.dirname(_path), exist_ok=True)
+with open(_path, "w") as _file:
+    _file.write({_DISPLAY_HOOKS_CODE!r})
+"""
 _LIST_DEPTH_ALL = 64
 _MAX_SYMLINK_HOPS = 40
 _STATUS_PREFIX = re.compile(r"^(\d{3})\b")
@@ -179,6 +235,36 @@ def mime_bundle(result: Any) -> dict[str, Any]:
             bundle[mime] = value
     bundle.update(getattr(result, "extra", None) or {})
     return bundle
+
+
+def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str, dict[str, Any]]:
+    """The Jupyter message type and content of an SDK ``Result``'s MIME bundle.
+
+    A bundle that our display hooks marked (`DISPLAY_CONTROL_MIME`) gets back what E2B drops:
+    its display id, metadata and exact ``text/plain``; an update is ``update_display_data``
+    and a ``clear_output`` call is ``clear_output``.
+
+    Args:
+        bundle: the result's MIME bundle (`mime_bundle`).
+        is_main_result: True for the value of the cell's last expression.
+
+    Returns:
+        ``(msg_type, content)`` for `OutputCollector.add`.
+    """
+    data = dict(bundle)
+    control = data.pop(DISPLAY_CONTROL_MIME, None)
+    if not isinstance(control, dict):
+        control = {}
+    if control.get("clear"):
+        return "clear_output", {"wait": bool(control.get("wait"))}
+    if "text/plain" in control:
+        data["text/plain"] = control["text/plain"]
+    content: dict[str, Any] = {"data": data, "metadata": control.get("metadata") or {}}
+    if is_main_result:
+        return "execute_result", {**content, "execution_count": None}
+    if control.get("display_id"):
+        content["transient"] = {"display_id": control["display_id"]}
+    return ("update_display_data" if control.get("update") else "display_data"), content
 
 
 def glob_match(pattern: str, path: str) -> bool:
@@ -384,6 +470,27 @@ class E2BSandbox(Sandbox):
         self._handle = self._handle.model_copy(
             update={"connection": {"context_id": self._context.id}}
         )
+        await self._install_display_hooks()
+
+    async def _install_display_hooks(self) -> None:
+        """Put our display hooks in the kernel's startup folder, and restart the context to
+        load them (a cell that installed them directly would spend execution count 1)."""
+        with _translated("create", sandbox_id=self._id):
+            execution = await self._sdk.run_code(
+                _INSTALL_DISPLAY_HOOKS_CODE, context=self._context, timeout=_HOOKS_TIMEOUT_S
+            )
+        if execution.error is not None:
+            logger.warning(
+                "Sandbox %s: display hooks not installed (%s: %s); display ids, updates and "
+                "clear_output are lost",
+                self._id,
+                execution.error.name,
+                execution.error.value,
+            )
+            return
+        # Making the context took part of the lifetime; a short one must outlive the restart.
+        await self._extend_lifetime(in_cell=False)
+        await self._retrying("restart", lambda: self._sdk.restart_code_context(self._context))
 
     @classmethod
     async def attach(cls, handle: SandboxHandle, config: E2BConfig) -> E2BSandbox:
@@ -676,9 +783,7 @@ class _E2BCell(RunningCell):
                 outputs.add("error", error_content(error.name, error.value, error.traceback))
 
         def on_result(result: Any) -> None:
-            kind = "execute_result" if result.is_main_result else "display_data"
-            content = {"data": mime_bundle(result), "metadata": {}, "execution_count": None}
-            outputs.add(kind, content)
+            outputs.add(*result_content(mime_bundle(result), is_main_result=result.is_main_result))
 
         self._execution: asyncio.Task[Any] = asyncio.create_task(
             sandbox._sdk.run_code(
