@@ -14,7 +14,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from prefect_sandbox.flows import arun_notebook
+from prefect_sandbox.flows import PipelineFailedError, arun_notebook
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -174,3 +174,21 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
     assert any("after the long line" in m for m in messages if m.startswith("[setup cell 0]"))
     (logged,) = [m for m in messages if m.startswith("[setup cell 1] ValueError")]
     assert raising in logged and "\x1b" not in logged
+
+
+async def test_the_cell_that_ended_the_kernel_shows_it_in_the_executed_notebook(
+    tmp_path: Path,
+) -> None:
+    source = _notebook(tmp_path / "dies.ipynb", "x = 1", "import os; os._exit(3)", "print(x)")
+    with pytest.raises(PipelineFailedError) as info:
+        await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
+    out = Path(info.value.output_dir or "")
+    executed = nbformat.read(out / "executed.ipynb", as_version=4)
+    nbformat.validate(executed)
+    (output,) = executed.cells[1].outputs
+    assert (output["output_type"], output["ename"]) == ("error", "SandboxDiedError")
+    assert "exit code 3" in output["evalue"]
+    assert executed.cells[1].metadata["prefect_sandbox"]["status"] == "error"
+    assert executed.cells[2].outputs == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"][0]["ename"] == "SandboxDiedError"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +30,12 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
-from prefect_sandbox.sandbox.outputs import cap_text, collapse_carriage_returns, strip_ansi
+from prefect_sandbox.sandbox.outputs import (
+    cap_text,
+    collapse_carriage_returns,
+    error_output,
+    strip_ansi,
+)
 from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
@@ -223,6 +229,20 @@ def _cell_failure(
     )
 
 
+def _death_result(exc: SandboxError, started_at: datetime, duration_s: float) -> CellResult:
+    """The result of a cell during which the sandbox died or went away: one ``error`` output
+    whose ``ename`` names what happened (``SandboxDiedError``, ``SandboxNotFoundError``)."""
+    error = CellError(ename=type(exc).__name__, evalue=exc.message)
+    return CellResult(
+        status="error",
+        outputs=[error_output(error.ename, error.evalue, [])],
+        error=error,
+        started_at=started_at,
+        duration_s=duration_s,
+        state_lost=True,
+    )
+
+
 @task(name="run-stage", task_run_name="run-stage-{stage.name}", cache_policy=NO_CACHE)
 async def run_stage(
     backend: SandboxBackend,
@@ -276,6 +296,7 @@ async def run_stage(
     sandbox = await backend.attach(handle)
     try:
         for cell in stage.cells:
+            started_at, cell_start = datetime.now(UTC), time.monotonic()
             try:
                 result = await sandbox.run_cell(
                     cell.source,
@@ -284,8 +305,11 @@ async def run_stage(
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
             except (SandboxDiedError, SandboxNotFoundError) as exc:
+                # The cell that ended the sandbox shows it in the notebook, as an error output.
+                died = _death_result(exc, started_at, time.monotonic() - cell_start)
+                records.append(CellRecord(index=cell.index, result=died))
                 lost = _lost_in_cell(stage.name, cell, exc)
-                raise _with_partial_stage(lost, stage_result(cell, None)) from exc
+                raise _with_partial_stage(lost, stage_result(cell, died)) from exc
             records.append(CellRecord(index=cell.index, result=result))
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):

@@ -3,8 +3,17 @@ copied, on every backend."""
 
 from __future__ import annotations
 
-from prefect_sandbox.sandbox.base import Sandbox
+import pytest
+from prefect import flow
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.results import StageResult
+from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
+from prefect_sandbox.sandbox.errors import SandboxDiedError
+from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 from prefect_sandbox.sandbox.outputs import ERROR_TEXT_CHARS, TRACEBACK_CHARS
+from prefect_sandbox.tasks.sandbox import partial_stage_result, run_stage
+from tests.contract.conftest import CONTRACT_LABELS, cannot
 
 
 async def test_b17_error_text_is_capped_and_names_the_failing_line(sandbox: Sandbox) -> None:
@@ -55,3 +64,52 @@ async def test_b06_b22_display_ids_updates_and_clear_output_as_in_jupyter(
         ("stream", "epoch 4\n"),
         ("display_data", {"text/plain": "'final table'"}),
     ]
+
+
+@flow
+async def _one_stage(
+    backend: SandboxBackend, handle: SandboxHandle, stage: StageSpec
+) -> StageResult:
+    return await run_stage(backend, handle, stage)
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize(
+    ("code", "how"),
+    [("import os; os._exit(3)", "exit code 3"), ("exit()", "exit()")],
+    ids=["os._exit", "exit()"],
+)
+async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
+    backend: SandboxBackend, code: str, how: str
+) -> None:
+    sandbox = await backend.create(CONTRACT_LABELS)
+    handle = sandbox.handle
+    await sandbox.close()
+    stage = StageSpec(
+        name="s",
+        cells=[
+            CellSpec(index=0, source="x = 1"),
+            CellSpec(index=1, source=code),
+            CellSpec(index=2, source="print(x)"),
+        ],
+    )
+    try:
+        with pytest.raises(SandboxDiedError) as info:
+            await _one_stage(backend, handle, stage)
+    finally:
+        await (await backend.attach(handle)).kill()
+    result = partial_stage_result(info.value)
+    assert result is not None
+    assert [(record.index, record.result.status) for record in result.cells] == [
+        (0, "ok"),
+        (1, "error"),
+    ]
+    died = result.cells[1].result
+    (output,) = died.outputs
+    assert (output["output_type"], output["ename"]) == ("error", "SandboxDiedError")
+    assert "state is lost" in output["evalue"] and handle.sandbox_id in output["evalue"]
+    if not cannot(sandbox, "exit_status") or (
+        code == "exit()" and not cannot(sandbox, "exit_call_status")
+    ):
+        assert how in output["evalue"]
+    assert result.error is not None and result.error.ename == "SandboxDiedError"
