@@ -346,6 +346,11 @@ def test_e2b_results_marked_by_the_display_hooks_become_jupyter_messages() -> No
             "execution_count": None,
         },
     )
+    lines = ["\x1b[31m-----\x1b[39m", "Cell In[1], line 1\n----> 1 1 / 0"]
+    assert result_content({DISPLAY_CONTROL_MIME: {"traceback": lines}}, is_main_result=False) == (
+        "prefect_sandbox_traceback",
+        {"traceback": lines},
+    )
     # A sandbox without the hooks (made before them): the bundle as E2B gives it.
     assert result_content({"text/plain": "x"}, is_main_result=False) == (
         "display_data",

@@ -16,10 +16,11 @@ context listing and restart) with `prefect_sandbox.sandbox.retries`' backoff, si
 drops the response headers of those. An execute that may have reached the kernel is never replayed.
 
 Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
-quotes stripped) and drops ``update_display_data`` and ``clear_output``. So each context's
+quotes stripped), drops ``update_display_data`` and ``clear_output``, and joins a traceback's
+lines without a separator. So each context's
 kernel gets display hooks as an IPython startup file (installed once, then the context is
 restarted so that no execution count is spent): they carry display ids, updates,
-``clear_output``, metadata and the exact ``text/plain`` inside the bundle, under
+``clear_output``, metadata, the exact ``text/plain`` and traceback lines inside a bundle, under
 `DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages.
 
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
@@ -73,6 +74,7 @@ __all__ = [
     "BACKEND_SLUG",
     "DEFAULT_WORKDIR",
     "DISPLAY_CONTROL_MIME",
+    "TRACEBACK_MSG_TYPE",
     "E2BConfig",
     "E2BSandbox",
     "glob_match",
@@ -96,6 +98,8 @@ _HOOKS_TIMEOUT_S = 60
 
 DISPLAY_CONTROL_MIME = "application/vnd.prefect-sandbox.display+json"
 """The key our kernel hooks add to a display's bundle: what E2B would otherwise lose of it."""
+TRACEBACK_MSG_TYPE = "prefect_sandbox_traceback"
+"""What `result_content` calls the traceback lines our hooks send ahead of an error."""
 _DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
 # Runs at kernel start, in the user's namespace, which it leaves as it found it.
 _DISPLAY_HOOKS_CODE = f"""
@@ -105,6 +109,7 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
     shell = get_ipython()
     publisher, displayhook = shell.display_pub, shell.displayhook
     publish, write_format_data = publisher.publish, displayhook.write_format_data
+    showtraceback = shell._showtraceback
 
     def controlled(data, metadata, **control):
         if "text/plain" in data:
@@ -123,9 +128,14 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
     def hooked_write_format_data(format_dict, md_dict=None):
         return write_format_data(controlled(format_dict, md_dict), md_dict)
 
+    def hooked_showtraceback(etype, evalue, stb):
+        publish({{key: {{"traceback": list(stb)}}}})
+        return showtraceback(etype, evalue, stb)
+
     publisher.publish = hooked_publish
     publisher.clear_output = hooked_clear_output
     displayhook.write_format_data = hooked_write_format_data
+    shell._showtraceback = hooked_showtraceback
 
 
 _prefect_sandbox_display_hooks()
@@ -242,7 +252,8 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
 
     A bundle that our display hooks marked (`DISPLAY_CONTROL_MIME`) gets back what E2B drops:
     its display id, metadata and exact ``text/plain``; an update is ``update_display_data``
-    and a ``clear_output`` call is ``clear_output``.
+    and a ``clear_output`` call is ``clear_output``. The lines of the traceback of the error
+    that follows come as `TRACEBACK_MSG_TYPE`, since E2B joins them without a separator.
 
     Args:
         bundle: the result's MIME bundle (`mime_bundle`).
@@ -257,6 +268,8 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
         control = {}
     if control.get("clear"):
         return "clear_output", {"wait": bool(control.get("wait"))}
+    if "traceback" in control:
+        return TRACEBACK_MSG_TYPE, {"traceback": list(control["traceback"])}
     if "text/plain" in control:
         data["text/plain"] = control["text/plain"]
     content: dict[str, Any] = {"data": data, "metadata": control.get("metadata") or {}}
@@ -776,14 +789,25 @@ class _E2BCell(RunningCell):
         self._restarted: list[str] = []
         self._probe: asyncio.Task[Any] | None = None
 
+        tracebacks: list[list[str]] = []
+
         def on_error(error: Any) -> None:
             if error.name == _KERNEL_RESTARTED or error.name in _SERVER_LOST_CELL:
                 self._restarted.append(error.name)
-            else:
-                outputs.add("error", error_content(error.name, error.value, error.traceback))
+                return
+            content = error_content(error.name, error.value, error.traceback)
+            if tracebacks:
+                content["traceback"] = tracebacks.pop()
+            outputs.add("error", content)
 
         def on_result(result: Any) -> None:
-            outputs.add(*result_content(mime_bundle(result), is_main_result=result.is_main_result))
+            msg_type, content = result_content(
+                mime_bundle(result), is_main_result=result.is_main_result
+            )
+            if msg_type == TRACEBACK_MSG_TYPE:
+                tracebacks.append(content["traceback"])
+            else:
+                outputs.add(msg_type, content)
 
         self._execution: asyncio.Task[Any] = asyncio.create_task(
             sandbox._sdk.run_code(
