@@ -179,13 +179,19 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
 async def test_the_cell_that_ended_the_kernel_shows_it_in_the_executed_notebook(
     tmp_path: Path,
 ) -> None:
-    source = _notebook(tmp_path / "dies.ipynb", "x = 1", "import os; os._exit(3)", "print(x)")
+    source = _notebook(
+        tmp_path / "dies.ipynb",
+        "x = 1",
+        "import os, time\nprint('bye', flush=True)\ntime.sleep(0.5)\nos._exit(3)",
+        "print(x)",
+    )
     with pytest.raises(PipelineFailedError) as info:
         await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
     out = Path(info.value.output_dir or "")
     executed = nbformat.read(out / "executed.ipynb", as_version=4)
     nbformat.validate(executed)
-    (output,) = executed.cells[1].outputs
+    printed, output = executed.cells[1].outputs
+    assert printed["text"] == "bye\n"
     assert (output["output_type"], output["ename"]) == ("error", "SandboxDiedError")
     assert "exit code 3" in output["evalue"]
     assert executed.cells[1].metadata["prefect_sandbox"]["status"] == "error"

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, Field, field_validator
 
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxNotFoundError
 from prefect_sandbox.sandbox.outputs import (
     DEFAULT_MAX_OUTPUT_CHARS,
     CellOutputs,
@@ -519,8 +520,9 @@ class Sandbox(abc.ABC):
 
         Raises:
             ValueError: ``timeout_s`` is zero, negative other than -1, NaN or infinite.
-            SandboxDiedError: the sandbox's kernel ended before or during the cell.
-            SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxDiedError: the sandbox's kernel ended before or during the cell; its
+                ``outputs`` are what the cell made before.
+            SandboxNotFoundError: the sandbox was killed or expired (``outputs`` as above).
             SandboxUnavailableError: the connection failed during the cell; the cell may or
                 may not have run, and is not run again.
         """
@@ -552,6 +554,12 @@ class Sandbox(abc.ABC):
                 deadline = time.monotonic() + grace_s
             outputs.flush()
             reply = await cell.finish(state_lost=state_lost)
+        except (SandboxDiedError, SandboxNotFoundError) as exc:
+            await cell.abandon()
+            # What the cell made before the end stays with it (the notebook shows it).
+            outputs.flush()
+            exc.outputs = outputs.collector.outputs
+            raise
         except BaseException:
             await cell.abandon()
             raise

@@ -136,6 +136,8 @@ class SandboxDiedError(SandboxError):
         signal: the number of the signal that ended it, when one did.
         stage: the stage that was running.
         cell_index: 0-based index of the cell that was running.
+        outputs: the nbformat outputs the running cell made before the end, when
+            ``Sandbox.run_cell`` raised it.
     """
 
     state_lost = True
@@ -149,12 +151,14 @@ class SandboxDiedError(SandboxError):
         stage: str | None = None,
         cell_index: int | None = None,
         sandbox_id: str | None = None,
+        outputs: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.exit_code = exit_code
         self.signal = signal
         self.stage = stage
         self.cell_index = cell_index
+        self.outputs = outputs or []
 
 
 class SandboxNotFoundError(SandboxError):
@@ -164,6 +168,8 @@ class SandboxNotFoundError(SandboxError):
         message: a sentence naming the sandbox and, when in one, the cell.
         stage: the stage that was running, when in a pipeline.
         cell_index: 0-based index of the cell that was running, when in a cell.
+        outputs: the nbformat outputs the running cell made before the sandbox went away,
+            when ``Sandbox.run_cell`` raised it.
     """
 
     def __init__(
@@ -173,10 +179,12 @@ class SandboxNotFoundError(SandboxError):
         stage: str | None = None,
         cell_index: int | None = None,
         sandbox_id: str | None = None,
+        outputs: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.stage = stage
         self.cell_index = cell_index
+        self.outputs = outputs or []
 
 
 class SandboxUnavailableError(SandboxError):

@@ -229,13 +229,16 @@ def _cell_failure(
     )
 
 
-def _death_result(exc: SandboxError, started_at: datetime, duration_s: float) -> CellResult:
-    """The result of a cell during which the sandbox died or went away: one ``error`` output
-    whose ``ename`` names what happened (``SandboxDiedError``, ``SandboxNotFoundError``)."""
+def _death_result(
+    exc: SandboxDiedError | SandboxNotFoundError, started_at: datetime, duration_s: float
+) -> CellResult:
+    """The result of a cell during which the sandbox died or went away: what the cell made
+    before, then an ``error`` output whose ``ename`` names what happened (``SandboxDiedError``,
+    ``SandboxNotFoundError``)."""
     error = CellError(ename=type(exc).__name__, evalue=exc.message)
     return CellResult(
         status="error",
-        outputs=[error_output(error.ename, error.evalue, [])],
+        outputs=[*exc.outputs, error_output(error.ename, error.evalue, [])],
         error=error,
         started_at=started_at,
         duration_s=duration_s,

@@ -76,7 +76,10 @@ async def _one_stage(
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.parametrize(
     ("code", "how"),
-    [("import os; os._exit(3)", "exit code 3"), ("exit()", "exit()")],
+    [
+        ("import os, time\nprint('bye', flush=True)\ntime.sleep(0.5)\nos._exit(3)", "exit code 3"),
+        ("print('bye')\nexit()", "exit()"),
+    ],
     ids=["os._exit", "exit()"],
 )
 async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
@@ -105,7 +108,9 @@ async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
         (1, "error"),
     ]
     died = result.cells[1].result
-    (output,) = died.outputs
+    # What the cell printed before the end stays, then the end as an error output.
+    printed, output = died.outputs
+    assert printed == {"output_type": "stream", "name": "stdout", "text": "bye\n"}
     assert (output["output_type"], output["ename"]) == ("error", "SandboxDiedError")
     assert "state is lost" in output["evalue"] and handle.sandbox_id in output["evalue"]
     if not cannot(sandbox, "exit_status") or (
