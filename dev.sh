@@ -77,6 +77,7 @@ case "$command" in
         "$venv/bin/python" -m pytest -m slow -s --timeout 900
         "$venv/bin/python" bench/bench_local.py "$@"
         "$venv/bin/python" bench/bench_output.py
+        "$venv/bin/python" bench/bench_isolation.py
         exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)

@@ -12,12 +12,12 @@ a run counts, whatever was imported earlier. The README lists every variable.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prefect_sandbox.sandbox.base import checked_timeout_s
+from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 
 __all__ = ["DEFAULT_CELL_TIMEOUT_S", "DEFAULT_STORAGE", "PrefectSandboxSettings"]
@@ -96,10 +96,10 @@ class PrefectSandboxSettings(BaseSettings):
             "s3://bucket/prefix, or s3-bucket/<name> for a saved S3Bucket block."
         ),
     )
-    isolation: Literal["bubblewrap", "none"] = Field(
+    isolation: Isolation = Field(
         default="bubblewrap",
         description=(
-            "How local kernels are isolated by default: bubblewrap (own mount, PID and network "
-            "namespaces) or none (a plain process of this user)."
+            "How local kernels are isolated when their block does not say: bubblewrap (own "
+            "mount, PID and network namespaces) or none (a plain process of this user)."
         ),
     )

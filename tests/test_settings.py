@@ -75,8 +75,12 @@ def test_blocks_take_their_defaults_from_the_settings_and_explicit_fields_win(
     monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "4096")
     for block in (LocalKernelBackend(), E2BBackend(credentials=credentials)):
         assert (block.cell_timeout_s, block.max_output_chars) == (3.0, 4096)
-    explicit = LocalKernelBackend(cell_timeout_s=None, max_output_chars=100)
+    assert LocalKernelBackend().isolation == "bubblewrap"
+    monkeypatch.setenv("PREFECT_SANDBOX_ISOLATION", "none")
+    assert LocalKernelBackend().isolation == "none"
+    explicit = LocalKernelBackend(cell_timeout_s=None, max_output_chars=100, isolation="bubblewrap")
     assert (explicit.cell_timeout_s, explicit.max_output_chars) == (None, 100)
+    assert explicit.isolation == "bubblewrap"
     # A saved block's fields are explicit too.
     saved = LocalKernelBackend.model_validate({"cell_timeout_s": 30.0})
     assert (saved.cell_timeout_s, saved.max_output_chars) == (30.0, 4096)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.isolation import Isolation
+from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["LocalKernelBackend"]
 
@@ -27,6 +29,8 @@ class LocalKernelBackend(SandboxBackend):
     It still shares this machine's kernel; for a stronger boundary use Docker, E2B or Daytona.
     Creating a sandbox fails with `SandboxUnavailableError` where bubblewrap cannot run;
     ``isolation="none"`` runs the kernel as a plain process of this user, with no boundary.
+    A block made without ``isolation`` takes ``PREFECT_SANDBOX_ISOLATION`` (see
+    `PrefectSandboxSettings`).
 
     Example:
         ```python
@@ -98,6 +102,14 @@ class LocalKernelBackend(SandboxBackend):
             "Prefect API, the internet); off, it has only its own loopback."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _isolation_from_settings(cls, data: Any) -> Any:
+        # PREFECT_SANDBOX_ISOLATION, when the block is made without an isolation.
+        if isinstance(data, dict) and "isolation" not in data:
+            return {**data, "isolation": PrefectSandboxSettings().isolation}
+        return data
 
     def _config(self) -> LocalKernelConfig:
         return LocalKernelConfig(
