@@ -45,13 +45,13 @@ async def test_no_sandbox_outlives_a_successful_failed_or_timed_out_pipeline(
         storage=str(tmp_path),
     )
     assert ok.status == "completed"
-    assert e2b_emulator.live_sandboxes({"test-id": test_id}) == []
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
     with pytest.raises(PipelineFailedError) as failed:
         await amodeling_pipeline(
             stages={"one": ["raise ValueError('bad')"]}, backend=backend, storage=str(tmp_path)
         )
     assert failed.value.stage == "one"
-    assert e2b_emulator.live_sandboxes({"test-id": test_id}) == []
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
     with pytest.raises(PipelineFailedError) as timed_out:
         await amodeling_pipeline(
             stages={"one": ["while True: pass"]},
@@ -60,7 +60,7 @@ async def test_no_sandbox_outlives_a_successful_failed_or_timed_out_pipeline(
             cell_timeout_s=1.0,
         )
     assert isinstance(timed_out.value.__cause__, CellTimeoutError)
-    assert e2b_emulator.live_sandboxes({"test-id": test_id}) == []
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
 
 
 async def test_sandbox_expiring_mid_pipeline_names_the_sandbox_stage_and_cell(
@@ -72,11 +72,11 @@ async def test_sandbox_expiring_mid_pipeline_names_the_sandbox_stage_and_cell(
     def expire_when_the_cell_runs() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            live = e2b_emulator.live_sandboxes({"test-id": test_id})
+            live = e2b_emulator.sandbox_ids({"test-id": test_id})
             running = [
                 r
                 for r in e2b_emulator.requests
-                if r.operation == "execute" and r.sandbox_id in live
+                if r.operation == "run_code" and r.sandbox_id in live
             ]
             if len(running) >= 2:
                 time.sleep(0.5)
@@ -150,8 +150,8 @@ async def test_main_job_co2_forecast_with_backend_e2b_matches_local(
 ) -> None:
     example = ROOT / "examples" / "co2"
     artifacts = ["figures/*.png", "forecast.csv", "metrics.json"]
-    env = {**_api_env(), **e2b_emulator.settings}
-    before = set(e2b_emulator.live_sandboxes())
+    env = {**_api_env(), **e2b_emulator.env()}
+    before = set(e2b_emulator.sandbox_ids())
     done = subprocess.run(
         [
             sys.executable,
@@ -175,7 +175,7 @@ async def test_main_job_co2_forecast_with_backend_e2b_matches_local(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert e2b_emulator.api_key not in done.stdout + done.stderr
-    assert set(e2b_emulator.live_sandboxes()) <= before
+    assert set(e2b_emulator.sandbox_ids()) <= before
     (e2b_dir,) = (tmp_path / "OUT").iterdir()
     local = await arun_notebook(
         notebook=str(example / "forecast.ipynb"),

@@ -127,9 +127,9 @@ def test_operation_of_names_each_route() -> None:
     assert operation_of("POST", "/sandboxes") == "create"
     assert operation_of("POST", "/v2/sandboxes/abc/connect") == "connect"
     assert operation_of("POST", "/sandboxes/abc/timeout") == "set_timeout"
-    assert operation_of("DELETE", "/sandboxes/abc") == "kill"
-    assert operation_of("POST", "/filesystem.Filesystem/ListDir") == "files.list"
-    assert operation_of("POST", "/contexts/c1/restart") == "contexts.restart"
+    assert operation_of("DELETE", "/sandboxes/abc") == "delete"
+    assert operation_of("POST", "/filesystem.Filesystem/ListDir") == "list_files"
+    assert operation_of("POST", "/contexts/c1/restart") == "restart_context"
     assert operation_of("GET", "/nowhere") is None
 
 

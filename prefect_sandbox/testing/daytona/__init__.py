@@ -8,11 +8,13 @@
 It emulates the control plane (create, get, list by labels, delete, start, stop, keep-alive),
 the toolbox (work directory, folders, shell commands, interpreter contexts, the interpreter
 WebSocket, bulk upload and download), auto-stop, auto-delete and lifetimes, and injects faults
-on demand (`Fault`). Code runs in real local Jupyter kernels: it is no security boundary.
+on demand (`Fault`, from `prefect_sandbox.testing.faults`, shared with the E2B emulator).
+Code runs in real local Jupyter kernels: it is no security boundary.
 Unset ``HTTP(S)_PROXY`` (or set ``NO_PROXY=127.0.0.1``) so the SDK reaches it directly.
 """
 
+from prefect_sandbox.testing.daytona.app import OPERATIONS
 from prefect_sandbox.testing.daytona.emulator import DaytonaEmulator
-from prefect_sandbox.testing.daytona.faults import OPERATIONS, Fault
+from prefect_sandbox.testing.faults import Fault, RequestRecord
 
-__all__ = ["OPERATIONS", "DaytonaEmulator", "Fault"]
+__all__ = ["OPERATIONS", "DaytonaEmulator", "Fault", "RequestRecord"]

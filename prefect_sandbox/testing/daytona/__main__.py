@@ -7,12 +7,11 @@ line, then serves until interrupted (Ctrl-C or SIGTERM), deleting its sandboxes 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from prefect_sandbox.testing.daytona.emulator import DaytonaEmulator
+from prefect_sandbox.testing.server import serve_until_stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,16 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="the API key to accept; random if unset")
     parser.add_argument("--target", default="us", help="the region to report")
     args = parser.parse_args(argv)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
-    with DaytonaEmulator(api_key=args.api_key, target=args.target, port=args.port) as emulator:
-        for name, value in emulator.env().items():
-            print(f"{name}={value}", flush=True)
-        try:
-            while not stopping.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            pass
+    serve_until_stopped(DaytonaEmulator(api_key=args.api_key, target=args.target, port=args.port))
     return 0
 
 

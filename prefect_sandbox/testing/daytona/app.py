@@ -14,7 +14,7 @@ import contextlib
 import json
 import shutil
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from http import HTTPStatus
 from pathlib import Path
@@ -28,7 +28,6 @@ from starlette.routing import BaseRoute, Match, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from prefect_sandbox.testing.daytona.faults import Fault, FaultBook
 from prefect_sandbox.testing.daytona.state import (
     DEFAULT_CONTEXT,
     DEFAULT_EXEC_TIMEOUT_S,
@@ -36,8 +35,25 @@ from prefect_sandbox.testing.daytona.state import (
     EmulatedSandbox,
     World,
 )
+from prefect_sandbox.testing.faults import COMMON_OPERATIONS, FaultBook, serve_with_fault
 
-__all__ = ["build_app"]
+__all__ = ["OPERATIONS", "WEBSOCKET_OPERATIONS", "build_app"]
+
+OPERATIONS = COMMON_OPERATIONS | {
+    # control plane
+    "get",
+    "start",
+    "stop",
+    "refresh_activity",
+    # toolbox
+    "work_dir",
+    "home_dir",
+    "create_folder",
+    "exec",
+    "list_contexts",
+}
+"""The calls a `Fault` can name: our names of the emulated endpoints (the routes' names)."""
+WEBSOCKET_OPERATIONS = frozenset({"run_code"})
 
 DOWNLOAD_BOUNDARY = "DAYTONA-FILE-BOUNDARY"
 # Stream text goes out in frames this long, or shorter to stay under the SDK's 4 MiB message
@@ -431,15 +447,6 @@ async def _send_frames(websocket: WebSocket, frames: asyncio.Queue[str | None]) 
             connected = False
 
 
-def _abort_connection(send: Send) -> None:
-    """Drop the TCP connection under an ASGI ``send`` without answering (uvicorn only)."""
-    protocol = getattr(send, "__self__", None)
-    transport = getattr(protocol, "transport", None)
-    if transport is None:
-        raise RuntimeError("this server does not let the emulator drop a connection")
-    transport.abort()
-
-
 async def _send_json(send: Send, status: int, body: dict[str, Any], websocket: bool) -> None:
     prefix = "websocket.http.response" if websocket else "http.response"
     payload = json.dumps(body).encode()
@@ -457,7 +464,7 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], websocket: b
 
 
 class _Gate:
-    """Outer ASGI layer: API key, sandbox activity, injected faults."""
+    """Outer ASGI layer: API key, sandbox activity, request records and injected faults."""
 
     def __init__(
         self, app: ASGIApp, routes: list[BaseRoute], world: World, api_key: str, faults: FaultBook
@@ -498,13 +505,16 @@ class _Gate:
         if sandbox is not None and active:
             sandbox.touch(busy=busy)
         fault = self.faults.take(operation) if operation else None
+        self.faults.record(scope, operation, sandbox_id, fault is not None)
         if websocket:
             receive = _replay_connect(receive)
         try:
             if fault is None:
                 await self.app(scope, receive, send)
             else:
-                await self._inject(fault, scope, receive, send, websocket)
+                await serve_with_fault(
+                    fault, self.app, scope, receive, send, error_body=_injected_error
+                )
         finally:
             if sandbox is not None and busy:
                 sandbox.untouch()
@@ -516,52 +526,11 @@ class _Gate:
                 return getattr(route, "name", None), child["path_params"].get("sid")
         return None, None
 
-    async def _inject(
-        self, fault: Fault, scope: Scope, receive: Receive, send: Send, websocket: bool
-    ) -> None:
-        await asyncio.sleep(fault.delay_s)
-        if fault.status is not None and not fault.after_call:
-            await self._fail(fault, send, websocket)
-            return
-        if fault.close_code is not None:
-            await send({"type": "websocket.accept"})
-            await receive()  # the replayed websocket.connect
-            await receive()  # the execution request, never run
-            await send({"type": "websocket.close", "code": fault.close_code, "reason": ""})
-            return
-        if fault.drop and websocket:
-            await self.app(scope, _drop_after_request(receive, send), send)
-            return
-        if fault.drop or fault.after_call:
-            await self.app(scope, receive, _swallow)
-            if fault.drop:
-                _abort_connection(send)
-            else:
-                await self._fail(fault, send, websocket)
-            return
-        await self.app(scope, receive, send)
 
-    async def _fail(self, fault: Fault, send: Send, websocket: bool) -> None:
-        assert fault.status is not None
-        body = {
-            "statusCode": fault.status,
-            "message": f"injected fault: {HTTPStatus(fault.status).phrase}",
-            "error": HTTPStatus(fault.status).phrase,
-        }
-        payload = json.dumps(body).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-        ]
-        if fault.retry_after_s is not None:
-            headers.append((b"retry-after", f"{fault.retry_after_s:g}".encode()))
-        prefix = "websocket.http.response" if websocket else "http.response"
-        await send({"type": f"{prefix}.start", "status": fault.status, "headers": headers})
-        await send({"type": f"{prefix}.body", "body": payload})
-
-
-async def _swallow(message: Message) -> None:
-    """An ASGI send that discards the app's answer."""
+def _injected_error(status: int) -> dict[str, Any]:
+    """The control plane's error envelope for an injected status."""
+    phrase = HTTPStatus(status).phrase
+    return {"statusCode": status, "message": f"injected fault: {phrase}", "error": phrase}
 
 
 def _replay_connect(receive: Receive) -> Receive:
@@ -574,17 +543,5 @@ def _replay_connect(receive: Receive) -> Receive:
             replayed = True
             return {"type": "websocket.connect"}
         return await receive()
-
-    return wrapped
-
-
-def _drop_after_request(receive: Receive, send: Send) -> Callable[[], Awaitable[Message]]:
-    """A receive that drops the connection once the execution request is in the app's hands."""
-
-    async def wrapped() -> Message:
-        message = await receive()
-        if message["type"] == "websocket.receive":
-            asyncio.get_running_loop().call_soon(_abort_connection, send)
-        return message
 
     return wrapped

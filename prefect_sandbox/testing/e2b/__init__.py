@@ -17,9 +17,13 @@ Export those three lines in another shell and run, for instance,
             api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
         )
 
-Cells run in real local ipykernels, so the emulator is no security boundary.
+Laid out as the Daytona emulator is: `state` (sandboxes, files, code contexts; no HTTP),
+`app` (the routes), `wire` (pure wire formats), `emulator` (the server); faults come from
+`prefect_sandbox.testing.faults`, shared by both emulators. Cells run in real local ipykernels,
+so the emulator is no security boundary; it has Python kernels only.
 """
 
-from prefect_sandbox.testing.e2b.server import E2BEmulator, Fault, RequestRecord
+from prefect_sandbox.testing.e2b.emulator import OPERATIONS, E2BEmulator
+from prefect_sandbox.testing.faults import Fault, RequestRecord
 
-__all__ = ["E2BEmulator", "Fault", "RequestRecord"]
+__all__ = ["OPERATIONS", "E2BEmulator", "Fault", "RequestRecord"]

@@ -1,5 +1,5 @@
-"""Pure pieces of the E2B emulator: which call a request is, and nbformat outputs as the code
-interpreter's NDJSON lines. No I/O."""
+"""Pure pieces of the E2B emulator: its routes and which call a request is, and nbformat
+outputs as the code interpreter's NDJSON lines. No I/O."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["MIME_FIELDS", "execute_lines", "operation_of", "result_fields"]
+from starlette.routing import compile_path
+
+__all__ = ["MIME_FIELDS", "ROUTES", "execute_lines", "operation_of", "result_fields"]
 
 MIME_FIELDS = {
     "text/plain": "text",
@@ -25,32 +27,40 @@ MIME_FIELDS = {
 }
 """MIME type to the field of an ``Execution`` result, as the code interpreter server maps it."""
 
-_SANDBOX = r"/sandboxes/[^/]+"
-_ROUTES: list[tuple[str, str, str]] = [
-    ("POST", r"(/v2)?/sandboxes", "create"),
-    ("GET", r"(/v2)?/sandboxes", "list"),
-    ("GET", _SANDBOX, "get_info"),
-    ("DELETE", _SANDBOX, "kill"),
-    ("POST", _SANDBOX + r"/timeout", "set_timeout"),
-    ("POST", r"(/v2)?" + _SANDBOX + r"/connect", "connect"),
-    ("GET", r"/health", "health"),
-    ("GET", r"/files", "files.read"),
-    ("POST", r"/files", "files.write"),
-    ("POST", r"/filesystem\.Filesystem/Stat", "files.stat"),
-    ("POST", r"/filesystem\.Filesystem/ListDir", "files.list"),
-    ("POST", r"/filesystem\.Filesystem/MakeDir", "files.make_dir"),
-    ("POST", r"/filesystem\.Filesystem/Remove", "files.remove"),
-    ("POST", r"/filesystem\.Filesystem/Move", "files.move"),
-    ("POST", r"/execute", "execute"),
-    ("POST", r"/contexts", "contexts.create"),
-    ("GET", r"/contexts", "contexts.list"),
-    ("POST", r"/contexts/[^/]+/restart", "contexts.restart"),
-    ("DELETE", r"/contexts/[^/]+", "contexts.remove"),
-]
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    # the REST control plane (both the v2 paths and the v1 ones older SDKs use)
+    ("POST", "/v2/sandboxes", "create"),
+    ("POST", "/sandboxes", "create"),
+    ("GET", "/v2/sandboxes", "list"),
+    ("GET", "/sandboxes", "list"),
+    ("GET", "/sandboxes/{sid}", "get_info"),
+    ("DELETE", "/sandboxes/{sid}", "delete"),
+    ("POST", "/sandboxes/{sid}/timeout", "set_timeout"),
+    ("POST", "/v2/sandboxes/{sid}/connect", "connect"),
+    ("POST", "/sandboxes/{sid}/connect", "connect"),
+    # envd
+    ("GET", "/health", "health"),
+    ("GET", "/files", "download"),
+    ("POST", "/files", "upload"),
+    ("POST", "/filesystem.Filesystem/Stat", "stat"),
+    ("POST", "/filesystem.Filesystem/ListDir", "list_files"),
+    ("POST", "/filesystem.Filesystem/MakeDir", "make_dir"),
+    ("POST", "/filesystem.Filesystem/Remove", "remove"),
+    ("POST", "/filesystem.Filesystem/Move", "move"),
+    # the code interpreter
+    ("POST", "/execute", "run_code"),
+    ("POST", "/contexts", "create_context"),
+    ("GET", "/contexts", "list_contexts"),
+    ("POST", "/contexts/{cid}/restart", "restart_context"),
+    ("DELETE", "/contexts/{cid}", "delete_context"),
+)
+"""``(method, path, operation)`` of every call the emulator serves."""
+
+_COMPILED = [(method, compile_path(path)[0], name) for method, path, name in ROUTES]
 
 
 def operation_of(method: str, path: str) -> str | None:
-    """Name the SDK call a request belongs to (``"create"``, ``"files.read"``, ``"execute"``...).
+    """Name the call a request belongs to (``"create"``, ``"download"``, ``"run_code"``...).
 
     Args:
         method: the HTTP method.
@@ -59,7 +69,7 @@ def operation_of(method: str, path: str) -> str | None:
     Returns:
         The operation's name, or None for a path the emulator does not serve.
     """
-    for route_method, pattern, name in _ROUTES:
+    for route_method, pattern, name in _COMPILED:
         if method == route_method and re.fullmatch(pattern, path):
             return name
     return None

@@ -1,0 +1,551 @@
+"""The E2B emulator's ASGI app: the REST control plane, envd and the code interpreter.
+
+Wire formats are those of e2b 2.63.0 / e2b-code-interpreter 2.11.5 (see `wire.ROUTES`): the
+control plane checks ``X-API-KEY``; envd's files and ``/execute`` check the sandbox's
+``X-Access-Token``; a call for a sandbox that is gone gets 502 ``The sandbox was not found``
+from envd and the code interpreter and 404 from the control plane. envd's Connect-RPC
+filesystem calls are served by the server stubs the SDK ships. An outer gate records each
+request and plays injected faults (`prefect_sandbox.testing.faults`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.parser
+import email.policy
+import json
+import os
+import shutil
+import urllib.parse
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from e2b.envd.filesystem.filesystem_connect import Filesystem, FilesystemASGIApplication
+from e2b.envd.filesystem.filesystem_pb import (
+    EntryInfo,
+    ListDirResponse,
+    MakeDirResponse,
+    MoveResponse,
+    RemoveResponse,
+    StatResponse,
+)
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Match, Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.testing.e2b.state import (
+    NOT_FOUND_MESSAGE,
+    CellEvent,
+    ContextNotFoundError,
+    EmulatedContext,
+    EmulatedSandbox,
+    UnsupportedLanguageError,
+    World,
+)
+from prefect_sandbox.testing.e2b.wire import ROUTES, execute_lines
+from prefect_sandbox.testing.faults import FaultBook, serve_with_fault
+
+__all__ = ["build_app"]
+
+_KEEPALIVE_S = 5.0
+
+
+class _DroppedConnection(Exception):
+    """Raised inside the app to make uvicorn close the connection mid-response."""
+
+
+def _error_json(status: int, message: str | None = None) -> dict[str, Any]:
+    return {"code": status, "message": message or f"injected fault: {status}"}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(_error_json(status, message), status_code=status)
+
+
+def _gone(sandbox_id: str | None) -> JSONResponse:
+    body = {"sandboxId": sandbox_id, "message": NOT_FOUND_MESSAGE, "code": 502}
+    return JSONResponse(body, status_code=502)
+
+
+def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
+    """The emulator's ASGI app.
+
+    Args:
+        world: the emulated sandboxes.
+        api_key: the only API key the control plane accepts.
+        faults: faults to inject; requests are recorded there.
+    """
+
+    def sandbox_of(request: Request, *, needs_token: bool) -> EmulatedSandbox | Response:
+        """The live sandbox a sandbox call is for, or the answer that refuses it."""
+        sandbox_id = request.headers.get("e2b-sandbox-id")
+        sandbox = world.live(sandbox_id)
+        if sandbox is None:
+            return _gone(sandbox_id)
+        if needs_token and request.headers.get("x-access-token") != sandbox.access_token:
+            return _error(401, "invalid access token")
+        return sandbox
+
+    def unauthorized(request: Request) -> Response | None:
+        if request.headers.get("x-api-key") != api_key:
+            return _error(401, "Invalid API key")
+        return None
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        body = await request.body()
+        parsed = json.loads(body or b"{}")
+        return parsed if isinstance(parsed, dict) else {}
+
+    # --- control plane -------------------------------------------------------------------
+
+    async def create(request: Request) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        body = await json_body(request)
+        sandbox = world.create(body, request.headers.get("idempotency-key"))
+        return JSONResponse(sandbox.sandbox_json(), status_code=201)
+
+    async def list_sandboxes(request: Request) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        wanted = dict(urllib.parse.parse_qsl(request.query_params.get("metadata", "")))
+        return JSONResponse([s.detail_json() for s in world.listed(wanted)])
+
+    async def sandbox_call(request: Request) -> EmulatedSandbox | Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        sandbox_id = request.path_params["sid"]
+        sandbox = world.live(sandbox_id)
+        if sandbox is None:
+            return _error(404, f"sandbox {sandbox_id} not found")
+        return sandbox
+
+    async def get_info(request: Request) -> Response:
+        sandbox = await sandbox_call(request)
+        if isinstance(sandbox, Response):
+            return sandbox
+        return JSONResponse(sandbox.detail_json())
+
+    async def delete(request: Request) -> Response:
+        sandbox = await sandbox_call(request)
+        if isinstance(sandbox, Response):
+            return sandbox
+        await world.kill(sandbox)
+        return Response(status_code=204)
+
+    async def set_timeout(request: Request) -> Response:
+        sandbox = await sandbox_call(request)
+        if isinstance(sandbox, Response):
+            return sandbox
+        world.set_lifetime(sandbox, int((await json_body(request))["timeout"]), only_extend=False)
+        return Response(status_code=204)
+
+    async def connect(request: Request) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        sandbox_id = request.path_params["sid"]
+        sandbox = world.live(sandbox_id)
+        if sandbox is None:
+            return _error(404, f"Paused sandbox {sandbox_id} not found")
+        timeout_s = (await json_body(request)).get("timeout")
+        if timeout_s is not None:
+            world.set_lifetime(sandbox, int(timeout_s), only_extend=True)
+        return JSONResponse(sandbox.sandbox_json())
+
+    # --- envd ----------------------------------------------------------------------------
+
+    async def health(request: Request) -> Response:
+        sandbox = sandbox_of(request, needs_token=False)
+        return sandbox if isinstance(sandbox, Response) else Response(status_code=204)
+
+    async def download(request: Request) -> Response:
+        sandbox = sandbox_of(request, needs_token=True)
+        if isinstance(sandbox, Response):
+            return sandbox
+        path = request.query_params.get("path", "")
+        local = sandbox.local_path(path)
+        if not local.is_file() or not sandbox.inside(local):
+            return _error(404, f"path '{path}' does not exist")
+        data = await asyncio.to_thread(local.read_bytes)
+        return Response(data, media_type="application/octet-stream")
+
+    async def upload(request: Request) -> Response:
+        sandbox = sandbox_of(request, needs_token=True)
+        if isinstance(sandbox, Response):
+            return sandbox
+        body = await request.body()
+        query_path = request.query_params.get("path")
+        content_type = request.headers.get("content-type", "")
+        files: list[tuple[str, bytes]] = []
+        if content_type.startswith("multipart/form-data"):
+            parsed = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+                b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body
+            )
+            for part in parsed.iter_parts():
+                payload = part.get_payload(decode=True)
+                name = query_path or part.get_filename() or ""
+                files.append((name, payload if isinstance(payload, bytes) else b""))
+        else:
+            files.append((query_path or "", body))
+        written = []
+        for path, data in files:
+            local = sandbox.local_path(path)
+            if not sandbox.inside(local.parent if not local.exists() else local):
+                return _error(400, f"path '{path}' is not allowed")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(local.write_bytes, data)
+            path = sandbox.sandbox_path(local)
+            written.append({"name": local.name, "type": "file", "path": path})
+        return JSONResponse(written)
+
+    filesystem = _FilesystemCalls(world, FilesystemASGIApplication(_FilesystemService(world)))
+
+    # --- code interpreter ----------------------------------------------------------------
+
+    async def create_context(request: Request) -> Response:
+        sandbox = sandbox_of(request, needs_token=False)
+        if isinstance(sandbox, Response):
+            return sandbox
+        body = await json_body(request)
+        try:
+            context = await world.create_context(sandbox, body.get("language"), body.get("cwd"))
+        except UnsupportedLanguageError as exc:
+            return PlainTextResponse(str(exc), status_code=500)
+        except Exception:
+            return PlainTextResponse("Failed to set working directory", status_code=500)
+        return JSONResponse(context.model())
+
+    async def list_contexts(request: Request) -> Response:
+        sandbox = sandbox_of(request, needs_token=False)
+        if isinstance(sandbox, Response):
+            return sandbox
+        return JSONResponse([context.model() for context in sandbox.contexts.values()])
+
+    async def context_call(request: Request) -> tuple[EmulatedSandbox, EmulatedContext] | Response:
+        sandbox = sandbox_of(request, needs_token=False)
+        if isinstance(sandbox, Response):
+            return sandbox
+        try:
+            return sandbox, world.context(sandbox, request.path_params["cid"])
+        except ContextNotFoundError as exc:
+            return PlainTextResponse(str(exc), status_code=404)
+
+    async def restart_context(request: Request) -> Response:
+        found = await context_call(request)
+        if isinstance(found, Response):
+            return found
+        await world.restart_context(*found)
+        return JSONResponse(None)
+
+    async def delete_context(request: Request) -> Response:
+        found = await context_call(request)
+        if isinstance(found, Response):
+            return found
+        await world.remove_context(*found)
+        return JSONResponse(None)
+
+    endpoints: dict[str, Any] = {
+        "create": create,
+        "list": list_sandboxes,
+        "get_info": get_info,
+        "delete": delete,
+        "set_timeout": set_timeout,
+        "connect": connect,
+        "health": health,
+        "download": download,
+        "upload": upload,
+        "stat": filesystem,
+        "list_files": filesystem,
+        "make_dir": filesystem,
+        "remove": filesystem,
+        "move": filesystem,
+        "run_code": _Execute(world),
+        "create_context": create_context,
+        "list_contexts": list_contexts,
+        "restart_context": restart_context,
+        "delete_context": delete_context,
+    }
+    routes = [
+        Route(path, endpoints[name], methods=[method], name=name) for method, path, name in ROUTES
+    ]
+    return _Gate(Router(routes=routes), routes, faults)
+
+
+class _Gate:
+    """Outer ASGI layer: records each request and plays the fault that hits it."""
+
+    def __init__(self, app: ASGIApp, routes: list[Route], faults: FaultBook) -> None:
+        self.app = app
+        self.routes = routes
+        self.faults = faults
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        operation, params = None, {}
+        for route in self.routes:
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                operation, params = route.name, child["path_params"]
+                break
+        headers = dict(scope["headers"])
+        raw_id = headers.get(b"e2b-sandbox-id")
+        sandbox_id = raw_id.decode("latin-1") if raw_id is not None else params.get("sid")
+        fault = self.faults.take(operation)
+        self.faults.record(scope, operation, sandbox_id, fault is not None)
+        if fault is None:
+            await self.app(scope, receive, send)
+        else:
+            await serve_with_fault(fault, self.app, scope, receive, send, error_body=_error_json)
+
+
+class _FilesystemCalls:
+    """envd's Connect-RPC filesystem calls: the sandbox checks, then the SDK's server stub."""
+
+    def __init__(self, world: World, rpc: ASGIApp) -> None:
+        self.world = world
+        self.rpc = rpc
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        sandbox_id = request.headers.get("e2b-sandbox-id")
+        sandbox = self.world.live(sandbox_id)
+        if sandbox is None:
+            await _gone(sandbox_id)(scope, receive, send)
+        elif request.headers.get("x-access-token") != sandbox.access_token:
+            await _error(401, "invalid access token")(scope, receive, send)
+        else:
+            await self.rpc(scope, receive, send)
+
+
+class _Execute:
+    """``POST /execute``: runs a cell and streams its outputs as NDJSON lines.
+
+    Cells of one context run one at a time; a client that leaves while its cell waits is
+    forgotten, and one that leaves while its cell runs gets it interrupted, as the real server
+    does. ``keepalive`` lines go out every 5 s of silence; a sandbox killed mid-cell drops the
+    connection.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        sandbox_id = request.headers.get("e2b-sandbox-id")
+        sandbox = self.world.live(sandbox_id)
+        if sandbox is None:
+            await _gone(sandbox_id)(scope, receive, send)
+            return
+        if request.headers.get("x-access-token") != sandbox.access_token:
+            await _error(401, "invalid access token")(scope, receive, send)
+            return
+        body = json.loads(await request.body() or b"{}")
+        context = await self._context(sandbox, body)
+        if isinstance(context, Response):
+            await context(scope, receive, send)
+            return
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            if not await self.world.claim(context, disconnected):
+                return
+            env_vars = body.get("env_vars") or {}
+            events = self.world.start_cell(sandbox, context, body["code"], env_vars)
+            await self._stream(sandbox, context, events, send, disconnected)
+        finally:
+            watcher.cancel()
+
+    async def _context(
+        self, sandbox: EmulatedSandbox, body: dict[str, Any]
+    ) -> EmulatedContext | Response:
+        context_id, language = body.get("context_id"), body.get("language")
+        if context_id and language:
+            return PlainTextResponse(
+                "context_id and language are mutually exclusive", status_code=400
+            )
+        try:
+            if context_id:
+                return self.world.context(sandbox, context_id)
+            return await self.world.default_context(sandbox, language)
+        except ContextNotFoundError as exc:
+            return PlainTextResponse(str(exc), status_code=404)
+        except UnsupportedLanguageError as exc:
+            return PlainTextResponse(str(exc), status_code=500)
+
+    async def _stream(
+        self,
+        sandbox: EmulatedSandbox,
+        context: EmulatedContext,
+        events: asyncio.Queue[CellEvent],
+        send: Send,
+        disconnected: asyncio.Event,
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def send_line(line: dict[str, Any]) -> None:
+            body = json.dumps(line).encode() + b"\n"
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        streamed_error = False
+        while True:
+            getter = asyncio.create_task(events.get())
+            waiters: set[asyncio.Future[Any]] = {
+                getter,
+                asyncio.create_task(disconnected.wait()),
+                asyncio.create_task(sandbox.killed.wait()),
+            }
+            done, pending = await asyncio.wait(
+                waiters, timeout=_KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in pending:
+                task.cancel()
+            if getter not in done:
+                if sandbox.killed.is_set():
+                    raise _DroppedConnection("sandbox killed mid-execute")
+                if disconnected.is_set():
+                    await self.world.interrupt(context)
+                    return
+                await send_line({"type": "keepalive"})
+                continue
+            event = getter.result()
+            if event.kind == "output":
+                streamed_error = streamed_error or event.value["output_type"] == "error"
+                for line in execute_lines(event.value):
+                    await send_line(line)
+                continue
+            if event.kind == "done":
+                result: CellResult = event.value
+                if result.status == "error" and not streamed_error and result.error:
+                    await send_line(
+                        {
+                            "type": "error",
+                            "name": result.error.ename,
+                            "value": result.error.evalue,
+                            "traceback": "\n".join(result.error.traceback),
+                        }
+                    )
+                if result.execution_count is not None:
+                    await send_line(
+                        {"type": "number_of_executions", "execution_count": result.execution_count}
+                    )
+            else:  # died
+                await send_line(
+                    {
+                        "type": "error",
+                        "name": "ContextRestarting",
+                        "value": "Context was restarted",
+                        "traceback": "",
+                    }
+                )
+            await send_line({"type": "end_of_execution"})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+
+
+class _FilesystemService(Filesystem):
+    """envd's Connect-RPC filesystem calls, on the folders of emulated sandboxes."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def _sandbox(self, ctx: Any) -> EmulatedSandbox:
+        sandbox = self.world.live(ctx.request_headers.get("e2b-sandbox-id"))
+        if sandbox is None:
+            raise ConnectError(Code.UNAVAILABLE, NOT_FOUND_MESSAGE)
+        return sandbox
+
+    def _existing(self, sandbox: EmulatedSandbox, path: str) -> Path:
+        local = sandbox.local_path(path)
+        if not (local.exists() or local.is_symlink()):
+            raise ConnectError(Code.NOT_FOUND, f"no such file or directory: {path}")
+        return local
+
+    def _entry(self, sandbox: EmulatedSandbox, local: Path) -> Any:
+        return EntryInfo.from_json(json.dumps(_stat_entry(sandbox, local)))
+
+    async def stat(self, request: Any, ctx: Any) -> Any:
+        sandbox = self._sandbox(ctx)
+        return StatResponse(entry=self._entry(sandbox, self._existing(sandbox, request.path)))
+
+    async def list_dir(self, request: Any, ctx: Any) -> Any:
+        sandbox = self._sandbox(ctx)
+        top = self._existing(sandbox, request.path)
+        depth = max(int(request.depth), 1)
+        entries = []
+        for folder, names, files in os.walk(top):
+            level = len(Path(folder).relative_to(top).parts) + 1
+            for name in sorted(names + files):
+                entries.append(self._entry(sandbox, Path(folder) / name))
+            if level >= depth:
+                names.clear()
+        return ListDirResponse(entries=entries)
+
+    async def make_dir(self, request: Any, ctx: Any) -> Any:
+        sandbox = self._sandbox(ctx)
+        local = sandbox.local_path(request.path)
+        if local.exists():
+            raise ConnectError(Code.ALREADY_EXISTS, f"{request.path} exists")
+        local.mkdir(parents=True)
+        return MakeDirResponse(entry=self._entry(sandbox, local))
+
+    async def remove(self, request: Any, ctx: Any) -> Any:
+        sandbox = self._sandbox(ctx)
+        local = self._existing(sandbox, request.path)
+        if local.is_dir() and not local.is_symlink():
+            shutil.rmtree(local)
+        else:
+            local.unlink()
+        return RemoveResponse()
+
+    async def move(self, request: Any, ctx: Any) -> Any:
+        sandbox = self._sandbox(ctx)
+        source = self._existing(sandbox, request.source)
+        target = sandbox.local_path(request.destination)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        return MoveResponse(entry=self._entry(sandbox, target))
+
+
+def _stat_entry(sandbox: EmulatedSandbox, local: Path) -> dict[str, Any]:
+    """An envd ``EntryInfo`` in proto3 JSON for a path on this machine."""
+    info = local.lstat()
+    is_link = local.is_symlink()
+    target_type = "FILE_TYPE_FILE"
+    with contextlib.suppress(OSError):
+        if local.is_dir():
+            target_type = "FILE_TYPE_DIRECTORY"
+    entry: dict[str, Any] = {
+        "name": local.name,
+        "type": target_type,
+        "path": sandbox.sandbox_path(local),
+        "size": str(info.st_size),
+        "mode": info.st_mode & 0o777,
+        "permissions": "",
+        "owner": "user",
+        "group": "user",
+        "modifiedTime": datetime.fromtimestamp(info.st_mtime, UTC)
+        .isoformat()
+        .replace("+00:00", "Z"),
+        "isSymlink": is_link,
+    }
+    if is_link:
+        entry["symlinkTarget"] = sandbox.sandbox_path(Path(os.path.realpath(local)))
+    return entry

@@ -1,0 +1,127 @@
+"""`E2BEmulator`: the E2B emulator's server, on uvicorn in a thread of its own."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import tempfile
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+
+from starlette.types import ASGIApp
+
+from prefect_sandbox.testing.e2b.app import build_app
+from prefect_sandbox.testing.e2b.state import World
+from prefect_sandbox.testing.e2b.wire import ROUTES
+from prefect_sandbox.testing.faults import Fault, FaultBook, RequestRecord
+from prefect_sandbox.testing.server import EmulatorServer
+
+__all__ = ["OPERATIONS", "E2BEmulator"]
+
+OPERATIONS = frozenset(name for _, _, name in ROUTES)
+"""The calls a `Fault` can name (see `prefect_sandbox.testing.e2b.wire.ROUTES`)."""
+
+
+class E2BEmulator(EmulatorServer):
+    """An offline E2B that the real SDK talks to: the control plane, envd and the code
+    interpreter on one port of 127.0.0.1.
+
+    Use it as a context manager, or call `start` and `stop`. Point the SDK at it with `env`
+    (or the `api_key` and `url` attributes). Each sandbox is a folder, each code context a real
+    local ipykernel. Faults are injected with `inject`; `expire` ends a sandbox as its lifetime
+    would; every request is recorded in `requests`.
+
+    Args:
+        api_key: the key the emulator accepts; a random one when None.
+        root: folder holding the sandboxes' files; a fresh temporary folder when None
+            (removed by `stop`).
+        port: TCP port on 127.0.0.1; 0 for a free one.
+        interrupt_grace_s: how long the emulated kernels wait between interrupt attempts.
+        log_level: uvicorn's log level.
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        root: Path | None = None,
+        port: int = 0,
+        interrupt_grace_s: float = 5.0,
+        log_level: str = "warning",
+    ) -> None:
+        super().__init__(port=port, log_level=log_level, graceful_shutdown_s=5.0)
+        self.api_key = api_key or f"e2b_emulator_{secrets.token_hex(16)}"
+        self._owns_root = root is None
+        self.root = root or Path(tempfile.mkdtemp(prefix="prefect-sandbox-e2b-"))
+        self.faults = FaultBook(OPERATIONS)
+        self._interrupt_grace_s = interrupt_grace_s
+        self._world: World | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL of the API, of envd and of the code interpreter (after `start`)."""
+        return self.base_url
+
+    def env(self) -> dict[str, str]:
+        """The SDK's environment variables that point it at this emulator."""
+        return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url}
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        """Every request received so far, oldest first."""
+        return self.faults.requests
+
+    def inject(self, *faults: Fault) -> None:
+        """Add faults; each hits the next matching requests until spent (see `Fault`)."""
+        self.faults.add(*faults)
+
+    def clear_faults(self) -> None:
+        """Remove every fault not yet spent."""
+        self.faults.clear()
+
+    def sandbox_ids(self, labels: Mapping[str, str] | None = None) -> list[str]:
+        """Ids of live sandboxes whose metadata includes ``labels``."""
+
+        async def ids() -> list[str]:
+            return sorted(s.sandbox_id for s in self._require_world().listed(dict(labels or {})))
+
+        return self._on_loop(ids())
+
+    def end_at(self, sandbox_id: str) -> datetime:
+        """When the sandbox expires unless extended (UTC).
+
+        Raises:
+            KeyError: no live sandbox has that id.
+        """
+        return self._require_world().sandboxes[sandbox_id].end_at
+
+    def expire(self, sandbox_id: str) -> None:
+        """Make a sandbox expire now, as if its lifetime had run out; waits until it is gone.
+
+        Raises:
+            KeyError: no live sandbox has that id.
+        """
+
+        async def expire() -> None:
+            world = self._require_world()
+            await world.kill(world.sandboxes[sandbox_id])
+
+        self._on_loop(expire())
+
+    def _require_world(self) -> World:
+        if self._world is None:
+            raise RuntimeError("the E2B emulator is not running")
+        return self._world
+
+    async def _open(self) -> ASGIApp:
+        self._world = World(self.root, self._interrupt_grace_s)
+        self._world.start_clock()
+        return build_app(self._world, api_key=self.api_key, faults=self.faults)
+
+    async def _close(self) -> None:
+        if self._world is not None:
+            await self._world.close()
+            self._world = None
+        if self._owns_root:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,245 @@
+"""Faults both vendors share, written once and run on E2B and Daytona: the real SDKs against
+the emulators, each fault injected with the one vocabulary of `prefect_sandbox.testing.faults`.
+
+What only one vendor has (E2B's lifetime, Daytona's auto-stop and close codes) is in
+tests/test_e2b_faults.py and tests/test_daytona.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials
+from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
+from prefect_sandbox.sandbox.base import Sandbox
+from prefect_sandbox.sandbox.errors import (
+    SandboxAuthError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+)
+from prefect_sandbox.testing.daytona import DaytonaEmulator
+from prefect_sandbox.testing.e2b import E2BEmulator
+from prefect_sandbox.testing.faults import Fault
+from tests.conftest import stream_text
+
+
+@dataclass
+class Vendor:
+    """One vendor's emulator and a backend block pointed at it."""
+
+    name: str
+    emulator: E2BEmulator | DaytonaEmulator
+
+    def backend(self, api_key: str | None = None) -> SandboxBackend:
+        """A backend block for the emulator (with another API key, if given)."""
+        if isinstance(self.emulator, E2BEmulator):
+            credentials = E2BCredentials(
+                api_key=api_key or self.emulator.api_key,
+                api_url=self.emulator.url,
+                sandbox_url=self.emulator.url,
+            )
+            return E2BBackend(credentials=credentials, lifetime_s=60, interrupt_grace_s=2.0)
+        if api_key is None:
+            # Found through the DAYTONA_* variables, as a user's would be.
+            return DaytonaBackend(interrupt_grace_s=2.0)
+        credentials_ = DaytonaCredentials(
+            api_key=api_key, api_url=self.emulator.api_url, target=self.emulator.target
+        )
+        return DaytonaBackend(credentials=credentials_, interrupt_grace_s=2.0)
+
+    def since(self, operation: str, start: float) -> list[float]:
+        """When requests for ``operation`` arrived, from ``start`` on."""
+        return [r.at for r in self.emulator.requests if r.operation == operation and r.at >= start]
+
+
+@pytest.fixture(params=["e2b", "daytona"])
+def vendor(request: pytest.FixtureRequest) -> Iterator[Vendor]:
+    """Each vendor's session emulator; faults a test left unused are dropped afterwards."""
+    fixture = "e2b_emulator" if request.param == "e2b" else "daytona_env"
+    found = Vendor(request.param, request.getfixturevalue(fixture))
+    yield found
+    found.emulator.clear_faults()
+
+
+@pytest.fixture
+def labels() -> dict[str, str]:
+    """Labels unique to one test, to find its sandboxes in the emulator."""
+    return {"prefect-sandbox": "true", "test-id": uuid.uuid4().hex}
+
+
+@pytest.fixture
+async def box(vendor: Vendor, labels: dict[str, str]) -> AsyncIterator[Sandbox]:
+    sandbox = await vendor.backend().create(labels)
+    try:
+        yield sandbox
+    finally:
+        vendor.emulator.clear_faults()
+        await sandbox.kill()
+
+
+async def test_create_waits_out_429s_as_retry_after_says(
+    vendor: Vendor, labels: dict[str, str]
+) -> None:
+    vendor.emulator.inject(Fault("create", status=429, retry_after_s=1, times=2))
+    start = time.monotonic()
+    sandbox = await vendor.backend().create(labels)
+    try:
+        assert time.monotonic() - start >= 2.0
+        tries = vendor.since("create", start)
+        assert len(tries) == 3
+        assert all(later - earlier >= 1.0 for earlier, later in itertools.pairwise(tries))
+        assert vendor.emulator.faults.hits.count("create") >= 2
+        assert vendor.emulator.sandbox_ids(labels) == [sandbox.handle.sandbox_id]
+    finally:
+        await sandbox.kill()
+
+
+async def test_a_504_for_a_created_sandbox_leaves_no_orphan(
+    vendor: Vendor, labels: dict[str, str]
+) -> None:
+    vendor.emulator.inject(Fault("create", status=504, after_call=True))
+    sandbox = await vendor.backend().create(labels)
+    try:
+        assert vendor.emulator.sandbox_ids(labels) == [sandbox.handle.sandbox_id]
+        assert (await sandbox.run_cell("print('one')")).status == "ok"
+    finally:
+        await sandbox.kill()
+    assert vendor.emulator.sandbox_ids(labels) == []
+
+
+async def test_a_create_that_stays_unavailable_says_so_with_status_and_operation(
+    vendor: Vendor, labels: dict[str, str]
+) -> None:
+    vendor.emulator.inject(Fault("create", status=503, times=None))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await vendor.backend().create(labels)
+    vendor.emulator.clear_faults()
+    assert (info.value.operation, info.value.status_code) == ("create", 503)
+    assert vendor.emulator.sandbox_ids(labels) == []
+
+
+async def test_idempotent_file_calls_are_retried_and_then_fail_with_status_and_operation(
+    vendor: Vendor, box: Sandbox, tmp_path: Path
+) -> None:
+    source = tmp_path / "data.csv"
+    source.write_text("a,b\n1,2\n")
+    vendor.emulator.inject(Fault("upload", status=502), Fault("download", status=500))
+    await box.upload(source, "data.csv")
+    assert await box.download("data.csv", tmp_path / "back.csv") == source.stat().st_size
+    assert (tmp_path / "back.csv").read_bytes() == source.read_bytes()
+    vendor.emulator.inject(Fault("download", status=503, times=2))
+    assert await box.download("data.csv", tmp_path / "again.csv") == source.stat().st_size
+    # Four tries in all on both backends (E2B's file_retries=3, Daytona's request_attempts=4).
+    vendor.emulator.inject(Fault("download", status=503, times=4))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await box.download("data.csv", tmp_path / "never.csv")
+    assert (info.value.status_code, info.value.operation) == (503, "download")
+    assert info.value.sandbox_id == box.handle.sandbox_id
+
+
+async def test_a_dropped_execute_is_reported_and_never_replayed(
+    vendor: Vendor, box: Sandbox
+) -> None:
+    await box.run_cell("acc = []")
+    vendor.emulator.inject(Fault("run_code", drop=True))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await box.run_cell("acc.append(1); print(len(acc))")
+    assert (info.value.status_code, info.value.operation) == (None, "run_cell")
+    assert info.value.sandbox_id == box.handle.sandbox_id
+    if vendor.name == "daytona":
+        assert "not run again" in str(info.value)
+    after = await box.run_cell("print(len(acc))")
+    assert stream_text(after.outputs) == "1\n"
+
+
+async def test_an_execute_answered_500_is_unavailable_and_not_retried(
+    vendor: Vendor, box: Sandbox
+) -> None:
+    start = time.monotonic()
+    vendor.emulator.inject(Fault("run_code", status=500))
+    with pytest.raises(SandboxUnavailableError) as info:
+        await box.run_cell("print('never')")
+    assert (info.value.operation, info.value.status_code) == ("run_cell", 500)
+    assert len(vendor.since("run_code", start)) == 1
+
+
+async def test_an_expired_sandbox_is_not_found_everywhere(
+    vendor: Vendor, labels: dict[str, str], tmp_path: Path
+) -> None:
+    backend = vendor.backend()
+    box = await backend.create(labels)
+    sandbox_id = box.handle.sandbox_id
+    vendor.emulator.expire(sandbox_id)
+    with pytest.raises(SandboxNotFoundError, match=sandbox_id) as info:
+        await box.run_cell("print('late')")
+    assert info.value.sandbox_id == sandbox_id
+    source = tmp_path / "a.txt"
+    source.write_text("a")
+    with pytest.raises(SandboxNotFoundError):
+        await box.upload(source, "a.txt")
+    with pytest.raises(SandboxNotFoundError, match=sandbox_id):
+        await backend.attach(box.handle)
+    assert await box.kill() is False
+
+
+async def test_a_refused_api_key_is_an_auth_error_that_never_shows_the_key(
+    vendor: Vendor, labels: dict[str, str]
+) -> None:
+    secret = f"{vendor.name}_not_the_right_key_{uuid.uuid4().hex}"
+    backend = vendor.backend(api_key=secret)
+    with pytest.raises(SandboxAuthError) as info:
+        await backend.create(labels)
+    for text in (str(info.value), repr(info.value), pickle.dumps(info.value).hex()):
+        assert secret not in text and secret.encode().hex() not in text
+    assert vendor.emulator.api_key not in str(info.value)
+    assert secret not in backend.model_dump_json()
+    assert vendor.emulator.sandbox_ids(labels) == []
+
+
+@pytest.mark.parametrize("name", ["e2b", "daytona"])
+def test_emulator_runs_in_the_foreground_and_prints_the_sdk_settings(name: str) -> None:
+    module = f"prefect_sandbox.testing.{name}"
+    command = [sys.executable, "-m", module, "--api-key", f"{name}_fg"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            lines = [process.stdout.readline().strip() for _ in range(3)]
+            settings = dict(line.split("=", 1) for line in lines)
+            prefix = name.upper()
+            assert list(settings) == _SETTINGS[name]
+            assert settings[f"{prefix}_API_KEY"] == f"{name}_fg"
+            assert settings[f"{prefix}_API_URL"].startswith("http://127.0.0.1:")
+            listed = subprocess.run(
+                [sys.executable, "-c", _LIST_SANDBOXES[name]],
+                env={**settings, "PATH": ""},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert listed.returncode == 0, listed.stderr
+            assert listed.stdout == "[]\n"
+        finally:
+            process.terminate()
+            assert process.wait(timeout=30) == 0
+
+
+_SETTINGS = {
+    "e2b": ["E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"],
+    "daytona": ["DAYTONA_API_KEY", "DAYTONA_API_URL", "DAYTONA_TARGET"],
+}
+# The vendor's SDK, in a process of its own, lists the emulator's sandboxes: none yet.
+_LIST_SANDBOXES = {
+    "e2b": ("from e2b_code_interpreter import Sandbox\nprint(Sandbox.list().next_items())"),
+    "daytona": ("from daytona import Daytona\nprint(list(Daytona().list()))"),
+}
