@@ -2,6 +2,7 @@
 without an account.
 
 The emulators speak the vendors' wire protocols on 127.0.0.1, so the vendors' real SDKs talk to
-them, and run code in real local Jupyter kernels: see `prefect_sandbox.testing.e2b` and
+them, and run code in real local processes (Jupyter kernels for E2B, plain Python workers for
+Daytona, as each vendor does): see `prefect_sandbox.testing.e2b` and
 `prefect_sandbox.testing.daytona`. `prefect_sandbox.testing.s3` runs moto's S3 server.
 """

@@ -81,10 +81,37 @@ async def test_h20_compile_errors_and_reply_only_errors(sandbox: Sandbox) -> Non
     # ipykernel reports %not_a_magic's UsageError in execute_reply, with no iopub error message.
     magic = await sandbox.run_cell("%not_a_magic")
     assert magic.status == "error"
-    assert magic.error is not None and magic.error.ename == "UsageError"
-    assert [o["ename"] for o in magic.outputs if o["output_type"] == "error"] == ["UsageError"]
+    assert magic.error is not None
+    if cannot(sandbox, "ipython_syntax"):
+        assert magic.error.ename in _NOT_PYTHON
+    else:
+        assert magic.error.ename == "UsageError"
+    errors = [o["ename"] for o in magic.outputs if o["output_type"] == "error"]
+    assert errors == [magic.error.ename]
     after = await sandbox.run_cell("print(x)")
     assert stream_text(after.outputs) == "1\n"
+
+
+# What plain Python says of IPython syntax: NameError for get_ipython() where IPython's input
+# transformer rewrote it, SyntaxError where not.
+_NOT_PYTHON = ("NameError", "SyntaxError")
+
+
+async def test_ipython_syntax_magics_shell_commands_and_top_level_await(sandbox: Sandbox) -> None:
+    cells = {
+        "%env PREFECT_SANDBOX_MAGIC=1": "env: PREFECT_SANDBOX_MAGIC=1\n",
+        "!echo from a shell": "from a shell\n",
+        "import asyncio\nawait asyncio.sleep(0)\nprint('awaited')": "awaited\n",
+    }
+    for code, printed in cells.items():
+        result = await sandbox.run_cell(code)
+        if cannot(sandbox, "ipython_syntax"):
+            assert result.status == "error", code
+            assert result.error is not None and result.error.ename in _NOT_PYTHON
+        else:
+            assert result.status == "ok", code
+            assert stream_text(result.outputs) == printed
+    assert stream_text((await sandbox.run_cell("print('alive')")).outputs) == "alive\n"
 
 
 async def test_h08_stdin_is_refused_at_once(sandbox: Sandbox) -> None:
@@ -154,7 +181,11 @@ async def test_undecodable_output_becomes_replacement_characters(sandbox: Sandbo
     )
     assert result.status == "ok"
     text = stream_text(result.outputs)
-    assert "bad \ufffd\ufffd bytes\n" in text and "lone \ufffd surrogate\n" in text
+    if cannot(sandbox, "fd_output"):
+        assert "bad" not in text
+    else:
+        assert "bad \ufffd\ufffd bytes\n" in text
+    assert "lone \ufffd surrogate\n" in text
     json.dumps(result.outputs, ensure_ascii=False).encode("utf-8")
 
 

@@ -20,9 +20,11 @@ record ends at the first ``MARKER_END`` after its start. Records (``kind`` and i
   been restarted behind our back, so its variables and this runner are gone.
 
 It also makes matplotlib figures into PNG ``display`` records as Jupyter's inline backend does
-(on ``plt.show()`` and for figures left open at the end of a cell), and it refuses stdin reads,
-since the interpreter's stdin is its command pipe. Only the standard library is needed; IPython
-and matplotlib are used when present. Kept compatible with Python 3.9.
+(on ``plt.show()`` and for figures left open at the end of a cell). The interpreter's stdin is
+the daemon's command pipe: the runner refuses stdin reads and gives child processes /dev/null
+instead. The daemon reads the interpreter's output in lines under 1 MiB and reads no more after
+a longer one, so what a cell writes goes on in smaller pieces. Only the standard library is
+needed; IPython and matplotlib are used when present. Kept compatible with Python 3.9.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ RUNNER_FILENAME = "<prefect-sandbox>"
 NAMESPACE_KEY = "__prefect_sandbox__"
 
 _EMIT_PIECE_CHARS = 256 * 1024
+# Daytona's daemon reads its worker's output as JSON lines of under 1 MiB and stops reading at
+# a longer one. Pieces are as long as fits (the SDK copies all text so far at each one), with room
+# for the interpreter's own buffer; a character takes at most 12 bytes (an escaped surrogate pair).
+_MAX_PIECE_BYTES = 960 * 1024
+_SAFE_PIECE_CHARS = _MAX_PIECE_BYTES // 12
 # IPython's display functions live here; each gets ours (display, update_display,
 # clear_output) once imported.
 _DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
@@ -192,7 +199,18 @@ class Runner:
             sys.stdout.flush()
 
     def run(self, encoded_source: str) -> None:
-        """Run one cell, given as base64 of its UTF-8 source. Never raises."""
+        """Run one cell, given as base64 of its UTF-8 source. Never raises.
+
+        What the cell writes to stdout and stderr goes on in pieces (see `_Pieces`).
+        """
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Pieces(streams[0]), _Pieces(streams[1])
+        try:
+            self._run(encoded_source)
+        finally:
+            sys.stdout, sys.stderr = streams
+
+    def _run(self, encoded_source: str) -> None:
         self.count += 1
         count = self.count
         self.emit("start", count=count, pid=os.getpid())
@@ -356,6 +374,61 @@ def _merge(target: dict[str, Any], extra: dict[str, Any]) -> None:
             target[key] = value
 
 
+class _Pieces(io.TextIOBase):
+    """A text stream that passes long writes on in pieces: the interpreter sends each write as
+    (part of) one JSON line to the daemon, which reads no more after a line of 1 MiB."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        if len(text) <= _SAFE_PIECE_CHARS:
+            self._stream.write(text)
+            return len(text)
+        start = 0
+        while start < len(text):
+            size = _MAX_PIECE_BYTES
+            while size > _SAFE_PIECE_CHARS and (
+                len(json.dumps(text[start : start + size])) > _MAX_PIECE_BYTES
+            ):
+                size //= 2
+            self._stream.write(text[start : start + size])
+            start += size
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self._stream, "encoding", None) or "utf-8")
+
+
+def _give_children_no_stdin() -> None:
+    """Keep the command pipe (fd 0) for this interpreter only: children get /dev/null.
+
+    A child process inherits fd 0, so one that reads stdin (``cat``, a prompt) would block on
+    the daemon's command pipe, or swallow the next cells. The interpreter reads its commands
+    through ``sys.stdin``, which moves to a copy of the pipe; the original object stays in
+    ``sys.__stdin__``, so it is never collected (closing fd 0).
+    """
+    try:
+        if sys.stdin is None or sys.stdin.fileno() != 0:
+            return
+    except (OSError, ValueError):
+        return
+    sys.stdin = os.fdopen(os.dup(0), "r", encoding=sys.stdin.encoding or "utf-8")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
 def _shell() -> Any:
     """The running IPython shell, if this interpreter is one."""
     ipython = sys.modules.get("IPython")
@@ -396,5 +469,6 @@ def install(namespace: dict[str, Any]) -> Runner:
 
         builtins.input = _no_stdin
         getpass.getpass = _no_stdin
+        _give_children_no_stdin()
     runner.emit("ready", pid=os.getpid())
     return runner

@@ -9,7 +9,8 @@ It emulates the control plane (create, get, list by labels, delete, start, stop,
 the toolbox (work directory, folders, shell commands, interpreter contexts, the interpreter
 WebSocket, bulk upload and download), auto-stop, auto-delete and lifetimes, and injects faults
 on demand (`Fault`, from `prefect_sandbox.testing.faults`, shared with the E2B emulator).
-Code runs in real local Jupyter kernels: it is no security boundary.
+Code runs in plain local Python worker processes, as Daytona's daemon runs it (no Jupyter
+kernel, no IPython): it is no security boundary.
 Unset ``HTTP(S)_PROXY`` (or set ``NO_PROXY=127.0.0.1``) so the SDK reaches it directly.
 """
 

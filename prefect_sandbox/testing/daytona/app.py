@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import posixpath
 import shutil
+import stat
 import urllib.parse
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -51,15 +53,13 @@ OPERATIONS = COMMON_OPERATIONS | {
     "create_folder",
     "exec",
     "list_contexts",
+    "delete_file",
+    "file_info",
 }
 """The calls a `Fault` can name: our names of the emulated endpoints (the routes' names)."""
 WEBSOCKET_OPERATIONS = frozenset({"run_code"})
 
 DOWNLOAD_BOUNDARY = "DAYTONA-FILE-BOUNDARY"
-# Stream text goes out in frames this long, or shorter to stay under the SDK's 4 MiB message
-# limit. Long frames matter: the SDK appends each frame to the text it got so far.
-_FRAME_TEXT_CHARS = 2 << 20
-_MAX_FRAME_BYTES = (4 << 20) - (64 << 10)
 _COPY_CHUNK_BYTES = 1 << 20
 # Control-plane calls that count as activity; every toolbox call does.
 _ACTIVITY = frozenset({"refresh_activity"})
@@ -228,12 +228,19 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             return problem
         sandbox = started(request)
         body = await json_body(request)
-        cwd = None
-        if body.get("cwd"):
-            cwd = world.inside(sandbox, str(body["cwd"]))
-            if cwd is None or not cwd.is_dir():
-                return _daemon_error(request, 400, "invalid cwd", "INVALID_FILE_PATH")
-        context = await sandbox.create_context(cwd)
+        if body.get("language") not in (None, "python"):
+            message = f"unsupported language: {body['language']} (only 'python' is supported)"
+            return _daemon_error(request, 400, message, "BAD_REQUEST")
+        shown = str(body["cwd"]) if body.get("cwd") else None
+        cwd = None if shown is None else world.inside(sandbox, shown)
+        if shown is not None and cwd is None:
+            return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
+        try:
+            context = await sandbox.create_context(cwd, shown)
+        except OSError as exc:
+            # The daemon starts the interpreter in the folder: a missing one fails the start.
+            message = f"failed to start context: {exc.strerror}"
+            return _daemon_error(request, 500, message, "INTERNAL_SERVER_ERROR")
         return JSONResponse(context.model())
 
     async def list_contexts(request: Request) -> Response:
@@ -257,7 +264,7 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         context = started(request).contexts.pop(context_id, None)
         if context is None:
             return _daemon_error(request, 404, "context not found", "PROCESS_NOT_FOUND")
-        await context.close()
+        await context.close(gently=True)
         return JSONResponse({"message": "Context deleted"})
 
     async def upload(request: Request) -> Response:
@@ -289,6 +296,51 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             await form.close()
         return JSONResponse({"files": written})
 
+    async def list_files(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        given = request.query_params.get("path") or "."
+        folder = world.inside(started(request), given)
+        if folder is None:
+            return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
+        if not folder.is_dir():
+            return _daemon_error(request, 404, f"no such directory: {given}", "FILE_NOT_FOUND")
+        depth = max(int(request.query_params.get("depth") or 1), 1)
+        return JSONResponse(_file_infos(folder, given, depth))
+
+    async def file_info(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        given = request.query_params.get("path", "")
+        path = world.inside(started(request), given)
+        if path is None or not path.exists():
+            return _daemon_error(request, 404, f"no such file: {given}", "FILE_NOT_FOUND")
+        return JSONResponse(_file_info(path, given))
+
+    async def delete_file(request: Request) -> Response:
+        problem = toolbox_problem(request)
+        if problem is not None:
+            return problem
+        given = request.query_params.get("path", "")
+        if not given:
+            return _daemon_error(request, 400, "path is required", "BAD_REQUEST")
+        path = world.inside(started(request), given)
+        if path is None:
+            return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
+        if not (path.exists() or path.is_symlink()):
+            return _daemon_error(request, 404, f"no such file: {given}", "FILE_NOT_FOUND")
+        recursive = request.query_params.get("recursive") == "true"
+        if path.is_dir() and not recursive:
+            message = "cannot delete directory without recursive flag"
+            return _daemon_error(request, 400, message, "BAD_REQUEST")
+        if path.is_dir() and not path.is_symlink():
+            await asyncio.to_thread(shutil.rmtree, path)
+        else:
+            path.unlink()
+        return Response(status_code=204)
+
     async def download(request: Request) -> Response:
         problem = toolbox_problem(request)
         if problem is not None:
@@ -314,24 +366,23 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             request = json.loads(await websocket.receive_text())
         except (WebSocketDisconnect, json.JSONDecodeError):
             return
+        if not request.get("code"):
+            await websocket.close(1008, "code is required")
+            return
         context = sandbox.context(request.get("contextId"))
         if context is None:
             await websocket.close(1008, "context not found")
             return
         frames: asyncio.Queue[str | None] = asyncio.Queue()
-
-        def on_output(output: dict[str, Any]) -> None:
-            if output["output_type"] != "stream":
-                return  # the daemon's worker only captures stdout and stderr
-            for frame in _stream_frames(output["name"], output["text"]):
-                frames.put_nowait(frame)
-
         sender = asyncio.create_task(_send_frames(websocket, frames))
         timeout = request.get("timeout")
         timeout_s = DEFAULT_RUN_TIMEOUT_S if timeout is None else (float(timeout) or None)
-        outcome = await context.execute(str(request.get("code", "")), timeout_s, on_output)
-        if outcome.error is not None:
-            frames.put_nowait(_frame("error", **outcome.error))
+        outcome = await context.execute(
+            str(request["code"]),
+            request.get("envs"),
+            timeout_s,
+            lambda chunk: frames.put_nowait(json.dumps(chunk, ensure_ascii=False)),
+        )
         if outcome.control is not None:
             frames.put_nowait(_frame("control", outcome.control))
         frames.put_nowait(None)
@@ -379,23 +430,44 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         WebSocketRoute(f"{toolbox}/process/interpreter/execute", run_code, name="run_code"),
         Route(f"{toolbox}/files/bulk-upload", upload, methods=["POST"], name="upload"),
         Route(f"{toolbox}/files/bulk-download", download, methods=["POST"], name="download"),
+        Route(f"{toolbox}/files", list_files, methods=["GET"], name="list_files"),
+        Route(f"{toolbox}/files", delete_file, methods=["DELETE"], name="delete_file"),
+        Route(f"{toolbox}/files/info", file_info, methods=["GET"], name="file_info"),
     ]
     return _Gate(Starlette(routes=routes), routes, world, api_key, faults)
 
 
-def _stream_frames(name: str, text: str) -> list[str]:
-    """Frames carrying ``text``, each under the SDK's WebSocket message limit."""
-    if len(text) > _FRAME_TEXT_CHARS:
-        return [
-            frame
-            for start in range(0, len(text), _FRAME_TEXT_CHARS)
-            for frame in _stream_frames(name, text[start : start + _FRAME_TEXT_CHARS])
-        ]
-    frame = _frame(name, text)
-    if len(frame.encode("utf-8")) <= _MAX_FRAME_BYTES or len(text) < 2:
-        return [frame]
-    half = len(text) // 2
-    return _stream_frames(name, text[:half]) + _stream_frames(name, text[half:])
+def _file_info(path: Path, shown: str) -> dict[str, Any]:
+    """A file's ``FileInfo`` as the daemon gives it (symlinks followed)."""
+    info = path.stat()
+    modified = datetime.fromtimestamp(info.st_mtime, UTC).isoformat().replace("+00:00", "Z")
+    return {
+        "name": path.name,
+        "path": shown,
+        "isDir": stat.S_ISDIR(info.st_mode),
+        "size": info.st_size,
+        "mode": stat.filemode(info.st_mode),
+        "permissions": f"{stat.S_IMODE(info.st_mode):04o}",
+        "owner": str(info.st_uid),
+        "group": str(info.st_gid),
+        "modTime": modified,
+        "modifiedAt": modified,
+    }
+
+
+def _file_infos(folder: Path, shown: str, depth: int) -> list[dict[str, Any]]:
+    """The entries of a folder, ``depth`` levels down; entries that cannot be read are left
+    out, as the daemon leaves them out."""
+    infos = []
+    for entry in sorted(folder.iterdir()):
+        entry_shown = posixpath.join(shown, entry.name)
+        try:
+            infos.append(_file_info(entry, entry_shown))
+        except OSError:
+            continue
+        if depth > 1 and entry.is_dir() and not entry.is_symlink():
+            infos.extend(_file_infos(entry, entry_shown, depth - 1))
+    return infos
 
 
 def _save(upload: UploadFile, target: Path) -> None:

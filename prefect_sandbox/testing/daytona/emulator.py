@@ -22,9 +22,10 @@ class DaytonaEmulator(EmulatorServer):
     """An offline Daytona: the control-plane and toolbox APIs on 127.0.0.1.
 
     The real daytona SDK talks to it when pointed at `api_url` with `api_key` (see `env`).
-    Each sandbox is a folder, and each interpreter context a real local ipykernel running in
-    it. Faults are injected with `inject`; `expire` ends a sandbox as its lifetime would;
-    every request is recorded in `requests`.
+    Each sandbox is a folder, and each interpreter context a plain Python worker process
+    running in it, as Daytona's daemon runs one (see `prefect_sandbox.testing.daytona.worker`).
+    Faults are injected with `inject`; `expire` ends a sandbox as its lifetime would; every
+    request is recorded in `requests`.
 
     Example:
         ```python

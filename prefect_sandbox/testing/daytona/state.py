@@ -1,15 +1,21 @@
 """The emulated Daytona world: sandboxes, their interpreter contexts and their lifecycles.
 
-Each sandbox is a folder (its home inside) and each interpreter context a real local ipykernel
-(`LocalKernelSandbox`) started in the context's folder. Everything here runs on the emulator's
-event loop; nothing here knows HTTP.
+Each sandbox is a folder (its home inside). Each interpreter context is what Daytona's daemon
+runs: a plain Python worker process (`prefect_sandbox.testing.daytona.worker`, no Jupyter
+kernel) started in the context's folder, fed one JSON command a line on its stdin, whose JSON
+chunks on stdout are read as the daemon reads them (a line of 1 MiB or more stops the reading
+for good; a line that is not JSON is dropped). Everything here runs on the emulator's event loop;
+nothing here knows HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -18,32 +24,40 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from prefect_sandbox.sandbox.backends.local import (
-    HOST_ENV_ALLOW_LIST,
-    LocalKernelConfig,
-    LocalKernelSandbox,
-)
-from prefect_sandbox.sandbox.base import CellResult
-from prefect_sandbox.sandbox.errors import SandboxDiedError
-from prefect_sandbox.sandbox.outputs import strip_ansi
+from prefect_sandbox.sandbox.backends.local import HOST_ENV_ALLOW_LIST
 
-__all__ = ["EMULATOR_LABEL", "EmulatedContext", "EmulatedSandbox", "ExecOutcome", "World"]
+__all__ = ["EmulatedContext", "EmulatedSandbox", "ExecOutcome", "World"]
 
-EMULATOR_LABEL = "prefect-sandbox-daytona-emulator"
-"""Label of the local kernels the emulator starts (never a flow run's labels)."""
+logger = logging.getLogger(__name__)
+
 DEFAULT_CONTEXT = "default"
+SANDBOX_HOME = "/home/daytona"
+"""The sandbox user's home, and its work directory, as paths inside the sandbox."""
 GRACE_S = 2.0
-"""Seconds the daemon waits after its SIGINT before it kills a timed-out interpreter."""
+"""Seconds the daemon waits after its SIGINT (or SIGTERM) before it kills an interpreter."""
 DEFAULT_RUN_TIMEOUT_S = 600
 DEFAULT_EXEC_TIMEOUT_S = 10
+MAX_CHUNK_LINE_BYTES = 1 << 20
+"""The daemon reads its worker's output with a line scanner whose buffer holds at most this."""
+_WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 _TICK_S = 0.05
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def process_env(sandbox: EmulatedSandbox) -> dict[str, str]:
+    """The environment of a sandbox's processes: a few host variables, its own variables, and
+    this Python first on the PATH (a sandbox has ``python3``)."""
+    env = {name: os.environ[name] for name in HOST_ENV_ALLOW_LIST if name in os.environ}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.update(sandbox.env)
+    return env
 
 
 @dataclass
@@ -54,123 +68,240 @@ class ExecOutcome:
         close_code: the WebSocket close code (1000, 1001, 4008).
         close_reason: the close frame's reason.
         control: the ``control`` frame's text, or None when none is sent.
-        error: the ``error`` frame (name, value, traceback), or None.
     """
 
     close_code: int = 1000
     close_reason: str = ""
     control: str | None = "completed"
-    error: dict[str, str] | None = None
+
+
+@dataclass
+class _Running:
+    """The command a worker runs now: where its chunks go, and how it ended."""
+
+    worker: _Worker
+    on_chunk: Callable[[dict[str, str]], None]
+    ended: asyncio.Future[str] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class _Worker(asyncio.SubprocessProtocol):
+    """The daemon's side of a worker process: a line scanner over its stdout (a line of
+    `MAX_CHUNK_LINE_BYTES` or more stops the reading for good, and the worker then blocks on
+    a full pipe), its stdin for commands, and a watch on its exit (which closes the pipes,
+    as Go's ``cmd.Wait`` does)."""
+
+    def __init__(self, on_line: Callable[[_Worker, bytes], None]) -> None:
+        self.on_line = on_line
+        self.pending = bytearray()
+        self.stalled = False
+        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self.transport = transport
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        if fd != 1 or self.stalled:
+            return
+        self.pending += data
+        while (end := self.pending.find(b"\n")) >= 0 and not self.stalled:
+            line = bytes(self.pending[:end])
+            del self.pending[: end + 1]
+            if len(line) >= MAX_CHUNK_LINE_BYTES:
+                self._stall()
+            else:
+                self.on_line(self, line)
+        if len(self.pending) >= MAX_CHUNK_LINE_BYTES:
+            self._stall()
+
+    def _stall(self) -> None:
+        logger.warning("an interpreter wrote a line of 1 MiB or more; its output stops")
+        self.stalled = True
+        self.pending.clear()
+        assert self.transport is not None
+        stdout = self.transport.get_pipe_transport(1)
+        assert isinstance(stdout, asyncio.ReadTransport)
+        stdout.pause_reading()
+
+    def process_exited(self) -> None:
+        assert self.transport is not None
+        self.transport.close()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    @property
+    def running(self) -> bool:
+        return self.transport is not None and self.transport.get_returncode() is None
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.transport is not None
+        stdin = self.transport.get_pipe_transport(0)
+        assert isinstance(stdin, asyncio.WriteTransport)
+        stdin.write(json.dumps(command).encode() + b"\n")
+
+    def signal(self, signum: int) -> None:
+        assert self.transport is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.transport.send_signal(signum)
 
 
 @dataclass
 class EmulatedContext:
-    """An interpreter context: a folder and, once used, a live ipykernel in it."""
+    """An interpreter context: a folder and, once used, a Python worker process in it.
+
+    Attributes:
+        cwd: the folder on this machine the worker runs in.
+        shown_cwd: the working directory as the client named it (the daemon echoes it).
+    """
 
     id: str
     cwd: Path
+    shown_cwd: str
     sandbox: EmulatedSandbox
     created_at: str = field(default_factory=_now)
-    kernel: LocalKernelSandbox | None = None
+    worker: _Worker | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    running: asyncio.Task[CellResult] | None = None
+    running: _Running | None = None
     closed: bool = False
 
     def model(self) -> dict[str, Any]:
         """The context as the daemon's JSON."""
         return {
             "id": self.id,
-            "cwd": str(self.cwd),
+            "cwd": self.shown_cwd,
             "createdAt": self.created_at,
-            "active": True,
+            "active": self.worker is not None and self.worker.running,
             "language": "python",
         }
 
-    async def ensure_kernel(self) -> LocalKernelSandbox:
-        """The context's kernel, started (in ``cwd``) if it has none: a fresh interpreter."""
-        if self.kernel is None:
-            world = self.sandbox.world
-            # The kernel works in the emulated sandbox's folder on this machine, outside its
-            # own working directory: a test double, not a boundary (see the README).
-            config = LocalKernelConfig(
-                workdir_root=world.scratch, env=self.sandbox.env, isolation="none"
-            )
-            kernel = await LocalKernelSandbox.create(config, {EMULATOR_LABEL: self.sandbox.id})
-            if self.closed:
-                # Deleted (or its sandbox stopped) while the kernel started.
-                await kernel.kill()
-                raise RuntimeError(f"interpreter context {self.id} was closed")
-            await kernel.run_cell(f"__import__('os').chdir({str(self.cwd)!r})")
-            self.kernel = kernel
-        return self.kernel
+    async def start_worker(self) -> None:
+        """Start the worker if none runs: a fresh interpreter, state lost.
+
+        Raises:
+            OSError: it could not start (its working directory is gone, say).
+        """
+        if self.worker is not None and self.worker.running:
+            return
+        loop = asyncio.get_running_loop()
+        _, worker = await loop.subprocess_exec(
+            lambda: _Worker(self._take),
+            sys.executable,
+            str(_WORKER_SCRIPT),
+            cwd=self.cwd,
+            env=process_env(self.sandbox),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        worker.exited.add_done_callback(lambda _: self._worker_ended(worker))
+        self.worker = worker
+        if self.closed:
+            # Deleted (or its sandbox stopped) while the worker started.
+            await self.stop_worker(gently=False)
+            raise RuntimeError(f"interpreter context {self.id} was closed")
+
+    def _worker_ended(self, worker: _Worker) -> None:
+        running = self.running
+        if running is not None and running.worker is worker and not running.ended.done():
+            running.ended.set_result("ended")
+
+    def _take(self, worker: _Worker, line: bytes) -> None:
+        """One line of a worker's stdout, as the daemon takes it."""
+        try:
+            chunk = json.loads(line)
+        except json.JSONDecodeError:
+            return  # the daemon logs it and drops it
+        running = self.running
+        if (
+            not isinstance(chunk, dict)
+            or running is None
+            or running.worker is not worker
+            or running.ended.done()
+        ):
+            return  # nothing asked for it: dropped
+        fields = {
+            key: _SURROGATE.sub("\ufffd", value) if isinstance(value, str) else ""
+            for key in ("type", "text", "name", "value", "traceback")
+            for value in [chunk.get(key, "")]
+        }
+        if fields["type"] == "control":
+            running.ended.set_result(fields["text"])
+        else:
+            running.on_chunk(fields)
 
     async def execute(
         self,
         code: str,
+        envs: Mapping[str, str] | None,
         timeout_s: float | None,
-        on_output: Callable[[dict[str, Any]], None],
+        on_chunk: Callable[[dict[str, str]], None],
     ) -> ExecOutcome:
         """Run code as the daemon does: one at a time, with its deadline, SIGINT, then kill.
 
         Args:
             code: the code.
+            envs: environment variables for this execution only.
             timeout_s: the deadline; None for none.
-            on_output: called with each nbformat output as the kernel sends it.
+            on_chunk: called with each ``stdout``, ``stderr`` and ``error`` chunk (all five
+                frame keys) as the worker sends it.
         """
         async with self.lock:
             if self.closed:
                 return ExecOutcome(close_code=1001, close_reason="context shutdown")
-            kernel = await self.ensure_kernel()
-            task = asyncio.create_task(kernel.run_cell(code, on_output=on_output))
-            self.running = task
+            await self.start_worker()
+            worker = self.worker
+            assert worker is not None
+            running = _Running(worker, on_chunk)
+            self.running = running
             try:
-                await asyncio.wait({task}, timeout=timeout_s)
-                if not task.done():
-                    await kernel.interrupt()
-                    await asyncio.wait({task}, timeout=GRACE_S)
-                if not task.done():
-                    await self.stop_kernel()
-                    return ExecOutcome(close_code=4008, control=None)
-                if task.cancelled():
-                    return ExecOutcome(close_code=1001, close_reason="context shutdown")
-                error = task.exception()
-                if isinstance(error, SandboxDiedError):
-                    await self.stop_kernel()
-                    return ExecOutcome(close_code=1001, close_reason="worker process ended")
-                if error is not None:
-                    raise error
-                return _outcome(task.result())
+                worker.send({"id": uuid.uuid4().hex, "code": code, "envs": dict(envs or {})})
+                ended = await self._wait(running, worker, timeout_s)
             finally:
                 self.running = None
+            if ended == "completed":
+                return ExecOutcome()
+            if ended in ("interrupted", "timeout"):
+                return ExecOutcome(close_code=4008, control=None)
+            if self.closed:
+                return ExecOutcome(close_code=1001, close_reason="context shutdown")
+            return ExecOutcome(close_code=1001, close_reason="worker process ended")
 
-    async def close(self) -> None:
-        """End the interpreter for good (the context or its sandbox is going away)."""
+    async def _wait(self, running: _Running, worker: _Worker, timeout_s: float | None) -> str:
+        """How the command ended: its control text, ``ended`` (the worker died) or
+        ``timeout`` (killed at the deadline)."""
+        done, _ = await asyncio.wait({running.ended}, timeout=timeout_s)
+        if not done:
+            worker.signal(signal.SIGINT)
+            done, _ = await asyncio.wait({running.ended}, timeout=GRACE_S)
+        if done:
+            return running.ended.result()
+        await self.stop_worker(gently=False)
+        return "timeout"
+
+    async def close(self, *, gently: bool) -> None:
+        """End the interpreter for good.
+
+        Args:
+            gently: as the daemon deletes a context (SIGTERM, then SIGKILL 2 s later); else
+                at once, as a sandbox that stops takes its processes with it.
+        """
         self.closed = True
-        await self.stop_kernel()
+        await self.stop_worker(gently=gently)
 
-    async def stop_kernel(self) -> None:
-        """End the interpreter: a running execution is cancelled, the kernel killed."""
-        kernel, self.kernel = self.kernel, None
-        if self.running is not None and not self.running.done():
-            self.running.cancel()
-            await asyncio.wait({self.running})
-        if kernel is not None:
-            await kernel.kill()
-
-
-def _outcome(result: CellResult) -> ExecOutcome:
-    """What the daemon's Python worker reports for a finished cell."""
-    if result.error is None or result.status == "ok":
-        return ExecOutcome()
-    if result.error.ename == "KeyboardInterrupt":
-        # The worker reports an interrupt as control "interrupted" and the daemon closes 4008.
-        return ExecOutcome(close_code=4008, control="interrupted")
-    if result.error.ename == "SystemExit":
-        return ExecOutcome()
-    traceback = "\n".join(strip_ansi(line) for line in result.error.traceback)
-    return ExecOutcome(
-        error={"name": result.error.ename, "value": result.error.evalue, "traceback": traceback}
-    )
+    async def stop_worker(self, *, gently: bool) -> None:
+        """End the worker: SIGTERM and up to 2 s to leave when ``gently``, then SIGKILL."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        if gently:
+            worker.signal(signal.SIGTERM)
+            await asyncio.wait({worker.exited}, timeout=GRACE_S)
+        if not worker.exited.done():
+            worker.signal(signal.SIGKILL)
+            await worker.exited
 
 
 @dataclass
@@ -209,8 +340,8 @@ class EmulatedSandbox:
 
     @property
     def home(self) -> Path:
-        """The sandbox user's home, also its work directory."""
-        return self.root / "home" / "daytona"
+        """The sandbox user's home, also its work directory (`SANDBOX_HOME` on this machine)."""
+        return self.root / SANDBOX_HOME.lstrip("/")
 
     def model(self) -> dict[str, Any]:
         """The sandbox as the control plane's JSON (every key the SDK requires)."""
@@ -245,21 +376,30 @@ class EmulatedSandbox:
         """A context by id; the default one is made on first use."""
         key = context_id or DEFAULT_CONTEXT
         if key == DEFAULT_CONTEXT and key not in self.contexts:
-            self.contexts[key] = EmulatedContext(DEFAULT_CONTEXT, self.home, self)
+            self.contexts[key] = EmulatedContext(DEFAULT_CONTEXT, self.home, str(self.home), self)
         return self.contexts.get(key)
 
-    async def create_context(self, cwd: Path | None) -> EmulatedContext:
-        """A new context with its interpreter started, as the daemon does."""
-        context = EmulatedContext(uuid.uuid4().hex, cwd or self.home, self)
+    async def create_context(self, cwd: Path | None, shown_cwd: str | None) -> EmulatedContext:
+        """A new context with its interpreter started, as the daemon does.
+
+        Args:
+            cwd: its folder on this machine; the home when None.
+            shown_cwd: the working directory as the client named it.
+
+        Raises:
+            OSError: the interpreter could not start there (no such folder, say).
+        """
+        folder = cwd or self.home
+        context = EmulatedContext(uuid.uuid4().hex, folder, shown_cwd or str(folder), self)
+        await context.start_worker()
         self.contexts[context.id] = context
-        await context.ensure_kernel()
         return context
 
     async def stop(self) -> None:
         """Stop: every interpreter ends (state lost); files are kept."""
         self.state = "stopping"
         for context in list(self.contexts.values()):
-            await context.close()
+            await context.close(gently=False)
         self.contexts.clear()
         self.state = "stopped"
         self.stopped_at = time.monotonic()
@@ -291,8 +431,6 @@ class World:
 
     def __init__(self, root: Path, toolbox_url: str, minute_s: float) -> None:
         self.root = root
-        self.scratch = root / ".kernels"
-        self.scratch.mkdir(parents=True, exist_ok=True)
         self.toolbox_url = toolbox_url
         self.minute_s = minute_s
         self.sandboxes: dict[str, EmulatedSandbox] = {}
@@ -336,6 +474,7 @@ class World:
             ttl_minutes=body.get("ttlMinutes"),
         )
         sandbox.home.mkdir(parents=True)
+        (sandbox.root / "tmp").mkdir()
         self.sandboxes[sandbox_id] = sandbox
         return sandbox
 
@@ -351,21 +490,37 @@ class World:
         if sandbox is None:
             return None
         for context in list(sandbox.contexts.values()):
-            await context.close()
+            await context.close(gently=False)
         shutil.rmtree(sandbox.root, ignore_errors=True)
         sandbox.state = "destroyed"
         sandbox.updated_at = _now()
         return sandbox
 
-    def inside(self, sandbox: EmulatedSandbox, raw_path: str) -> Path | None:
-        """A path the toolbox was given, as a host path; None if it leaves the sandbox."""
-        path = Path(raw_path)
-        if not path.is_absolute():
-            path = sandbox.home / path
+    @staticmethod
+    def inside(sandbox: EmulatedSandbox, raw_path: str) -> Path | None:
+        """A path the toolbox was given, as a path on this machine; None if it leaves the
+        sandbox.
+
+        Relative paths start at the work directory (the home). Absolute ones are the sandbox's
+        own (``/home/daytona/a.txt``, ``/tmp``), or the paths on this machine that the
+        sandbox's processes see, which `World` reports as its work directory.
+        """
+        if raw_path.startswith("/") and Path(raw_path).is_relative_to(sandbox.root):
+            path = Path(os.path.normpath(raw_path))
+        else:
+            # A sandbox path: ".." stops at its root, as it does at "/".
+            kept: list[str] = []
+            for part in (PurePosixPath(SANDBOX_HOME) / raw_path).parts[1:]:
+                if part == "..":
+                    if kept:
+                        kept.pop()
+                elif part != ".":
+                    kept.append(part)
+            path = sandbox.root.joinpath(*kept)
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(sandbox.root.resolve()):
             return None
-        return Path(os.path.normpath(path))
+        return path
 
     async def run_command(
         self, sandbox: EmulatedSandbox, command: str, cwd: Path, timeout_s: float
@@ -375,16 +530,12 @@ class World:
         Returns:
             The exit code and the merged stdout and stderr; None if it timed out (killed).
         """
-        env = {name: os.environ[name] for name in HOST_ENV_ALLOW_LIST if name in os.environ}
-        # A sandbox has python3 on its PATH: this interpreter's.
-        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-        env.update(sandbox.env)
         process = await asyncio.create_subprocess_exec(
             "/bin/sh",
             "-c",
             command,
             cwd=cwd,
-            env=env,
+            env=process_env(sandbox),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,

@@ -1,0 +1,196 @@
+"""The emulators behave as the vendors do, checked with the vendors' real SDKs alone (no code
+of ours in between), so they cannot hide a bug of ours that the real service would show.
+
+Facts from the protocol notes (shared/protocols/e2b.md, daytona.md) and the vendors' sources:
+Daytona's interpreter is a plain Python worker process, its toolbox takes the sandbox's absolute
+paths; E2B's code interpreter sets per-execution environment variables, moves a new context to
+its working directory, and has no JavaScript kernel in the emulator, so it refuses one.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
+from daytona import AsyncDaytona, AsyncSandbox, DaytonaConfig, DaytonaError
+from e2b_code_interpreter import AsyncSandbox as E2BAsyncSandbox
+from e2b_code_interpreter import SandboxException
+
+from prefect_sandbox.testing.daytona import DaytonaEmulator
+from prefect_sandbox.testing.e2b import E2BEmulator
+from tests.conftest import kernel_processes
+
+# -- Daytona -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def daytona_sandbox(daytona_env: DaytonaEmulator) -> AsyncIterator[AsyncSandbox]:
+    """A sandbox of the Daytona emulator, through the real SDK only."""
+    config = DaytonaConfig(
+        api_key=daytona_env.api_key, api_url=daytona_env.api_url, target=daytona_env.target
+    )
+    client = AsyncDaytona(config)
+    sandbox = await client.create()
+    try:
+        yield sandbox
+    finally:
+        await client.delete(sandbox)
+        await client.close()
+
+
+async def test_daytona_runs_code_in_plain_python_not_ipython(daytona_sandbox: AsyncSandbox) -> None:
+    run = daytona_sandbox.code_interpreter.run_code
+    assert (await run("x = 6 * 7\nprint(x)")).stdout == "42\n"
+    # State stays; a last expression shows nothing (no execute_result in plain exec).
+    assert (await run("x")).stdout == ""
+    plain_python_errors = {
+        "%env A=1": "SyntaxError",
+        "!echo hi": "SyntaxError",
+        "import asyncio\nawait asyncio.sleep(0)": "SyntaxError",
+        "get_ipython()": "NameError",
+        "display(1)": "NameError",
+    }
+    for code, ename in plain_python_errors.items():
+        result = await run(code)
+        assert result.error is not None, code
+        assert result.error.name == ename, code
+    # The worker keeps only the cell's own frames, renamed as the daemon renames them.
+    failing = await run(
+        textwrap.dedent("""
+        def inner():
+            raise ValueError('deep')
+        inner()
+        """)
+    )
+    assert failing.error is not None
+    assert failing.error.traceback == (
+        'Traceback (most recent call last):\n  File "<stdin>", line 4\n'
+        '  File "<stdin>", line 3\nValueError: deep\n'
+    )
+    # Only what goes through sys.stdout is streamed: a raw write to fd 1 is not a chunk.
+    raw = await run("import os, sys\nos.write(1, b'raw\\n')\nprint('kept')")
+    assert raw.stdout == "kept\n"
+
+
+async def test_daytona_interrupt_and_exit_as_the_worker_reports_them(
+    daytona_sandbox: AsyncSandbox,
+) -> None:
+    run = daytona_sandbox.code_interpreter.run_code
+    # SystemExit ends the execution quietly; the interpreter lives on.
+    assert (await run("x = 1\nraise SystemExit(3)")).error is None
+    assert (await run("print(x)")).stdout == "1\n"
+    # An execution past its deadline: SIGINT, then the daemon closes with 4008.
+    with pytest.raises(DaytonaError, match="timed out"):
+        await run("import time\ntime.sleep(30)", timeout=1)
+    assert (await run("print(x + 1)")).stdout == "2\n"
+
+
+async def test_daytona_run_code_sets_envs_for_that_execution_only(
+    daytona_sandbox: AsyncSandbox,
+) -> None:
+    run = daytona_sandbox.code_interpreter.run_code
+    code = "import os\nprint(os.environ.get('PREFECT_SANDBOX_ENV'))"
+    assert (await run(code, envs={"PREFECT_SANDBOX_ENV": "set"})).stdout == "set\n"
+    assert (await run(code)).stdout == "None\n"
+
+
+async def test_daytona_toolbox_takes_the_sandboxs_absolute_paths(
+    daytona_sandbox: AsyncSandbox,
+) -> None:
+    home = "/home/daytona"
+    await daytona_sandbox.fs.create_folder(f"{home}/data", "755")
+    await daytona_sandbox.fs.upload_file(b"a,b\n1,2\n", f"{home}/data/table.csv")
+    assert await daytona_sandbox.fs.download_file(f"{home}/data/table.csv") == b"a,b\n1,2\n"
+    # Relative paths start at the work directory, which is the home.
+    assert await daytona_sandbox.fs.download_file("data/table.csv") == b"a,b\n1,2\n"
+    context = await daytona_sandbox.code_interpreter.create_context(cwd=f"{home}/data")
+    assert context.cwd == f"{home}/data"
+    listed = await daytona_sandbox.code_interpreter.run_code(
+        "import os\nprint(sorted(os.listdir('.')))", context=context
+    )
+    assert listed.stdout == "['table.csv']\n"
+    with pytest.raises(DaytonaError):
+        await daytona_sandbox.code_interpreter.create_context(cwd=f"{home}/missing")
+
+
+async def test_daytona_lists_and_deletes_files(daytona_sandbox: AsyncSandbox) -> None:
+    fs = daytona_sandbox.fs
+    await fs.upload_file(b"12345", "/home/daytona/out/a.txt")
+    await fs.upload_file(b"1", "/home/daytona/out/sub/b.txt")
+    entries = {info.name: info for info in await fs.list_files("/home/daytona/out")}
+    assert sorted(entries) == ["a.txt", "sub"]
+    assert (entries["a.txt"].size, entries["a.txt"].is_dir) == (5, False)
+    assert entries["sub"].is_dir and entries["sub"].mode.startswith("d")
+    assert (await fs.get_file_info("out/a.txt")).size == 5
+    with pytest.raises(DaytonaError):
+        await fs.delete_file("/home/daytona/out/sub")  # a folder needs recursive=True
+    await fs.delete_file("/home/daytona/out/a.txt")
+    await fs.delete_file("/home/daytona/out/sub", recursive=True)
+    assert await fs.list_files("/home/daytona/out") == []
+    with pytest.raises(DaytonaError):
+        await fs.delete_file("/home/daytona/out/a.txt")
+
+
+# -- E2B -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def e2b_sandbox(e2b_emulator: E2BEmulator) -> AsyncIterator[E2BAsyncSandbox]:
+    """A sandbox of the E2B emulator, through the real SDK only."""
+    sandbox = await E2BAsyncSandbox.create(
+        api_key=e2b_emulator.api_key, api_url=e2b_emulator.url, sandbox_url=e2b_emulator.url
+    )
+    try:
+        yield sandbox
+    finally:
+        await sandbox.kill()
+
+
+async def test_e2b_code_context_starts_in_its_cwd_and_leaks_no_kernel(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    before = {p.pid for p in kernel_processes()}
+    await e2b_sandbox.files.make_dir("/home/user/project")
+    for cwd, expected in [
+        ("/home/user/project", "/home/user/project"),
+        ("/tmp", "/tmp"),
+        # As the server's %cd, a folder that is not there leaves the kernel at home.
+        ("/home/user/missing", "/home/user"),
+    ]:
+        context = await e2b_sandbox.create_code_context(cwd=cwd)
+        assert context.cwd == cwd
+        execution = await e2b_sandbox.run_code(
+            "import os\nprint(os.getcwd())\nprint(open('probe.txt', 'w').write('x'))",
+            context=context,
+        )
+        assert execution.error is None, execution.error
+        # The kernel's own cwd is a folder of the emulator; the file lands where E2B puts it.
+        assert await e2b_sandbox.files.exists(f"{expected}/probe.txt")
+        assert execution.execution_count == 1
+        await e2b_sandbox.remove_code_context(context)
+    # Every context's kernel ended with it; none was left by a context made or refused.
+    assert {p.pid for p in kernel_processes()} - before == set()
+
+
+async def test_e2b_run_code_sets_envs_for_that_execution_only(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    code = "import os\nprint(os.environ.get('PREFECT_SANDBOX_ENV'))"
+    first = await e2b_sandbox.run_code(code, envs={"PREFECT_SANDBOX_ENV": "set"})
+    assert first.logs.stdout == ["set\n"]
+    second = await e2b_sandbox.run_code(code)
+    assert second.logs.stdout == ["None\n"]
+    # Setting and removing them is the server's own work: no execution of the user's.
+    assert (first.execution_count, second.execution_count) == (1, 2)
+
+
+async def test_e2b_refuses_a_language_it_has_no_kernel_for(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    for language in ("javascript", "js", "r"):
+        with pytest.raises(SandboxException, match="500"):
+            await e2b_sandbox.run_code("console.log(1)", language=language)
+        with pytest.raises(SandboxException, match="500"):
+            await e2b_sandbox.create_code_context(language=language)
+    assert (await e2b_sandbox.run_code("print(1)", language="python")).logs.stdout == ["1\n"]
