@@ -8,8 +8,10 @@
 the flow-run name's slug and 8 hex digits of its id):
 ``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
 failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
-before any flow starts. ``s3://`` inputs are read with the ``--out`` bucket's credentials, or
-else the standard AWS environment.
+before any flow starts; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, which stop the run: its
+sandbox is killed, what it made is stored with ``summary.json``, the flow run ends Cancelled,
+and one line on stderr says where it stopped. ``s3://`` inputs are read with the ``--out``
+bucket's credentials, or else the standard AWS environment.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -26,12 +28,18 @@ is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
+import contextlib
+import contextvars
+import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -40,9 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-# Prefect's ephemeral API server takes 6-11 s to start on a 2-core machine; its default
-# start-up timeout (20 s) is too tight when the machine is busy.
-_EPHEMERAL_STARTUP_TIMEOUT_S = "90"
+EPHEMERAL_STARTUP_TIMEOUT_S = 90
+"""Seconds Prefect's temporary API server may take to start, unless the Prefect setting
+``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` says otherwise. It takes 6-11 s on a
+2-core machine; Prefect's default (20 s) is too tight when the machine is busy."""
+
+T = TypeVar("T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; None for ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 success, 1 failed pipeline, 2 bad usage.
+        The exit status: 0 success, 1 failed pipeline, 2 bad usage, 130 / 143 when SIGINT /
+        SIGTERM stopped the run (it ends Cancelled, its sandbox killed, what it made stored).
     """
     args = _parser().parse_args(argv)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
@@ -142,38 +154,167 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
     # logs its shutdown: handlers run last-in first-out, so our reason still comes last.
     atexit.register(_print_reason)
-    os.environ.setdefault(
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", _EPHEMERAL_STARTUP_TIMEOUT_S
-    )
-    from prefect_sandbox.flows import PipelineFailedError, run_notebook
+    from prefect.exceptions import CancelledRun
+
+    from prefect_sandbox.flows import PipelineFailedError, arun_notebook
     from prefect_sandbox.sandbox.errors import SandboxError
 
-    try:
-        backend = _backend(args)
-    except ValueError as exc:  # Prefect's answer to a block name it does not know
-        where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
-        return _usage_error(f"{where}{exc}")
-    try:
-        result = run_notebook(
-            notebook=args.notebook,
-            inputs=args.input,
-            artifacts=args.artifact,
-            parameters=parameters,
-            storage=_storage(args.out, args.aws_credentials),
-            cell_timeout_s=args.cell_timeout,
-            backend=backend,
-        )
-    except PipelineFailedError as exc:
-        _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
-        return 1
-    except SandboxError as exc:
-        _say_last(str(exc))
-        return 1
+    with _ephemeral_startup_timeout(), _SignalStop() as stopper:
+        _start_temporary_server()
+        try:
+            backend = _backend(args)
+        except ValueError as exc:  # Prefect's answer to a block name it does not know
+            where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
+            return _usage_error(f"{where}{exc}")
+        try:
+            result = stopper.run(
+                lambda: arun_notebook(
+                    notebook=args.notebook,
+                    inputs=args.input,
+                    artifacts=args.artifact,
+                    parameters=parameters,
+                    storage=_storage(args.out, args.aws_credentials),
+                    cell_timeout_s=args.cell_timeout,
+                    backend=backend,
+                )
+            )
+        except (CancelledRun, asyncio.CancelledError) as exc:
+            if stopper.signum is None:
+                raise
+            what = str(exc) or "stopped before the flow run began"
+            _say_last(f"interrupted by {signal.Signals(stopper.signum).name}: {what}")
+            return 128 + stopper.signum
+        except PipelineFailedError as exc:
+            _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
+            return 1
+        except SandboxError as exc:
+            _say_last(str(exc))
+            return 1
     print(f"Stored {len(result.artifacts)} file(s) and summary.json in {result.output_dir}")
     for stage in result.stages:
         cells = f"{stage.cell_count:>3} cell(s)"
         print(f"  {stage.name:<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s")
     return 0
+
+
+@contextlib.contextmanager
+def _ephemeral_startup_timeout() -> Iterator[None]:
+    """Within: Prefect reads `EPHEMERAL_STARTUP_TIMEOUT_S` for its temporary server's start-up,
+    unless the user set that setting. (An environment variable set now would come too late:
+    Prefect read its settings when it was imported.)"""
+    from prefect.settings import (
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        get_current_settings,
+        temporary_settings,
+    )
+
+    if "startup_timeout_seconds" in get_current_settings().server.ephemeral.model_fields_set:
+        yield
+        return
+    with temporary_settings(
+        {PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: EPHEMERAL_STARTUP_TIMEOUT_S}
+    ):
+        yield
+
+
+def _start_temporary_server() -> None:
+    """Start Prefect's temporary API server now, when no API URL is set, deaf to SIGINT.
+
+    Prefect starts it in the terminal's process group, where Ctrl-C would stop it before the
+    interrupted run is recorded as Cancelled. A blocked signal stays blocked across ``exec``,
+    so the server never sees SIGINT; the flow reuses this instance, and Prefect's exit handler
+    stops it with SIGTERM.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        SubprocessASGIServer().start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _SignalStop:
+    """Within, the first SIGINT or SIGTERM cancels what `run` runs (at once if it comes
+    before): the pipeline flows then kill the sandbox, store what was made and end Cancelled.
+    Later signals are ignored while that happens.
+
+    `run` runs its coroutine on an event loop in a worker thread: there Prefect's flow engine
+    installs no SIGTERM handler of its own (signals are the main thread's), which would raise
+    out of the event loop wherever it stood.
+
+    Attributes:
+        signum: the signal received, or None.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _SignalStop:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``make()`` to its end and return its value, or raise what it raised
+        (`asyncio.CancelledError` when a signal came before it started)."""
+        outcome: list[tuple[bool, Any]] = []
+        context = contextvars.copy_context()  # Prefect's settings context goes along
+
+        def work() -> None:
+            try:
+                outcome.append((True, context.run(asyncio.run, self._main(make))))
+            except BaseException as exc:
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=work, name="prefect-sandbox-flow")
+        thread.start()
+        thread.join()
+        done, value = outcome[0]
+        if not done:
+            raise value
+        return cast(T, value)
+
+    async def _main(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        if self.signum is not None:
+            raise asyncio.CancelledError
+        return await make()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        _quiet_prefect_console()
+        if self._loop is not None and self._task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed: the run is over
+                self._loop.call_soon_threadsafe(self._task.cancel)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _quiet_prefect_console() -> None:
+    """Stop Prefect's log lines on the console (they still reach the API): after a signal the
+    user gets one line, ours, not the cancelled task runs' "Crash detected!" noise."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in [
+        logging.getLogger(),
+        *map(logging.getLogger, list(logging.Logger.manager.loggerDict)),
+    ]:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.setLevel(logging.CRITICAL + 1)
 
 
 def _usage_problem(args: argparse.Namespace) -> str | None:

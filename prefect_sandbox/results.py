@@ -23,7 +23,8 @@ class StageResult(BaseModel):
 
     Attributes:
         name: the stage's name.
-        status: ``"ok"``, or ``"failed"`` when a cell failed (the cells after it did not run).
+        status: ``"ok"``; ``"failed"`` when a cell failed, ``"cancelled"`` when the run was
+            cancelled during a cell (the cells after it did not run).
         cells: the cells that ran, in order, the failing one included.
         duration_s: seconds the stage took.
         failed_cell_index: 0-based notebook index of the failing cell.
@@ -33,7 +34,7 @@ class StageResult(BaseModel):
     """
 
     name: str
-    status: Literal["ok", "failed"]
+    status: Literal["ok", "failed", "cancelled"]
     cells: list[CellRecord] = Field(default_factory=list)
     duration_s: float = 0.0
     failed_cell_index: int | None = None
@@ -61,7 +62,7 @@ class StageSummary(BaseModel):
     """A stage's line in ``summary.json``."""
 
     name: str
-    status: Literal["ok", "failed", "not_run"]
+    status: Literal["ok", "failed", "cancelled", "not_run"]
     cell_count: int
     duration_s: float
     failed_cell_index: int | None = None
@@ -75,17 +76,19 @@ class PipelineResult(BaseModel):
     Attributes:
         flow_run_id: the flow run's id.
         flow_run_name: the flow run's name (its files' folder is named from it and its id).
-        status: ``"completed"`` or ``"failed"``.
+        status: ``"completed"``, ``"failed"``, or ``"cancelled"`` (its task was cancelled, e.g.
+            by the CLI on SIGINT or SIGTERM).
         stages: one summary per stage, in order, including stages that never ran.
         artifacts: the stored files, the executed notebook included.
         output_dir: the folder (or URI) they were stored under.
         duration_s: seconds the pipeline took, sandbox start and kill included.
-        error: one line naming the failing stage, cell and exception, when it failed.
+        error: one line naming the failing stage, cell and exception, when it failed; where it
+            was cancelled, when it was.
     """
 
     flow_run_id: str
     flow_run_name: str
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "cancelled"]
     stages: list[StageSummary]
     artifacts: list[StoredArtifact]
     output_dir: str

@@ -21,7 +21,12 @@ from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.settings import PrefectSandboxSettings
 
-__all__ = ["backend_from_parameter", "default_backend", "kill_run_sandboxes"]
+__all__ = [
+    "backend_from_parameter",
+    "default_backend",
+    "kill_labelled_sandboxes",
+    "kill_run_sandboxes",
+]
 
 logger = get_logger(__name__)
 
@@ -71,16 +76,30 @@ async def backend_from_parameter(value: Any) -> SandboxBackend:
     return await default_backend()
 
 
+async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why: str) -> int:
+    """Kill every sandbox of ``backend`` labelled with the flow run's id.
+
+    Args:
+        backend: the backend block.
+        flow_run_id: the flow run's UUID as a string.
+        why: what ended the run, for the log (e.g. the final state's name).
+
+    Returns:
+        How many this call killed; a sandbox it could not kill is logged as a warning.
+    """
+    killed = 0
+    for handle in await backend.list_sandboxes({FLOW_RUN_ID_LABEL: flow_run_id}):
+        try:
+            sandbox = await backend.attach(handle)
+            killed += await sandbox.kill()
+        except SandboxError as exc:
+            logger.warning("Sandbox %s of flow run %s: %s", handle.sandbox_id, flow_run_id, exc)
+            continue
+        logger.info("Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run_id, why)
+    return killed
+
+
 async def kill_run_sandboxes(flow: Flow[Any, Any], flow_run: FlowRun, state: State) -> None:
     """Kill every sandbox labelled with this flow run's id (a cancellation or crash hook)."""
     backend = await backend_from_parameter(flow_run.parameters.get("backend"))
-    for handle in await backend.list_sandboxes({FLOW_RUN_ID_LABEL: str(flow_run.id)}):
-        try:
-            sandbox = await backend.attach(handle)
-            await sandbox.kill()
-        except SandboxError as exc:
-            logger.warning("Sandbox %s of flow run %s: %s", handle.sandbox_id, flow_run.name, exc)
-            continue
-        logger.info(
-            "Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run.name, state.name
-        )
+    await kill_labelled_sandboxes(backend, str(flow_run.id), state.name or state.type.value)

@@ -6,6 +6,9 @@ the artifacts, stores them with the executed notebook and ``summary.json``, and 
 The sandbox's lifetime is an async context manager, so it is killed whatever happens, before
 what was made is stored. A failed stage stops the pipeline; what came before is still stored
 and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
+Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM) stops it the same
+way: the sandbox is killed, what was made is stored with ``summary.json`` (status
+``"cancelled"``), and the flow run ends Cancelled.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
 sync twins run them from plain Python.
@@ -22,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 from uuid import UUID
 
 from nbformat import NotebookNode
@@ -34,13 +37,18 @@ from prefect.artifacts import (
 )
 from prefect.context import FlowRunContext
 from prefect.flows import Flow
+from prefect.states import Cancelled
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.errors import PipelineFailedError
-from prefect_sandbox.flows.hooks import default_backend, kill_run_sandboxes
+from prefect_sandbox.flows.hooks import (
+    default_backend,
+    kill_labelled_sandboxes,
+    kill_run_sandboxes,
+)
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
@@ -177,6 +185,9 @@ class _PipelineRun:
     figures: dict[str, str | None] = field(default_factory=dict)
     failure: SandboxError | None = None
     """The first failure: a stage's, or else storing's; the flow raises from it."""
+    cancelled: bool = False
+    """The flow's task was cancelled (the CLI does so on SIGINT and SIGTERM); the flow ends
+    Cancelled once the sandbox is killed and what was made is stored."""
     sandbox_id: str | None = None
 
     async def execute(
@@ -190,8 +201,8 @@ class _PipelineRun:
     ) -> None:
         """Upload the inputs, run the stages until one fails, then download the artifacts.
 
-        A `SandboxError` on the way becomes `failure`; the artifacts are still downloaded
-        unless the sandbox itself is gone.
+        A `SandboxError` on the way becomes `failure`, a cancellation `cancelled`; the artifacts
+        are still downloaded unless the sandbox itself is gone.
         """
         self.sandbox_id = handle.sandbox_id
         self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
@@ -212,6 +223,8 @@ class _PipelineRun:
                 )
         except SandboxError as exc:
             self.failure = exc
+        except asyncio.CancelledError:
+            self.take_cancellation()
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
             self.downloaded = await download_artifacts(
@@ -223,12 +236,20 @@ class _PipelineRun:
     ) -> None:
         try:
             result = await run_stage(self.backend, handle, stage, cell_timeout_s)
-        except SandboxError as exc:
+        except (SandboxError, asyncio.CancelledError) as exc:
             partial = partial_stage_result(exc)
             if partial is not None:
                 self.stage_results.append(partial)
             raise
         self.stage_results.append(result)
+
+    def take_cancellation(self) -> None:
+        """Take this task's cancellation as handled here: the run stops, kills its sandbox,
+        stores what it made and ends Cancelled."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        self.cancelled = True
 
     @asynccontextmanager
     async def storing_on_exit(self, outputs: Path) -> AsyncIterator[None]:
@@ -254,16 +275,19 @@ class _PipelineRun:
         self, outputs: Path, flow_run_id: str, flow_run_name: str, duration_s: float
     ) -> PipelineResult:
         """The run's result, also written to ``outputs`` as ``summary.json`` and stored."""
+        # One line for people; a cell's full exception text is in the notebook only.
+        error = cap_text(str(self.failure)) if self.failure else None
+        if self.cancelled:
+            error = _cancelled_where(self.stage_results)
         result = PipelineResult(
             flow_run_id=flow_run_id,
             flow_run_name=flow_run_name,
-            status="failed" if self.failure else "completed",
+            status="cancelled" if self.cancelled else "failed" if self.failure else "completed",
             stages=_summaries(self.stages, self.stage_results),
             artifacts=self.stored,
             output_dir=self.store.location,
             duration_s=round(duration_s, 6),
-            # One line for people; a cell's full exception text is in the notebook only.
-            error=cap_text(str(self.failure)) if self.failure else None,
+            error=error,
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
@@ -305,10 +329,20 @@ async def _run_pipeline(
         staging = Path(staging_dir)
         outputs = staging / "outputs"
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
-        async with run.storing_on_exit(outputs), _flow_run_sandbox(backend, labels) as handle:
-            await run.execute(
-                handle, staging, inputs=inputs, artifacts=artifacts, cell_timeout_s=cell_timeout_s
-            )
+        try:
+            async with run.storing_on_exit(outputs), _flow_run_sandbox(backend, labels) as handle:
+                await run.execute(
+                    handle,
+                    staging,
+                    inputs=inputs,
+                    artifacts=artifacts,
+                    cell_timeout_s=cell_timeout_s,
+                )
+        except asyncio.CancelledError:
+            # Cancelled while the sandbox was made or files were stored: no sandbox may outlive
+            # the run, even one whose handle never came back.
+            run.take_cancellation()
+            await kill_labelled_sandboxes(backend, str(flow_run.id), "cancelled")
         result = await run.store_summary(
             outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
         )
@@ -320,6 +354,10 @@ async def _run_pipeline(
     get_run_logger().info(
         "Stored %d file(s) and %s in %s", len(run.stored), SUMMARY_NAME, store.location
     )
+    if run.cancelled:
+        message = f"flow run {flow_run.name!r} {result.error}; partial results in {store.location}"
+        # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
+        return cast(PipelineResult, Cancelled(message=message))
     if run.failure is not None:
         raise PipelineFailedError(
             result.error or "pipeline failed",
@@ -329,6 +367,16 @@ async def _run_pipeline(
             sandbox_id=run.sandbox_id,
         ) from run.failure
     return result
+
+
+def _cancelled_where(stage_results: list[StageResult]) -> str:
+    """Where a cancelled run stopped, e.g. "cancelled during stage 'fit', cell 4; ..."."""
+    stopped = next((r for r in stage_results if r.status == "cancelled"), None)
+    if stopped is not None:
+        where = f"during stage {stopped.name!r}, cell {stopped.failed_cell_index}"
+    else:
+        where = f"after {len(stage_results)} stage(s)"
+    return f"cancelled {where}; its sandbox was killed"
 
 
 def _figure_urls(
@@ -400,6 +448,9 @@ async def arun_notebook(
             (before any sandbox starts).
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
         PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+        prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
+            after storing what it made (the message says where it stopped and where the files
+            are).
     """
     checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     original = read_notebook(Path(notebook))
@@ -465,6 +516,9 @@ async def amodeling_pipeline(
             (before any sandbox starts).
         NotebookError: a stage is empty or unnamed.
         PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+        prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
+            after storing what it made (the message says where it stopped and where the files
+            are).
     """
     checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     source = notebook_from_stages(stages)

@@ -51,10 +51,13 @@ __all__ = [
 RAISES_EXCEPTION_TAG = "raises-exception"
 _LOG_LINE_CHARS = 4000
 _LOG_RECORD_CHARS = 64 * 1024
+CANCELLED_ENAME = "RunCancelled"
+"""The error name a cell gets when the flow run is cancelled while it runs."""
+_PARTIAL_OUTPUT_CHARS = 1 << 20
 # Where a stage's error carries the stage's partial result: the core's errors know no stages.
 _PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
 
-E = TypeVar("E", bound=SandboxError)
+E = TypeVar("E", bound=BaseException)
 
 
 @task(name="create-sandbox", cache_policy=NO_CACHE)
@@ -167,6 +170,40 @@ def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> Outp
     return log
 
 
+def _keeping(log: OutputCallback, budget_chars: int) -> tuple[OutputCallback, list[dict[str, Any]]]:
+    """``log``, also keeping the outputs (while they total at most ``budget_chars``
+    characters) in the list returned with it, for the notebook if the run is cancelled
+    mid-cell."""
+    kept: list[dict[str, Any]] = []
+    chars = 0
+
+    def on_output(output: dict[str, Any]) -> None:
+        nonlocal chars
+        log(output)
+        chars += len(str(output))
+        if chars <= budget_chars:
+            kept.append(output)
+
+    return on_output, kept
+
+
+def _cancelled_cell(
+    started_at: datetime, start: float, outputs: list[dict[str, Any]]
+) -> CellResult:
+    """A cell the flow run's cancellation stopped: its outputs so far, and an error saying so."""
+    error = CellError(
+        ename=CANCELLED_ENAME,
+        evalue="the flow run was cancelled during this cell; its sandbox was killed",
+    )
+    return CellResult(
+        status="error",
+        outputs=[*outputs, error_output(error.ename, error.evalue, [])],
+        error=error,
+        started_at=started_at,
+        duration_s=time.monotonic() - start,
+    )
+
+
 def partial_stage_result(error: BaseException) -> StageResult | None:
     """What a stage produced before ``error``, when `run_stage` raised it; else None.
 
@@ -177,8 +214,8 @@ def partial_stage_result(error: BaseException) -> StageResult | None:
 
 
 def _with_partial_stage(error: E, partial: StageResult) -> E:
-    """``error``, new from this module, carrying its stage's partial result (which survives
-    pickling: a `SandboxError` keeps every attribute)."""
+    """``error`` (new from this module, or a cancellation), carrying its stage's partial
+    result (which survives pickling: a `SandboxError` keeps every attribute)."""
     vars(error)[_PARTIAL_STAGE_ATTRIBUTE] = partial
     return error
 
@@ -276,6 +313,9 @@ async def run_stage(
             failed, or the sandbox died or expired during it (raised from the backend's error);
             the error names the stage and cell, and `partial_stage_result` reads from it what
             the stage produced before.
+        asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
+            reads from it the stage's cells so far (status ``"cancelled"``), that cell's
+            output included.
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -299,14 +339,22 @@ async def run_stage(
     sandbox = await backend.attach(handle)
     try:
         for cell in stage.cells:
+            on_output, seen = _keeping(
+                _output_logger(stage.name, cell, backend.max_output_chars),
+                backend.max_output_chars or _PARTIAL_OUTPUT_CHARS,
+            )
             started_at, cell_start = datetime.now(UTC), time.monotonic()
             try:
                 result = await sandbox.run_cell(
-                    cell.source,
-                    timeout_s=timeout_s,
-                    on_output=_output_logger(stage.name, cell, backend.max_output_chars),
+                    cell.source, timeout_s=timeout_s, on_output=on_output
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
+            except asyncio.CancelledError as exc:
+                cancelled = _cancelled_cell(started_at, cell_start, seen)
+                records.append(CellRecord(index=cell.index, result=cancelled))
+                partial = stage_result(cell, cancelled).model_copy(update={"status": "cancelled"})
+                _with_partial_stage(exc, partial)
+                raise
             except (SandboxDiedError, SandboxNotFoundError) as exc:
                 # The cell that ended the sandbox shows it in the notebook, as an error output.
                 died = _death_result(exc, started_at, time.monotonic() - cell_start)

@@ -1,0 +1,216 @@
+"""Ctrl-C (SIGINT) and SIGTERM to the CLI mid-cell, against a real `prefect server` and against
+Prefect's temporary server: the run ends Cancelled, its sandbox is killed, what it made is
+stored, nothing is left behind, and the CLI exits 130 / 143 with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from tests.conftest import ROOT
+from tests.test_deployments import PrefectStack
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """An empty TMPDIR for the CLI, short enough for the kernels' IPC socket paths."""
+    path = Path(tempfile.mkdtemp(prefix="sig-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    """`prefect server start` on 127.0.0.1, without a worker."""
+    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        stack.wait_until_healthy()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _notebook(path: Path) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# Work"),
+        nbformat.v4.new_code_cell("open('made.txt', 'w').write('made'); print('started')"),
+        nbformat.v4.new_code_cell(
+            "import os, time\n"
+            "print('sleeping', flush=True)\n"
+            "open('sleeping.marker', 'w').write(str(os.getpid()))\n"
+            "time.sleep(600)"
+        ),
+        nbformat.v4.new_markdown_cell("# Never"),
+        nbformat.v4.new_code_cell("print('never')"),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+class Interrupted:
+    """The CLI run, interrupted by a signal once its second cell sleeps."""
+
+    def __init__(
+        self, tmp_path: Path, tmp: Path, env: dict[str, str], signum: int, group: bool
+    ) -> None:
+        self.tmp = tmp
+        self.out = tmp_path / "out"
+        env = {**env, "TMPDIR": str(self.tmp)}
+        self.stderr_path = tmp_path / "stderr.txt"
+        with self.stderr_path.open("wb") as stderr:
+            cli = subprocess.Popen(
+                [
+                    sys.executable, "-m", "prefect_sandbox.cli", "run",
+                    str(_notebook(tmp_path / "wait.ipynb")),
+                    "--artifact", "made.txt", "--out", str(self.out),
+                ],
+                env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 240
+                # The cell writes it in its working directory, under the CLI's TMPDIR.
+                while not [m for m in self.tmp.rglob("sleeping.marker") if m.read_text()]:
+                    assert cli.poll() is None, self.stderr_path.read_text()[-3000:]
+                    assert time.monotonic() < deadline, "the sleeping cell never started"
+                    time.sleep(0.2)
+                (pid_file,) = self.tmp.rglob("kernel.pid")
+                # The kernel as launched (under bubblewrap, its sandbox), and all it started.
+                self.kernel = psutil.Process(int(pid_file.read_text()))
+                self.sandbox_processes = [self.kernel, *self.kernel.children(recursive=True)]
+                time.sleep(1)  # the cell's first output reaches the CLI
+                self.stderr_at_signal = self.stderr_path.stat().st_size
+                # A terminal's Ctrl-C goes to the whole foreground process group.
+                if group:
+                    os.killpg(cli.pid, signum)
+                else:
+                    os.kill(cli.pid, signum)
+                self.returncode = cli.wait(timeout=120)
+            finally:
+                if cli.poll() is None:
+                    os.killpg(cli.pid, signal.SIGKILL)
+                    cli.wait()
+        self.cli_pid = cli.pid
+        self.stderr = self.stderr_path.read_text()
+
+    def check(self, signum: int) -> str:
+        """Assert exit status, one line, stored partial files and nothing left; return the
+        flow run's id."""
+        name = signal.Signals(signum).name
+        assert self.returncode == 128 + signum, self.stderr[-3000:]
+        assert "Traceback" not in self.stderr
+        after = self.stderr[self.stderr_at_signal :].strip().splitlines()
+        assert len(after) == 1, after
+        assert after[0].startswith(f"prefect-sandbox: interrupted by {name}: "), after
+        assert "cancelled during stage 'work', cell 2" in after[0]
+
+        (run_dir,) = self.out.iterdir()
+        assert str(run_dir) in after[0]
+        assert (run_dir / "made.txt").read_text() == "made"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "cancelled"
+        assert [(s["name"], s["status"]) for s in summary["stages"]] == [
+            ("work", "cancelled"),
+            ("never", "not_run"),
+        ]
+        cells = nbformat.read(run_dir / "executed.ipynb", as_version=4).cells
+        assert cells[1].outputs[0]["text"] == "started\n"
+        assert cells[2].outputs[0]["text"] == "sleeping\n"
+        assert cells[2].outputs[-1]["ename"] == "RunCancelled"
+        assert cells[4].outputs == []
+
+        deadline = time.monotonic() + 10
+        for process in self.sandbox_processes:
+            while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"{process.cmdline()} outlived the run"
+                time.sleep(0.2)
+        left = []
+        for process in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(process.info["cmdline"] or [])
+            # The kernel's guard names the CLI's pid; kernels name their folder under TMPDIR.
+            if str(self.tmp) in cmdline or f" {self.cli_pid} {self.kernel.pid}" in cmdline:
+                left.append(cmdline)
+        assert left == []
+        assert [p.name for p in self.tmp.rglob("*") if not p.is_dir()] == []
+        assert [p.name for p in self.tmp.iterdir()] in ([], [f"prefect-sandbox-{os.getuid()}"])
+        return str(summary["flow_run_id"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_signal_mid_cell_cancels_the_run_against_a_prefect_server(
+    server: PrefectStack, tmp_path: Path, short_tmp: Path, signum: int
+) -> None:
+    env = {**server.env, "PYTHONPATH": str(ROOT)}
+    run = Interrupted(tmp_path, short_tmp, env, signum, group=False)
+    flow_run_id = run.check(signum)
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run_id)  # type: ignore[arg-type]
+    assert flow_run.state is not None and flow_run.state.type == StateType.CANCELLED
+
+
+def _servers_of(home: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "prefect.server.api.server:create_app" not in " ".join(process.info["cmdline"] or []):
+            continue
+        try:
+            if process.environ().get("PREFECT_HOME") == str(home):
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("signum", "group"),
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["Ctrl-C to the group", "SIGTERM"],
+)
+def test_signal_with_the_temporary_server_leaves_no_server_and_a_cancelled_run(
+    tmp_path: Path, short_tmp: Path, signum: int, group: bool
+) -> None:
+    home = tmp_path / "prefect-home"
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    # The temporary server takes over 20 s (Prefect's default start-up timeout) to start: the
+    # CLI's own timeout must be the one in force.
+    slow_start = tmp_path / "slow-start"
+    slow_start.mkdir()
+    (slow_start / "sitecustomize.py").write_text(
+        "import sys, time\nif 'prefect.server.api.server:create_app' in sys.orig_argv:\n"
+        "    time.sleep(25)\n"
+    )
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=os.pathsep.join([str(slow_start), str(ROOT)]),
+    )
+    run = Interrupted(tmp_path, short_tmp, env, signum, group=group)
+    flow_run_id = run.check(signum)
+    assert _servers_of(home) == []
+    with sqlite3.connect(home / "prefect.db") as database:
+        (state,) = database.execute(
+            "SELECT state_type FROM flow_run WHERE id = ?", (flow_run_id,)
+        ).fetchone()
+    assert state == "CANCELLED"
