@@ -55,6 +55,21 @@ def _stored_notebook(moto: MotoServer, location: str) -> Any:
     return notebook
 
 
+def _cli_env(moto: MotoServer) -> dict[str, str]:
+    """This process's environment for the CLI: the session's Prefect API, moto's S3 in the
+    standard AWS variables."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto.endpoint,
+    }
+
+
 def _keys(moto: MotoServer, bucket: str) -> set[str]:
     listing = moto.client().list_objects_v2(Bucket=bucket)
     return {item["Key"] for item in listing.get("Contents", [])}
@@ -162,17 +177,8 @@ async def test_failure_mid_upload_leaves_no_partial_object(
 def test_main_job_stores_everything_in_s3_from_the_cli(
     moto: MotoServer, bucket: S3Bucket, tmp_path: Path
 ) -> None:
-    from prefect.settings import PREFECT_API_URL
-
     example = ROOT / "examples" / "co2"
-    env = dict(os.environ)
-    env.update(
-        PREFECT_API_URL=str(PREFECT_API_URL.value()),
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing-secret",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=moto.endpoint,
-    )
+    env = _cli_env(moto)
     done = subprocess.run(
         [
             sys.executable, "-m", "prefect_sandbox.cli", "run", str(example / "forecast.ipynb"),
@@ -207,7 +213,6 @@ def test_cli_takes_an_s3_object_or_prefix_as_its_only_input(
     moto: MotoServer, bucket: S3Bucket, tmp_path: Path
 ) -> None:
     import nbformat
-    from prefect.settings import PREFECT_API_URL
 
     client: Any = moto.client()
     client.put_object(Bucket=bucket.bucket_name, Key="data/single.json", Body=b'{"k": 1}')
@@ -224,14 +229,7 @@ def test_cli_takes_an_s3_object_or_prefix_as_its_only_input(
         )
     ]
     nbformat.write(notebook, tmp_path / "list.ipynb")
-    env = dict(os.environ)
-    env.update(
-        PREFECT_API_URL=str(PREFECT_API_URL.value()),
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing-secret",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=moto.endpoint,
-    )
+    env = _cli_env(moto)
     cases = {
         "data/single.json": {"./single.json": '{"k": 1}'},
         "data/raw/": {"./raw/a.csv": "a\n1\n", "./raw/sub/b.txt": "bee"},
