@@ -55,7 +55,7 @@ CELLS: list[tuple[str, str]] = [
     (
         "streams",
         "import sys\n"
-        "print('out 1')\n"
+        "print('out 1', flush=True)\n"
         "print('err 1', file=sys.stderr, flush=True)\n"
         "sys.stdout.write('no newline'); sys.stdout.flush()\n"
         "print(' then newline', flush=True)\n"
