@@ -16,7 +16,7 @@ Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to i
 from __future__ import annotations
 
 import argparse
-import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -64,6 +64,7 @@ IMAGE_REQUIREMENTS = (
 )
 _BASE_REPOSITORY = "prefect-sandbox-test-base"
 _DEFAULT_MIRROR = "http://deb.debian.org/debian"
+_DEBOOTSTRAP_ATTEMPTS = 3
 _DAEMON_START_S = 60.0
 _DAEMON_STOP_S = 30.0
 
@@ -159,18 +160,42 @@ def build_test_image(
         The image's tag (`kernel_image_tag`).
 
     Raises:
-        DockerUnavailable: debootstrap is missing, we are not root, or pip install failed.
-        subprocess.CalledProcessError: debootstrap or pip failed.
+        DockerUnavailable: debootstrap is missing or failed, we are not root, or pip install
+            failed.
+        subprocess.CalledProcessError: pip download or tar failed.
     """
-    import docker.errors
-
     tag = kernel_image_tag(requirements)
-    with contextlib.suppress(docker.errors.ImageNotFound):
-        client.images.get(tag)
+    if _image_exists(client, tag):
         return tag
     cache = cache_dir or default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    base = _base_image(client, cache, mirror or debian_mirror())
+    # One build at a time per cache (two test sessions at once): the second finds the image.
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _image_exists(client, tag):
+            _build(client, tag, requirements, cache, mirror or debian_mirror())
+    return tag
+
+
+def _image_exists(client: docker.DockerClient, tag: str) -> bool:
+    import docker.errors
+
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
+def _build(
+    client: docker.DockerClient,
+    tag: str,
+    requirements: Sequence[str],
+    cache: Path,
+    mirror: str,
+) -> None:
+    """Make the base image if missing, then install ``requirements`` into ``tag``."""
+    base = _base_image(client, cache, mirror)
     wheels = _wheels(cache, requirements)
     logger.info("installing %d requirements into %s", len(requirements), tag)
     container = client.containers.run(
@@ -189,16 +214,12 @@ def build_test_image(
         container.commit(repository=repository, tag=version, changes=list(_IMAGE_CHANGES))
     finally:
         container.remove(force=True)
-    return tag
 
 
 def _base_image(client: docker.DockerClient, cache: Path, mirror: str) -> str:
     """A plain Debian image with python3 and venv, imported from a debootstrap root."""
-    import docker.errors
-
     tag = f"{_BASE_REPOSITORY}:{DEBIAN_SUITE}"
-    with contextlib.suppress(docker.errors.ImageNotFound):
-        client.images.get(tag)
+    if _image_exists(client, tag):
         return tag
     tarball = cache / f"rootfs-{DEBIAN_SUITE}.tar"
     if not tarball.exists():
@@ -217,19 +238,31 @@ def _debootstrap(tarball: Path, mirror: str) -> None:
         raise DockerUnavailable("debootstrap needs root to build the test image's base")
     with tempfile.TemporaryDirectory(prefix="rootfs-", dir=tarball.parent) as work:
         root = Path(work) / "root"
-        logger.info("debootstrap %s from %s", DEBIAN_SUITE, mirror)
-        subprocess.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                "--include=python3,python3-venv",
-                DEBIAN_SUITE,
-                str(root),
-                mirror,
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        for attempt in range(1, _DEBOOTSTRAP_ATTEMPTS + 1):
+            logger.info("debootstrap %s from %s (try %d)", DEBIAN_SUITE, mirror, attempt)
+            shutil.rmtree(root, ignore_errors=True)
+            done = subprocess.run(
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    "--include=python3,python3-venv",
+                    DEBIAN_SUITE,
+                    str(root),
+                    mirror,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            if done.returncode == 0:
+                break
+            # A mirror's hiccup fails it now and then; the last try's output says why.
+            logger.warning("debootstrap failed: %s", done.stdout[-2000:])
+        else:
+            raise DockerUnavailable(
+                f"debootstrap from {mirror} failed {_DEBOOTSTRAP_ATTEMPTS} times: "
+                f"{done.stdout[-2000:]}"
+            )
         # Package lists and caches are dead weight in an image that installs nothing more.
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(root / junk, ignore_errors=True)

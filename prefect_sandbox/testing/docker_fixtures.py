@@ -59,9 +59,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         state.problem = str(exc)
         return
     state.daemon = daemon
+    import docker.errors
+
     try:
         state.image = build_test_image(daemon.client)
-    except (DockerUnavailable, subprocess.CalledProcessError) as exc:
+    except (
+        DockerUnavailable,
+        subprocess.CalledProcessError,
+        docker.errors.DockerException,
+        OSError,
+    ) as exc:
         state.problem = f"the test kernel image cannot be built: {exc}"
 
 
