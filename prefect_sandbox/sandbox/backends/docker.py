@@ -51,7 +51,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelSandbox,
     write_ipython_startup,
 )
-from prefect_sandbox.sandbox.backends.local import _runtime_base
+from prefect_sandbox.sandbox.backends.local import _new_workdir, _runtime_base
 from prefect_sandbox.sandbox.base import KernelInfo, RemoteFile, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -219,14 +219,10 @@ class DockerSandbox(JupyterKernelSandbox):
             SandboxDiedError: the kernel exited during start-up, or did not answer within
                 ``startup_timeout_s``.
         """
-        sandbox_id = f"prefect-sandbox-{uuid.uuid4().hex[:12]}"
+        sandbox_id = f"docker-{uuid.uuid4().hex[:12]}"
         runtime_dir = _runtime_base() / sandbox_id
         runtime_dir.mkdir(mode=0o700)
-        if config.workdir_root is not None:
-            config.workdir_root.mkdir(parents=True, exist_ok=True)
-            host_workdir = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=config.workdir_root))
-        else:
-            host_workdir = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-"))
+        host_workdir = _new_workdir(sandbox_id, config.workdir_root)
         uid, gid = _container_user()
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
@@ -234,7 +230,7 @@ class DockerSandbox(JupyterKernelSandbox):
             workdir=CONTAINER_WORKDIR,
             labels=dict(labels or {}),
             connection={
-                "container": sandbox_id,
+                "container": f"prefect-sandbox-{sandbox_id}",
                 "runtime_dir": str(runtime_dir),
                 "host_workdir": str(host_workdir),
                 "owns_workdir": True,
@@ -626,7 +622,7 @@ def _run_container(
         return client.containers.run(
             config.image,
             ["python", "-m", "ipykernel_launcher", "-f", f"{_KERNEL_DIR}/connection.json"],
-            name=handle.sandbox_id,
+            name=handle.connection["container"],
             detach=True,
             init=True,
             user=handle.connection["user"],
