@@ -7,6 +7,7 @@ registers them; flows and tasks live in `prefect_sandbox.flows` and `prefect_san
 from prefect_sandbox.blocks import (
     DaytonaBackend,
     DaytonaCredentials,
+    DockerBackend,
     E2BBackend,
     E2BCredentials,
     LocalKernelBackend,
@@ -15,6 +16,7 @@ from prefect_sandbox.blocks import (
 __all__ = [
     "DaytonaBackend",
     "DaytonaCredentials",
+    "DockerBackend",
     "E2BBackend",
     "E2BCredentials",
     "LocalKernelBackend",

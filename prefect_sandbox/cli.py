@@ -1,7 +1,7 @@
 """The ``prefect-sandbox`` command.
 
-``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona] [--backend-block NAME]
-[--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
+``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona|docker] [--backend-block NAME]
+[--docker-image IMAGE] [--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
 [--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
 [--cell-timeout SECONDS|-1]`` runs the ``run-notebook`` flow and writes
 ``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
@@ -16,7 +16,8 @@ bucket's credentials, or else the standard AWS environment.
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
 ``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``; ``daytona`` from ``DAYTONA_API_KEY``,
-``DAYTONA_API_URL`` and ``DAYTONA_TARGET``.
+``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
+`DockerBackend` block's default settings (no network, read-only root, limits).
 
 Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 (`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("notebook", help="the .ipynb to run")
     run.add_argument(
         "--backend",
-        choices=["local", "e2b", "daytona"],
+        choices=["local", "e2b", "daytona", "docker"],
         default=None,
         help="sandbox backend (default: the block $PREFECT_SANDBOX_BACKEND_BLOCK, else local)",
     )
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
         "--backend-block",
         metavar="NAME",
         help="a saved backend block of that kind (local when no --backend) to use",
+    )
+    run.add_argument(
+        "--docker-image", metavar="IMAGE", help="the image of --backend docker (without a block)"
     )
     run.add_argument(
         "--input",
@@ -332,6 +336,15 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             import daytona  # noqa: F401
         except ImportError:
             return "--backend daytona needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
+    if args.backend == "docker":
+        try:
+            import docker  # noqa: F401
+        except ImportError:
+            return "--backend docker needs the docker SDK: pip install 'prefect-sandbox[docker]'"
+        if not args.backend_block and not args.docker_image:
+            return "--backend docker needs --backend-block NAME or --docker-image IMAGE"
+    elif args.docker_image:
+        return "--docker-image needs --backend docker"
     if not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
     for pattern in args.artifact:
@@ -378,6 +391,7 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
 
     from prefect_sandbox.blocks import (
         DaytonaBackend,
+        DockerBackend,
         E2BBackend,
         E2BCredentials,
         LocalKernelBackend,
@@ -389,6 +403,7 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
         "local": LocalKernelBackend,
         "e2b": E2BBackend,
         "daytona": DaytonaBackend,
+        "docker": DockerBackend,
     }
     if args.backend_block:
         loaded = kinds[args.backend or "local"].load(args.backend_block)
@@ -407,6 +422,8 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
     if args.backend == "daytona":
         # With no credentials block, the SDK reads its DAYTONA_* variables.
         return DaytonaBackend()
+    if args.backend == "docker":
+        return DockerBackend(image=args.docker_image)
     return LocalKernelBackend()
 
 

@@ -16,7 +16,10 @@ os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.s3 import MotoServer
 
-pytest_plugins = ["prefect_sandbox.testing.daytona.fixtures"]
+pytest_plugins = [
+    "prefect_sandbox.testing.daytona.fixtures",
+    "prefect_sandbox.testing.docker_fixtures",
+]
 
 if TYPE_CHECKING:
     from prefect_sandbox.testing.e2b import E2BEmulator

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from prefect_sandbox.blocks import E2BCredentials
-from prefect_sandbox.sandbox.backends import daytona, e2b
+from prefect_sandbox.sandbox.backends import daytona, docker, e2b
 from prefect_sandbox.sandbox.backends.daytona import DaytonaSandbox
+from prefect_sandbox.sandbox.backends.docker import DockerSandbox
 from prefect_sandbox.sandbox.backends.e2b import E2BSandbox
 from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
 from prefect_sandbox.sandbox.base import (
@@ -40,7 +41,7 @@ from prefect_sandbox.sandbox.retries import (
     sync_retrying,
 )
 
-BACKENDS = [LocalKernelSandbox, E2BSandbox, DaytonaSandbox]
+BACKENDS = [LocalKernelSandbox, E2BSandbox, DaytonaSandbox, DockerSandbox]
 
 
 def _shape(function: object) -> list[tuple[str, inspect._ParameterKind]]:
@@ -59,7 +60,11 @@ def test_factories_have_the_abstract_classs_signature(
 
 @pytest.mark.parametrize(
     ("module", "sdk", "extra"),
-    [(e2b, "e2b_code_interpreter", "e2b"), (daytona, "daytona", "daytona")],
+    [
+        (e2b, "e2b_code_interpreter", "e2b"),
+        (daytona, "daytona", "daytona"),
+        (docker, "docker", "docker"),
+    ],
 )
 def test_a_missing_extra_is_one_error_that_names_it(
     monkeypatch: pytest.MonkeyPatch, module: object, sdk: str, extra: str

@@ -12,12 +12,20 @@ import prefect_sandbox
 from prefect_sandbox.blocks import (
     DaytonaBackend,
     DaytonaCredentials,
+    DockerBackend,
     E2BBackend,
     E2BCredentials,
     LocalKernelBackend,
 )
 
-SHIPPED = [LocalKernelBackend, E2BBackend, E2BCredentials, DaytonaBackend, DaytonaCredentials]
+SHIPPED = [
+    LocalKernelBackend,
+    E2BBackend,
+    E2BCredentials,
+    DaytonaBackend,
+    DaytonaCredentials,
+    DockerBackend,
+]
 
 
 def test_every_block_we_ship_is_checked_and_registrable() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
@@ -38,7 +39,7 @@ from tests.conftest import ROOT, stream_text
 
 LABELS = {"prefect-sandbox": "true", "suite": "isolation"}
 
-ISOLATING = ["local"]
+ISOLATING = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 """Backends whose sandboxes must stop every escape below."""
 
 UNISOLATED = pytest.param(
@@ -47,7 +48,10 @@ UNISOLATED = pytest.param(
 )
 
 
-def _backend(name: str) -> SandboxBackend:
+def _backend(request: pytest.FixtureRequest) -> SandboxBackend:
+    name = request.param
+    if name == "docker":
+        return DockerBackend(image=request.getfixturevalue("docker_image"), interrupt_grace_s=2.0)
     if name == "local":
         return LocalKernelBackend(interrupt_grace_s=2.0)
     if name == "local-none":
@@ -58,13 +62,13 @@ def _backend(name: str) -> SandboxBackend:
 @pytest.fixture(params=[*ISOLATING, UNISOLATED])
 def escape_backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """A backend an escape is tried on: each isolating one, and the local kernel without."""
-    return _backend(request.param)
+    return _backend(request)
 
 
 @pytest.fixture(params=ISOLATING)
 def isolated_backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """Each isolating backend."""
-    return _backend(request.param)
+    return _backend(request)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.daytona import DaytonaBackend
+from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox.base import Sandbox
@@ -59,13 +60,22 @@ def cannot(sandbox: Sandbox, what: str) -> bool:
     return what in LIMITS.get(sandbox.handle.backend, frozenset())
 
 
-@pytest.fixture(params=["local", "local-none", "e2b", "daytona"])
+@pytest.fixture(
+    params=[
+        "local",
+        "local-none",
+        "e2b",
+        "daytona",
+        pytest.param("docker", marks=pytest.mark.docker),
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """A backend block under test, with short grace periods so timeouts test quickly.
 
     ``local`` is the local kernel as it runs by default, under bubblewrap; ``local-none`` the
     same without isolation. ``e2b`` and ``daytona`` drive the vendors' real SDKs against the
-    session's offline emulators.
+    session's offline emulators; ``docker`` runs the offline-built test kernel image on this
+    machine's daemon.
     """
     if request.param == "local":
         return LocalKernelBackend(interrupt_grace_s=2.0)
@@ -81,6 +91,8 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
         # The real daytona SDK against the emulator, found through DAYTONA_* variables.
         request.getfixturevalue("daytona_env")
         return DaytonaBackend(interrupt_grace_s=2.0)
+    if request.param == "docker":
+        return DockerBackend(image=request.getfixturevalue("docker_image"), interrupt_grace_s=2.0)
     raise AssertionError(f"unknown backend {request.param}")
 
 

@@ -4,6 +4,8 @@
 - `e2b`: `E2BSandbox`, an E2B cloud sandbox (``pip install 'prefect-sandbox[e2b]'``).
 - `daytona`: `DaytonaSandbox`, a Daytona sandbox (``pip install 'prefect-sandbox[daytona]'``);
   `_daytona_runner` is the code it installs in the sandbox's interpreter.
+- `docker`: `DockerSandbox`, an ipykernel in a Docker container on this machine
+  (``pip install 'prefect-sandbox[docker]'``).
 
 No backend is imported here, so importing one never imports another's SDK.
 """

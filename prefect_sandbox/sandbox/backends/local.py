@@ -142,6 +142,14 @@ def _runtime_base() -> Path:
     return base
 
 
+def _new_workdir(sandbox_id: str, workdir_root: Path | None) -> Path:
+    """A new working directory for a sandbox: under ``workdir_root``, else in the temp dir."""
+    if workdir_root is not None:
+        workdir_root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=workdir_root))
+    return Path(tempfile.mkdtemp(prefix=f"prefect-sandbox-{sandbox_id}-"))
+
+
 def _process_state(pid: int) -> str | None:
     """The process's state letter from /proc (``Z`` for a zombie), or None if it is gone."""
     try:
@@ -190,11 +198,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         # The sockets get a folder of their own: an isolated kernel may write there, but not
         # beside them (where the pid and handle files, which this side trusts, live).
         (runtime_dir / "ipc").mkdir(mode=0o700)
-        if config.workdir_root is not None:
-            config.workdir_root.mkdir(parents=True, exist_ok=True)
-            workdir = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=config.workdir_root))
-        else:
-            workdir = Path(tempfile.mkdtemp(prefix=f"prefect-sandbox-{sandbox_id}-"))
+        workdir = _new_workdir(sandbox_id, config.workdir_root)
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
             sandbox_id=sandbox_id,
