@@ -15,7 +15,11 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, Field, field_validator
 
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxNotFoundError
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxDiedError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.outputs import (
     DEFAULT_MAX_OUTPUT_CHARS,
     CellOutputs,
@@ -608,6 +612,13 @@ class Sandbox(abc.ABC):
             The earlier cell's ``CellResult.msg_id`` to its late nbformat outputs; each output
             is returned once.
         """
+
+    def _missing_file(self, path: str) -> FileTransferError:
+        """The error for ``path``, which `download` did not find as a file in the sandbox."""
+        sandbox_id = self.handle.sandbox_id
+        return FileTransferError(
+            f"file {path!r} is not in sandbox {sandbox_id}", path=path, sandbox_id=sandbox_id
+        )
 
     @abc.abstractmethod
     async def upload(self, src: Path, dest: str) -> None:

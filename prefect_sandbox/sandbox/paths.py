@@ -6,12 +6,28 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
-from prefect_sandbox.sandbox.errors import UnsafePathError
+from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 
-__all__ = ["checked_relative_path", "path_segment", "resolve_inside", "run_folder_name"]
+__all__ = [
+    "checked_relative_path",
+    "checked_upload_source",
+    "path_segment",
+    "resolve_inside",
+    "run_folder_name",
+]
 
 SEGMENT_MAX_CHARS = 64
 _NOT_SEGMENT_CHARS = re.compile(r"[^\w.-]+")
+
+
+def checked_upload_source(src: Path, dest: str) -> None:
+    """Check that a local file to upload to ``dest`` exists and is a regular file.
+
+    Raises:
+        FileTransferError: it is not (names ``src``; ``path`` is ``dest``).
+    """
+    if not src.is_file():
+        raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
 
 
 def checked_relative_path(path: str) -> PurePosixPath:

@@ -64,7 +64,7 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
-from prefect_sandbox.sandbox.paths import checked_relative_path
+from prefect_sandbox.sandbox.paths import checked_relative_path, checked_upload_source
 from prefect_sandbox.sandbox.retries import async_retrying
 
 if TYPE_CHECKING:
@@ -731,8 +731,7 @@ class DaytonaSandbox(Sandbox):
             SandboxNotFoundError: the sandbox is gone.
         """
         remote_path = posixpath.join(self._workdir, checked_relative_path(dest).as_posix())
-        if not src.is_file():
-            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        checked_upload_source(src, dest)
         await self._resolve_inside({dest: remote_path})
         sdk = import_sdk()
         upload = sdk.FileUpload(source=str(src), destination=remote_path)
@@ -751,11 +750,7 @@ class DaytonaSandbox(Sandbox):
         remote_path = posixpath.join(self._workdir, checked_relative_path(src).as_posix())
         (is_file,) = await self._resolve_inside({src: remote_path})
         if not is_file:
-            raise FileTransferError(
-                f"file {src!r} is not in sandbox {self._handle.sandbox_id}",
-                path=src,
-                sandbox_id=self._handle.sandbox_id,
-            )
+            raise self._missing_file(src)
         dest.parent.mkdir(parents=True, exist_ok=True)
         await self._file_call(
             "download",

@@ -67,7 +67,7 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
-from prefect_sandbox.sandbox.paths import checked_relative_path
+from prefect_sandbox.sandbox.paths import checked_relative_path, checked_upload_source
 from prefect_sandbox.sandbox.retries import async_retrying
 
 __all__ = [
@@ -676,8 +676,7 @@ class E2BSandbox(Sandbox):
             SandboxUnavailableError: E2B stayed unreachable through the retries.
         """
         relative = checked_relative_path(dest)
-        if not src.is_file():
-            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        checked_upload_source(src, dest)
         await self._check_inside(dest, relative)
         remote = self._remote(relative)
 

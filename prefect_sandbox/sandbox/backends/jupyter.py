@@ -36,9 +36,13 @@ from prefect_sandbox.sandbox.base import (
     SandboxConfig,
     SandboxHandle,
 )
-from prefect_sandbox.sandbox.errors import FileTransferError, SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.outputs import OUTPUT_MSG_TYPES, CellOutputs, OutputCollector
-from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.paths import (
+    checked_relative_path,
+    checked_upload_source,
+    resolve_inside,
+)
 
 __all__ = [
     "STREAM_MESSAGE_CHARS",
@@ -314,8 +318,7 @@ class JupyterKernelSandbox(Sandbox):
     async def upload(self, src: Path, dest: str) -> None:
         """Copy a local file into the working directory (see `Sandbox.upload`)."""
         target = resolve_inside(self._workdir, dest)
-        if not src.is_file():
-            raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
+        checked_upload_source(src, dest)
         target.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(shutil.copyfile, src, target)
 
@@ -323,11 +326,7 @@ class JupyterKernelSandbox(Sandbox):
         """Copy a file out of the working directory (see `Sandbox.download`)."""
         source = resolve_inside(self._workdir, src)
         if not source.is_file():
-            raise FileTransferError(
-                f"file {src!r} is not in sandbox {self._handle.sandbox_id}",
-                path=src,
-                sandbox_id=self._handle.sandbox_id,
-            )
+            raise self._missing_file(src)
         dest.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(shutil.copyfile, source, dest)
         return dest.stat().st_size
