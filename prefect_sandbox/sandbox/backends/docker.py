@@ -55,7 +55,6 @@ from prefect_sandbox.sandbox.backends.local import _new_workdir, _runtime_base
 from prefect_sandbox.sandbox.base import KernelInfo, RemoteFile, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
-    SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
     SandboxUnavailableError,
@@ -285,11 +284,7 @@ class DockerSandbox(JupyterKernelSandbox):
             SandboxUnavailableError: no Docker daemon answers.
         """
         runtime_dir = Path(handle.connection["runtime_dir"])
-        if not (runtime_dir / "connection.json").exists():
-            raise SandboxNotFoundError(
-                f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
-                sandbox_id=handle.sandbox_id,
-            )
+        cls._check_connection_file(handle, runtime_dir / "connection.json")
         docker_client = _client(config)
         try:
             container = await asyncio.to_thread(
@@ -521,17 +516,10 @@ class DockerSandbox(JupyterKernelSandbox):
         code = int(state.get("ExitCode", 0))
         # Docker's init exits with 128+N when the kernel dies of signal N.
         exit_code, signum = (None, code - 128) if code > 128 else (code, None)
-        how = f"signal {signum}" if signum else f"exit code {exit_code}"
+        cause = None
         if state.get("OOMKilled"):
-            how = f"out of memory (limit {self._config.memory_limit_bytes} bytes), {how}"
-        if reason:
-            how = f"{reason}, {how}"
-        raise SandboxDiedError(
-            f"kernel of sandbox {self._handle.sandbox_id} died ({how}); its state is lost",
-            exit_code=exit_code,
-            signal=signum,
-            sandbox_id=self._handle.sandbox_id,
-        )
+            cause = f"out of memory (limit {self._config.memory_limit_bytes} bytes)"
+        raise self._kernel_died(exit_code=exit_code, signal=signum, cause=cause, reason=reason)
 
 
 class _ChunkReader(io.RawIOBase):

@@ -36,7 +36,7 @@ from prefect_sandbox.sandbox.base import (
     SandboxConfig,
     SandboxHandle,
 )
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.outputs import OUTPUT_MSG_TYPES, CellOutputs, OutputCollector
 from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
@@ -196,6 +196,46 @@ class JupyterKernelSandbox(Sandbox):
     @abc.abstractmethod
     def _check_alive(self, reason: str | None = None) -> None:
         """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
+
+    @staticmethod
+    def _check_connection_file(handle: SandboxHandle, connection_file: Path) -> None:
+        """Refuse to attach to a sandbox whose connection file is gone.
+
+        Raises:
+            SandboxNotFoundError: it was killed, or never made on this machine.
+        """
+        if not connection_file.exists():
+            raise SandboxNotFoundError(
+                f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
+                sandbox_id=handle.sandbox_id,
+            )
+
+    def _kernel_died(
+        self,
+        *,
+        exit_code: int | None,
+        signal: int | None,
+        cause: str | None = None,
+        reason: str | None = None,
+    ) -> SandboxDiedError:
+        """The error for a kernel process that ended, for `_check_alive` to raise.
+
+        Args:
+            exit_code: its exit status, when it exited.
+            signal: the signal that ended it, when one did.
+            cause: what the launcher knows ended it (e.g. out of memory).
+            reason: what the caller knows led to it (e.g. the cell called ``exit()``).
+        """
+        how = f"signal {signal}" if signal else f"exit code {exit_code}"
+        for before in (cause, reason):
+            if before:
+                how = f"{before}, {how}"
+        return SandboxDiedError(
+            f"kernel of sandbox {self._handle.sandbox_id} died ({how}); its state is lost",
+            exit_code=exit_code,
+            signal=signal,
+            sandbox_id=self._handle.sandbox_id,
+        )
 
     # --- cells -----------------------------------------------------------------------------
 

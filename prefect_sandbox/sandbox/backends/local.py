@@ -49,7 +49,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     write_ipython_startup,
 )
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
+from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.isolation import (
     ISOLATION_LEVELS,
     SANDBOX_ENV,
@@ -252,11 +252,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             SandboxNotFoundError: the sandbox was killed.
         """
         runtime_dir = Path(handle.connection["runtime_dir"])
-        if not (runtime_dir / "connection.json").exists():
-            raise SandboxNotFoundError(
-                f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
-                sandbox_id=handle.sandbox_id,
-            )
+        cls._check_connection_file(handle, runtime_dir / "connection.json")
         return cls(handle, config)
 
     @classmethod
@@ -320,15 +316,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             return
         else:
             exit_code = signum = None
-        how = f"signal {signum}" if signum else f"exit code {exit_code}"
-        if reason:
-            how = f"{reason}, {how}"
-        raise SandboxDiedError(
-            f"kernel of sandbox {self._handle.sandbox_id} died ({how}); its state is lost",
-            exit_code=exit_code,
-            signal=signum,
-            sandbox_id=self._handle.sandbox_id,
-        )
+        raise self._kernel_died(exit_code=exit_code, signal=signum, reason=reason)
 
 
 def _read_pid(handle: SandboxHandle) -> int:
