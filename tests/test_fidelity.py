@@ -42,6 +42,10 @@ SKIPPED_FEATURES: dict[str, set[str]] = {
 PYTHON_TRACEBACKS = {"daytona"}
 """Backends whose tracebacks are Python's own format, not IPython's (a SyntaxError's evalue
 names ``<cell-N>`` where IPython names a hashed file)."""
+LINE_STREAMS = {"daytona"}
+"""Backends that send each line of stdout as it is written, where a Jupyter kernel holds
+unflushed stdout back (up to 0.2 s): stdout and stderr may interleave otherwise (then compared
+stream by stream between other outputs)."""
 
 # A 1x1 PNG and the start of a JPEG and a PDF, as base64.
 PNG = (
@@ -164,13 +168,15 @@ def _masked(value: Any) -> Any:
 
 
 def normalized(
-    outputs: list[dict[str, Any]], *, python_tracebacks: bool = False
+    outputs: list[dict[str, Any]], *, python_tracebacks: bool = False, by_stream: bool = False
 ) -> list[dict[str, Any]]:
     """Outputs as a front end shows them: back-to-back text of one stream joined and ``\\r``
     applied, tracebacks as one text, addresses and times masked. With ``python_tracebacks``,
-    errors keep only their ename and evalue, a SyntaxError's file name masked."""
+    errors keep only their ename and evalue, a SyntaxError's file name masked. With
+    ``by_stream``, back-to-back stream outputs are put stdout first, then stderr."""
     shown: list[dict[str, Any]] = []
-    for output in copy.deepcopy([dict(o) for o in outputs]):
+    copied = copy.deepcopy([dict(o) for o in outputs])
+    for output in _by_stream(copied) if by_stream else copied:
         if output["output_type"] == "error":
             output["traceback"] = "\n".join(output["traceback"])
             if python_tracebacks:
@@ -190,6 +196,21 @@ def normalized(
         if output["output_type"] == "stream":
             output["text"] = _terminal(output["text"])
     return [_masked(output) for output in shown]
+
+
+def _by_stream(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of back-to-back stream outputs reordered stdout first, then stderr."""
+    ordered: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+    for output in [*outputs, None]:
+        if output is not None and output["output_type"] == "stream":
+            run.append(output)
+            continue
+        ordered.extend(sorted(run, key=lambda o: o["name"] != "stdout"))
+        run = []
+        if output is not None:
+            ordered.append(output)
+    return ordered
 
 
 def features(cell: nbformat.NotebookNode) -> set[str]:
@@ -230,17 +251,17 @@ def _compared(
     product: nbformat.NotebookNode, reference: nbformat.NotebookNode, backend: str
 ) -> Iterator[tuple[int, Any, Any]]:
     """(cell index, product's, nbclient's) for every cell not listed as a vendor difference."""
-    python_tracebacks = backend in PYTHON_TRACEBACKS
+    options = {
+        "python_tracebacks": backend in PYTHON_TRACEBACKS,
+        "by_stream": backend in LINE_STREAMS,
+    }
     for index, (ours, theirs) in enumerate(zip(product.cells, reference.cells, strict=True)):
         if features(theirs) & SKIPPED_FEATURES[backend]:
             continue
         yield (
             index,
-            (ours.execution_count, normalized(ours.outputs, python_tracebacks=python_tracebacks)),
-            (
-                theirs.execution_count,
-                normalized(theirs.outputs, python_tracebacks=python_tracebacks),
-            ),
+            (ours.execution_count, normalized(ours.outputs, **options)),
+            (theirs.execution_count, normalized(theirs.outputs, **options)),
         )
 
 
