@@ -19,7 +19,7 @@ import pytest
 from prefect_sandbox import E2BBackend, E2BCredentials
 from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
 from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxNotFoundError
-from prefect_sandbox.testing.e2b import E2BEmulator
+from prefect_sandbox.testing.e2b import E2BEmulator, Fault
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -61,6 +61,42 @@ async def test_no_sandbox_outlives_a_successful_failed_or_timed_out_pipeline(
         )
     assert isinstance(timed_out.value.__cause__, CellTimeoutError)
     assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+
+
+async def test_a_removed_working_directory_still_gives_a_stored_summary(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    result = await amodeling_pipeline(
+        stages={"one": ["import os, shutil\nshutil.rmtree(os.getcwd())"]},
+        artifacts=["*.png"],
+        backend=_backend(e2b_emulator, uuid.uuid4().hex),
+        storage=str(tmp_path),
+    )
+    assert result.status == "completed"
+    summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert [artifact["path"] for artifact in summary["artifacts"]] == ["executed.ipynb"]
+
+
+async def test_artifacts_that_cannot_be_listed_fail_the_run_after_storing_its_summary(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    e2b_emulator.inject(Fault("list_files", status=500, times=None))
+    try:
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={"one": ["x = 1"]},
+                artifacts=["*.png"],
+                backend=_backend(e2b_emulator, uuid.uuid4().hex),
+                storage=str(tmp_path),
+            )
+    finally:
+        e2b_emulator.clear_faults()
+    assert info.value.output_dir is not None
+    summary = json.loads((Path(info.value.output_dir) / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "list_files" in summary["error"]
+    assert [stage["status"] for stage in summary["stages"]] == ["ok"]
 
 
 async def test_sandbox_expiring_mid_pipeline_names_the_sandbox_stage_and_cell(

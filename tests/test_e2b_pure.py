@@ -84,6 +84,13 @@ def test_config_refuses_bad_values() -> None:
         E2BConfig(workdir="relative")
 
 
+def _unreachable_after(cause: Exception) -> Exception:
+    """The SDK's unreachable error for a failed connection, which has it as its cause."""
+    error = e2b_errors.SandboxUnreachableException(f"{cause}: could not be reached")
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     ("exc", "kind", "status"),
     [
@@ -102,6 +109,15 @@ def test_config_refuses_bad_values() -> None:
         (httpx.RemoteProtocolError("peer closed"), SandboxUnavailableError, None),
         (json.JSONDecodeError("blank", "", 0), SandboxUnavailableError, None),
         (e2b_errors.SandboxException("400: bad template", status_code=400), SandboxError, None),
+        # envd's answers lose their status in the SDK: it is implied by the exception's type.
+        (e2b_errors.RateLimitException("slow down"), SandboxUnavailableError, 429),
+        (e2b_errors.ServiceBusyException("busy"), SandboxUnavailableError, 503),
+        (
+            e2b_errors.SandboxUnreachableException("bad gateway: could not be reached"),
+            SandboxUnavailableError,
+            502,
+        ),
+        (_unreachable_after(httpx.ConnectError("refused")), SandboxUnavailableError, None),
     ],
 )
 def test_translate_error_maps_sdk_and_transport_errors(

@@ -148,6 +148,19 @@ async def test_idempotent_file_calls_are_retried_and_then_fail_with_status_and_o
     assert info.value.sandbox_id == box.handle.sandbox_id
 
 
+async def test_an_upload_that_keeps_failing_says_which_status(
+    vendor: Vendor, box: Sandbox, tmp_path: Path
+) -> None:
+    source = tmp_path / "data.csv"
+    source.write_text("a,b\n")
+    for status in (502, 503, 500):
+        vendor.emulator.inject(Fault("upload", status=status, times=4))
+        with pytest.raises(SandboxUnavailableError) as info:
+            await box.upload(source, "data.csv")
+        assert (info.value.status_code, info.value.operation) == (status, "upload")
+        assert info.value.sandbox_id == box.handle.sandbox_id
+
+
 async def test_a_dropped_execute_is_reported_and_never_replayed(
     vendor: Vendor, box: Sandbox
 ) -> None:

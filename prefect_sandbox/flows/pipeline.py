@@ -227,9 +227,13 @@ class _PipelineRun:
             self.take_cancellation()
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
-            self.downloaded = await download_artifacts(
-                self.backend, handle, artifacts, str(staging / "outputs")
-            )
+            try:
+                self.downloaded = await download_artifacts(
+                    self.backend, handle, artifacts, str(staging / "outputs")
+                )
+            except SandboxError as exc:
+                # The notebook and summary.json are still stored; the run fails with this.
+                self.failure = self.failure or exc
 
     async def _run_stage(
         self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None

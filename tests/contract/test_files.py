@@ -63,3 +63,17 @@ async def test_file_written_by_a_cell_downloads_byte_exact(
     await sandbox.download("saved.png", tmp_path / "saved.png")
     digest = hashlib.sha256((tmp_path / "saved.png").read_bytes()).hexdigest()
     assert stream_text(result.outputs) == f"{digest}\n"
+
+
+async def test_a_removed_working_directory_lists_no_files(sandbox: Sandbox) -> None:
+    # A cell may remove its own working directory (an isolated kernel's cannot go: it is a
+    # mount point, so only what is in it does); nothing is left to list, on any backend.
+    removed = await sandbox.run_cell(
+        "import os, shutil\n"
+        "open('left.txt', 'w').write('x')\n"
+        "shutil.rmtree(os.getcwd(), ignore_errors=True)\n"
+        "print(os.path.exists('left.txt'))"
+    )
+    assert stream_text(removed.outputs) == "False\n"
+    assert await sandbox.list_files() == []
+    assert await sandbox.list_files("*.png") == []

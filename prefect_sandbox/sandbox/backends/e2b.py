@@ -304,6 +304,23 @@ def _status_of(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _implied_status(exc: BaseException, errors: ModuleType) -> int | None:
+    """The HTTP status an SDK exception stands for when it carries none.
+
+    The SDK turns envd's error answers into exceptions without their status: a 429 into
+    `RateLimitException`, a 503 into `ServiceBusyException`, and a 502 of envd or the proxy in
+    front of it into `SandboxUnreachableException` with no transport error as its cause (one
+    built from a failed connection has that error as ``__cause__``).
+    """
+    if isinstance(exc, errors.RateLimitException):
+        return 429
+    if isinstance(exc, errors.ServiceBusyException):
+        return 503
+    if isinstance(exc, errors.SandboxUnreachableException) and exc.__cause__ is None:
+        return 502
+    return None
+
+
 def translate_error(
     exc: BaseException,
     *,
@@ -335,6 +352,8 @@ def translate_error(
     during = " while running a cell" if in_cell else ""
     text = str(exc)
     status = _status_of(exc)
+    if status is None:
+        status = _implied_status(exc, e2b_errors)
     if isinstance(exc, e2b_errors.AuthenticationException):
         return SandboxAuthError(
             f"{where}: E2B refused the credentials ({operation}); check the API key",
@@ -720,9 +739,13 @@ class E2BSandbox(Sandbox):
         checked = checked_relative_path(pattern)
         depth = _LIST_DEPTH_ALL if "**" in checked.parts else len(checked.parts)
         workdir = PurePosixPath(self._handle.workdir)
-        entries = await self._retrying(
-            "list_files", lambda: self._sdk.files.list(str(workdir), depth=depth)
-        )
+        try:
+            entries = await self._retrying(
+                "list_files", lambda: self._sdk.files.list(str(workdir), depth=depth)
+            )
+        except FileTransferError:
+            # The cells removed the working directory: nothing matches, as on other backends.
+            return []
         files = []
         for entry in entries:
             if entry.type not in (sdk.FileType.FILE, sdk.FileType.SYMLINK):
