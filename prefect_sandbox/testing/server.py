@@ -15,6 +15,8 @@ from typing import Any, Literal, Self, TypeVar
 import uvicorn
 from starlette.types import ASGIApp
 
+from prefect_sandbox.testing.faults import Fault, FaultBook, RequestRecord
+
 __all__ = ["EmulatorServer", "serve_until_stopped"]
 
 T = TypeVar("T")
@@ -29,9 +31,10 @@ class EmulatorServer(abc.ABC):
     own event loop, where the emulated state lives; `stop` ends it. A context manager.
 
     Subclasses build their state and app in `_open` and tear them down in `_close`, both on
-    the server's loop.
+    the server's loop. Their app plays the faults of `faults` and records requests there.
 
     Args:
+        faults: the faults to inject, and the record of requests.
         port: the port on 127.0.0.1; 0 for a free one.
         log_level: uvicorn's log level.
         ws: uvicorn's WebSocket implementation (``"none"`` for an app without WebSockets).
@@ -41,11 +44,13 @@ class EmulatorServer(abc.ABC):
     def __init__(
         self,
         *,
+        faults: FaultBook,
         port: int = 0,
         log_level: str = "warning",
         ws: Literal["auto", "none", "websockets", "wsproto"] = "none",
         graceful_shutdown_s: float = 2.0,
     ) -> None:
+        self.faults = faults
         self._port = port
         self._log_level = log_level
         self._ws: Literal["auto", "none", "websockets", "wsproto"] = ws
@@ -64,6 +69,19 @@ class EmulatorServer(abc.ABC):
     def base_url(self) -> str:
         """``http://127.0.0.1:PORT`` (after `start`)."""
         return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        """Every request received so far, oldest first."""
+        return self.faults.requests
+
+    def inject(self, *faults: Fault) -> None:
+        """Make the next matching calls fail (see `Fault`); each fault hits until spent."""
+        self.faults.add(*faults)
+
+    def clear_faults(self) -> None:
+        """Remove every fault not yet spent."""
+        self.faults.clear()
 
     @abc.abstractmethod
     def env(self) -> dict[str, str]:

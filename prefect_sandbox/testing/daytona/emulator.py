@@ -12,7 +12,7 @@ from starlette.types import ASGIApp
 
 from prefect_sandbox.testing.daytona.app import OPERATIONS, WEBSOCKET_OPERATIONS, build_app
 from prefect_sandbox.testing.daytona.state import World
-from prefect_sandbox.testing.faults import Fault, FaultBook, RequestRecord
+from prefect_sandbox.testing.faults import FaultBook
 from prefect_sandbox.testing.server import EmulatorServer
 
 __all__ = ["DaytonaEmulator"]
@@ -53,10 +53,11 @@ class DaytonaEmulator(EmulatorServer):
     ) -> None:
         if minute_s <= 0:
             raise ValueError(f"minute_s must be positive, not {minute_s}")
-        super().__init__(port=port, ws="wsproto")
+        super().__init__(
+            faults=FaultBook(OPERATIONS, WEBSOCKET_OPERATIONS), port=port, ws="wsproto"
+        )
         self.api_key = api_key or f"dtn_emulated_{secrets.token_hex(16)}"
         self.target = target
-        self.faults = FaultBook(OPERATIONS, WEBSOCKET_OPERATIONS)
         self._minute_s = minute_s
         self._root: Path | None = None
         self._world: World | None = None
@@ -73,19 +74,6 @@ class DaytonaEmulator(EmulatorServer):
             "DAYTONA_API_URL": self.api_url,
             "DAYTONA_TARGET": self.target,
         }
-
-    @property
-    def requests(self) -> list[RequestRecord]:
-        """Every request received so far, oldest first."""
-        return self.faults.requests
-
-    def inject(self, *faults: Fault) -> None:
-        """Make the next matching call(s) fail (see `Fault`)."""
-        self.faults.add(*faults)
-
-    def clear_faults(self) -> None:
-        """Remove every fault not yet spent."""
-        self.faults.clear()
 
     def sandbox_ids(self, labels: Mapping[str, str] | None = None) -> list[str]:
         """Ids of the sandboxes that exist (started or stopped) and carry ``labels``."""

@@ -73,6 +73,18 @@ def _gone(sandbox_id: str | None) -> JSONResponse:
     return JSONResponse(body, status_code=502)
 
 
+def _sandbox_of(world: World, request: Request, *, needs_token: bool) -> EmulatedSandbox | Response:
+    """The live sandbox a sandbox call is for, or the answer that refuses it: 502 for a sandbox
+    that is gone, 401 for a wrong ``X-Access-Token`` where one is needed."""
+    sandbox_id = request.headers.get("e2b-sandbox-id")
+    sandbox = world.live(sandbox_id)
+    if sandbox is None:
+        return _gone(sandbox_id)
+    if needs_token and request.headers.get("x-access-token") != sandbox.access_token:
+        return _error(401, "invalid access token")
+    return sandbox
+
+
 def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
     """The emulator's ASGI app.
 
@@ -81,16 +93,6 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         api_key: the only API key the control plane accepts.
         faults: faults to inject; requests are recorded there.
     """
-
-    def sandbox_of(request: Request, *, needs_token: bool) -> EmulatedSandbox | Response:
-        """The live sandbox a sandbox call is for, or the answer that refuses it."""
-        sandbox_id = request.headers.get("e2b-sandbox-id")
-        sandbox = world.live(sandbox_id)
-        if sandbox is None:
-            return _gone(sandbox_id)
-        if needs_token and request.headers.get("x-access-token") != sandbox.access_token:
-            return _error(401, "invalid access token")
-        return sandbox
 
     def unauthorized(request: Request) -> Response | None:
         if request.headers.get("x-api-key") != api_key:
@@ -119,14 +121,17 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         wanted = dict(urllib.parse.parse_qsl(request.query_params.get("metadata", "")))
         return JSONResponse([s.detail_json() for s in world.listed(wanted)])
 
-    async def sandbox_call(request: Request) -> EmulatedSandbox | Response:
+    async def sandbox_call(
+        request: Request, missing: str = "sandbox {} not found"
+    ) -> EmulatedSandbox | Response:
+        """The live sandbox a control-plane call names, or the answer that refuses it."""
         refused = unauthorized(request)
         if refused is not None:
             return refused
         sandbox_id = request.path_params["sid"]
         sandbox = world.live(sandbox_id)
         if sandbox is None:
-            return _error(404, f"sandbox {sandbox_id} not found")
+            return _error(404, missing.format(sandbox_id))
         return sandbox
 
     async def get_info(request: Request) -> Response:
@@ -150,13 +155,9 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         return Response(status_code=204)
 
     async def connect(request: Request) -> Response:
-        refused = unauthorized(request)
-        if refused is not None:
-            return refused
-        sandbox_id = request.path_params["sid"]
-        sandbox = world.live(sandbox_id)
-        if sandbox is None:
-            return _error(404, f"Paused sandbox {sandbox_id} not found")
+        sandbox = await sandbox_call(request, "Paused sandbox {} not found")
+        if isinstance(sandbox, Response):
+            return sandbox
         timeout_s = (await json_body(request)).get("timeout")
         if timeout_s is not None:
             world.set_lifetime(sandbox, int(timeout_s), only_extend=True)
@@ -165,11 +166,11 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
     # --- envd ----------------------------------------------------------------------------
 
     async def health(request: Request) -> Response:
-        sandbox = sandbox_of(request, needs_token=False)
+        sandbox = _sandbox_of(world, request, needs_token=False)
         return sandbox if isinstance(sandbox, Response) else Response(status_code=204)
 
     async def download(request: Request) -> Response:
-        sandbox = sandbox_of(request, needs_token=True)
+        sandbox = _sandbox_of(world, request, needs_token=True)
         if isinstance(sandbox, Response):
             return sandbox
         path = request.query_params.get("path", "")
@@ -180,7 +181,7 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         return Response(data, media_type="application/octet-stream")
 
     async def upload(request: Request) -> Response:
-        sandbox = sandbox_of(request, needs_token=True)
+        sandbox = _sandbox_of(world, request, needs_token=True)
         if isinstance(sandbox, Response):
             return sandbox
         body = await request.body()
@@ -213,7 +214,7 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
     # --- code interpreter ----------------------------------------------------------------
 
     async def create_context(request: Request) -> Response:
-        sandbox = sandbox_of(request, needs_token=False)
+        sandbox = _sandbox_of(world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
         body = await json_body(request)
@@ -226,13 +227,13 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         return JSONResponse(context.model())
 
     async def list_contexts(request: Request) -> Response:
-        sandbox = sandbox_of(request, needs_token=False)
+        sandbox = _sandbox_of(world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
         return JSONResponse([context.model() for context in sandbox.contexts.values()])
 
     async def context_call(request: Request) -> tuple[EmulatedSandbox, EmulatedContext] | Response:
-        sandbox = sandbox_of(request, needs_token=False)
+        sandbox = _sandbox_of(world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
         try:
@@ -318,13 +319,9 @@ class _FilesystemCalls:
         self.rpc = rpc
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        sandbox_id = request.headers.get("e2b-sandbox-id")
-        sandbox = self.world.live(sandbox_id)
-        if sandbox is None:
-            await _gone(sandbox_id)(scope, receive, send)
-        elif request.headers.get("x-access-token") != sandbox.access_token:
-            await _error(401, "invalid access token")(scope, receive, send)
+        sandbox = _sandbox_of(self.world, Request(scope, receive), needs_token=True)
+        if isinstance(sandbox, Response):
+            await sandbox(scope, receive, send)
         else:
             await self.rpc(scope, receive, send)
 
@@ -343,13 +340,9 @@ class _Execute:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
-        sandbox_id = request.headers.get("e2b-sandbox-id")
-        sandbox = self.world.live(sandbox_id)
-        if sandbox is None:
-            await _gone(sandbox_id)(scope, receive, send)
-            return
-        if request.headers.get("x-access-token") != sandbox.access_token:
-            await _error(401, "invalid access token")(scope, receive, send)
+        sandbox = _sandbox_of(self.world, request, needs_token=True)
+        if isinstance(sandbox, Response):
+            await sandbox(scope, receive, send)
             return
         body = json.loads(await request.body() or b"{}")
         context = await self._context(sandbox, body)

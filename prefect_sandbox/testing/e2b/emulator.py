@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 from prefect_sandbox.testing.e2b.app import build_app
 from prefect_sandbox.testing.e2b.state import World
 from prefect_sandbox.testing.e2b.wire import ROUTES
-from prefect_sandbox.testing.faults import Fault, FaultBook, RequestRecord
+from prefect_sandbox.testing.faults import FaultBook
 from prefect_sandbox.testing.server import EmulatorServer
 
 __all__ = ["OPERATIONS", "E2BEmulator"]
@@ -50,11 +50,12 @@ class E2BEmulator(EmulatorServer):
         interrupt_grace_s: float = 5.0,
         log_level: str = "warning",
     ) -> None:
-        super().__init__(port=port, log_level=log_level, graceful_shutdown_s=5.0)
+        super().__init__(
+            faults=FaultBook(OPERATIONS), port=port, log_level=log_level, graceful_shutdown_s=5.0
+        )
         self.api_key = api_key or f"e2b_emulator_{secrets.token_hex(16)}"
         self._owns_root = root is None
         self.root = root or Path(tempfile.mkdtemp(prefix="prefect-sandbox-e2b-"))
-        self.faults = FaultBook(OPERATIONS)
         self._interrupt_grace_s = interrupt_grace_s
         self._world: World | None = None
 
@@ -66,19 +67,6 @@ class E2BEmulator(EmulatorServer):
     def env(self) -> dict[str, str]:
         """The SDK's environment variables that point it at this emulator."""
         return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url}
-
-    @property
-    def requests(self) -> list[RequestRecord]:
-        """Every request received so far, oldest first."""
-        return self.faults.requests
-
-    def inject(self, *faults: Fault) -> None:
-        """Add faults; each hits the next matching requests until spent (see `Fault`)."""
-        self.faults.add(*faults)
-
-    def clear_faults(self) -> None:
-        """Remove every fault not yet spent."""
-        self.faults.clear()
 
     def sandbox_ids(self, labels: Mapping[str, str] | None = None) -> list[str]:
         """Ids of live sandboxes whose metadata includes ``labels``."""
