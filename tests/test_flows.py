@@ -409,7 +409,7 @@ def test_blocks_register_through_the_entry_point() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "Successfully registered 5 blocks" in done.stdout
+    assert "Successfully registered 6 blocks" in done.stdout
 
     from prefect.client.orchestration import get_client
 
@@ -422,6 +422,7 @@ def test_blocks_register_through_the_entry_point() -> None:
                 "e2b-credentials",
                 "daytona-sandbox",
                 "daytona-credentials",
+                "docker-sandbox",
             )
         }
     assert names == {
@@ -430,6 +431,7 @@ def test_blocks_register_through_the_entry_point() -> None:
         "e2b-credentials": "E2B Credentials",
         "daytona-sandbox": "Daytona Sandbox",
         "daytona-credentials": "Daytona Credentials",
+        "docker-sandbox": "Docker Sandbox",
     }
 
 
