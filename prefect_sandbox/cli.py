@@ -234,6 +234,9 @@ def _start_temporary_server() -> None:
 
     if PREFECT_API_URL.value():
         return
+    # The server's telemetry service writes to its SQLite database while the run does, and
+    # prints a "database is locked" traceback on the user's terminal; the user's choice wins.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         SubprocessASGIServer().start()
