@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -84,6 +85,13 @@ class PipelineResult(BaseModel):
         duration_s: seconds the pipeline took, sandbox start and kill included.
         error: one line naming the failing stage, cell and exception, when it failed; where it
             was cancelled, when it was.
+        sandbox_id: the backend's id of the run's sandbox; None if none was made.
+        sandbox_created_at: UTC time just before the sandbox was asked for (after any wait
+            for a slot of the backend's live-sandbox limit); None if it never was.
+        sandbox_killed_at: UTC time just after its kill returned (after a create that failed
+            or was cancelled: after what it started was cleaned up); None if the kill failed
+            or no sandbox was asked for. With ``sandbox_created_at`` it brackets the sandbox's
+            whole life (``summary.json`` has both as ISO 8601 strings).
     """
 
     flow_run_id: str
@@ -94,3 +102,6 @@ class PipelineResult(BaseModel):
     output_dir: str
     duration_s: float
     error: str | None = None
+    sandbox_id: str | None = None
+    sandbox_created_at: datetime | None = None
+    sandbox_killed_at: datetime | None = None

@@ -77,7 +77,17 @@ class PrefectSandboxSettings(BaseSettings):
         ),
     )
 
-    @field_validator("cell_timeout_s", "max_output_chars", mode="before")
+    max_live_sandboxes: int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Cap on sandboxes of one backend alive at once, across every flow run using this "
+            "Prefect API: the default of every backend block's max_live_sandboxes; none or "
+            "unset: no cap."
+        ),
+    )
+
+    @field_validator("cell_timeout_s", "max_output_chars", "max_live_sandboxes", mode="before")
     @classmethod
     def _none_is_no_limit(cls, value: object) -> object:
         return None if isinstance(value, str) and value.strip().lower() == "none" else value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,3 +93,19 @@ def stream_text(outputs: list[dict[str, object]], name: str = "stdout") -> str:
     return "".join(
         str(o["text"]) for o in outputs if o["output_type"] == "stream" and o["name"] == name
     )
+
+
+def max_alive_at_once(summaries: list[dict[str, object]]) -> int:
+    """The most sandboxes alive at one time, from runs' ``summary.json`` contents: each
+    sandbox lives from its ``sandbox_created_at`` to its ``sandbox_killed_at`` (both required).
+    A kill and a create at the same instant do not overlap."""
+    events: list[tuple[datetime, int]] = []
+    for summary in summaries:
+        events.append((datetime.fromisoformat(str(summary["sandbox_created_at"])), 1))
+        events.append((datetime.fromisoformat(str(summary["sandbox_killed_at"])), -1))
+    alive = most = 0
+    # At equal times -1 sorts before +1: the kill comes first.
+    for _, change in sorted(events):
+        alive += change
+        most = max(most, alive)
+    return most

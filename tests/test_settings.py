@@ -32,6 +32,11 @@ def test_settings_are_read_when_built_not_at_import(monkeypatch: pytest.MonkeyPa
     assert PrefectSandboxSettings().cell_timeout_s == 600.0
     assert PrefectSandboxSettings().storage == "prefect-sandbox-output"
     assert PrefectSandboxSettings().isolation == "bubblewrap"
+    assert PrefectSandboxSettings().max_live_sandboxes is None
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_LIVE_SANDBOXES", "3")
+    assert PrefectSandboxSettings().max_live_sandboxes == 3
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_LIVE_SANDBOXES", "None")
+    assert PrefectSandboxSettings().max_live_sandboxes is None
     monkeypatch.setenv("PREFECT_SANDBOX_CELL_TIMEOUT_S", "2.5")
     monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "none")
     monkeypatch.setenv("PREFECT_SANDBOX_STORAGE", "s3://bucket/runs")
@@ -51,6 +56,8 @@ def test_settings_are_read_when_built_not_at_import(monkeypatch: pytest.MonkeyPa
         ("PREFECT_SANDBOX_CELL_TIMEOUT_S", "-2"),
         ("PREFECT_SANDBOX_CELL_TIMEOUT_S", "soon"),
         ("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "-1"),
+        ("PREFECT_SANDBOX_MAX_LIVE_SANDBOXES", "0"),
+        ("PREFECT_SANDBOX_MAX_LIVE_SANDBOXES", "-1"),
         ("PREFECT_SANDBOX_ISOLATION", "docker"),
         ("PREFECT_SANDBOX_BACKEND_BLOCK", "no-slug"),
         ("PREFECT_SANDBOX_STORAGE", ""),
@@ -73,8 +80,13 @@ def test_blocks_take_their_defaults_from_the_settings_and_explicit_fields_win(
     assert LocalKernelBackend().cell_timeout_s == 600.0
     monkeypatch.setenv("PREFECT_SANDBOX_CELL_TIMEOUT_S", "3")
     monkeypatch.setenv("PREFECT_SANDBOX_MAX_OUTPUT_CHARS", "4096")
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_LIVE_SANDBOXES", "5")
     for block in (LocalKernelBackend(), E2BBackend(credentials=credentials)):
         assert (block.cell_timeout_s, block.max_output_chars) == (3.0, 4096)
+        assert block.max_live_sandboxes == 5
+    assert LocalKernelBackend(max_live_sandboxes=None).max_live_sandboxes is None
+    with pytest.raises(ValidationError):
+        LocalKernelBackend(max_live_sandboxes=0)
     assert LocalKernelBackend().isolation == "bubblewrap"
     monkeypatch.setenv("PREFECT_SANDBOX_ISOLATION", "none")
     assert LocalKernelBackend().isolation == "none"

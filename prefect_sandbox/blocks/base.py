@@ -29,14 +29,17 @@ class SandboxBackend(Block, ABC):
     here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
     Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
 
-    ``cell_timeout_s`` and ``max_output_chars``, when not given, take this process's
-    `PrefectSandboxSettings` (``PREFECT_SANDBOX_CELL_TIMEOUT_S``,
-    ``PREFECT_SANDBOX_MAX_OUTPUT_CHARS``) as the block is made; the defaults below are those of
-    an unset environment, and what the Prefect UI offers.
+    ``cell_timeout_s``, ``max_output_chars`` and ``max_live_sandboxes``, when not given, take
+    this process's `PrefectSandboxSettings` (``PREFECT_SANDBOX_CELL_TIMEOUT_S``,
+    ``PREFECT_SANDBOX_MAX_OUTPUT_CHARS``, ``PREFECT_SANDBOX_MAX_LIVE_SANDBOXES``) as the block is
+    made; the defaults below are those of an unset environment, and what the Prefect UI offers.
     """
 
     _sandbox_class: ClassVar[type[Sandbox]]
     """The backend's `Sandbox` class."""
+    backend_slug: ClassVar[str]
+    """The backend's slug, as its sandboxes' `SandboxHandle.backend` gives it (``"local"``,
+    ``"e2b"``, ``"daytona"``, ``"docker"``); it names the backend's live-sandbox limit."""
 
     cell_timeout_s: float | None = Field(
         default=DEFAULT_CELL_TIMEOUT_S,
@@ -58,6 +61,18 @@ class SandboxBackend(Block, ABC):
         description=(
             "Seconds a timed-out cell gets to stop after an interrupt before the sandbox "
             "escalates (a second interrupt where it has one, then a restart, state lost)."
+        ),
+    )
+
+    max_live_sandboxes: int | None = Field(
+        default=None,
+        gt=0,
+        title="Max live sandboxes",
+        description=(
+            "Cap on this backend's sandboxes alive at once, across every flow run using this "
+            "Prefect API (the global concurrency limit prefect-sandbox:<backend>, set to this "
+            "value on each run); a run waits for a free slot before it makes its sandbox. "
+            "Empty for no cap."
         ),
     )
 
@@ -83,6 +98,7 @@ class SandboxBackend(Block, ABC):
         defaults = {
             "cell_timeout_s": settings.cell_timeout_s,
             "max_output_chars": settings.max_output_chars,
+            "max_live_sandboxes": settings.max_live_sandboxes,
         }
         return {**defaults, **data}
 

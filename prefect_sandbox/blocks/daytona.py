@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.daytona import (
+    BACKEND_SLUG,
     DaytonaSandbox,
     DaytonaSandboxConfig,
     import_sdk,
@@ -94,6 +95,7 @@ class DaytonaBackend(SandboxBackend):
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in a Daytona sandbox that lives for one flow run."
     _sandbox_class = DaytonaSandbox
+    backend_slug = BACKEND_SLUG
 
     credentials: DaytonaCredentials | None = Field(
         default=None,

@@ -11,7 +11,11 @@ from pathlib import Path
 from pydantic import Field
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.sandbox.backends.docker import DockerSandbox, DockerSandboxConfig
+from prefect_sandbox.sandbox.backends.docker import (
+    BACKEND_SLUG,
+    DockerSandbox,
+    DockerSandboxConfig,
+)
 
 __all__ = ["DockerBackend"]
 
@@ -41,6 +45,7 @@ class DockerBackend(SandboxBackend):
     _documentation_url = "https://docker-py.readthedocs.io/en/stable/"  # type: ignore[assignment]
     _description = "Runs notebook cells in a Docker container that lives for one flow run."
     _sandbox_class = DockerSandbox
+    backend_slug = BACKEND_SLUG
 
     image: str = Field(
         title="Image",

@@ -8,7 +8,13 @@ from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.sandbox.backends.e2b import DEFAULT_WORKDIR, E2BConfig, E2BSandbox, import_sdk
+from prefect_sandbox.sandbox.backends.e2b import (
+    BACKEND_SLUG,
+    DEFAULT_WORKDIR,
+    E2BConfig,
+    E2BSandbox,
+    import_sdk,
+)
 
 __all__ = ["E2BBackend", "E2BCredentials"]
 
@@ -103,6 +109,7 @@ class E2BBackend(SandboxBackend):
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in an E2B cloud sandbox that lives for one flow run."
     _sandbox_class = E2BSandbox
+    backend_slug = BACKEND_SLUG
 
     credentials: E2BCredentials = Field(
         title="Credentials", description="The E2B credentials block to use."

@@ -8,7 +8,11 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.local import (
+    BACKEND_SLUG,
+    LocalKernelConfig,
+    LocalKernelSandbox,
+)
 from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.settings import PrefectSandboxSettings
 
@@ -46,6 +50,7 @@ class LocalKernelBackend(SandboxBackend):
     _documentation_url = "https://jupyter-client.readthedocs.io/en/stable/"  # type: ignore[assignment]
     _description = "Runs notebook cells in a local Jupyter kernel that lives for one flow run."
     _sandbox_class = LocalKernelSandbox
+    backend_slug = BACKEND_SLUG
 
     kernel_name: str = Field(
         default="python3",

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 from uuid import UUID
@@ -49,6 +50,7 @@ from prefect_sandbox.flows.hooks import (
     kill_labelled_sandboxes,
     kill_run_sandboxes,
 )
+from prefect_sandbox.flows.limits import live_sandbox_slot
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
@@ -157,19 +159,6 @@ def _write_notebook_files(
     return [*written, EXECUTED_NOTEBOOK_NAME]
 
 
-@asynccontextmanager
-async def _flow_run_sandbox(
-    backend: SandboxBackend, labels: dict[str, str]
-) -> AsyncIterator[SandboxHandle]:
-    """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on exit,
-    whatever happened inside."""
-    handle = await create_sandbox(backend, labels)
-    try:
-        yield handle
-    finally:
-        await kill_sandbox(backend, handle)
-
-
 @dataclass
 class _PipelineRun:
     """One pipeline run: what it has made so far, kept so that a failure still stores it."""
@@ -189,6 +178,38 @@ class _PipelineRun:
     """The flow's task was cancelled (the CLI does so on SIGINT and SIGTERM); the flow ends
     Cancelled once the sandbox is killed and what was made is stored."""
     sandbox_id: str | None = None
+    sandbox_created_at: datetime | None = None
+    sandbox_killed_at: datetime | None = None
+
+    @asynccontextmanager
+    async def flow_run_sandbox(
+        self, flow_run_id: str, labels: dict[str, str]
+    ) -> AsyncIterator[SandboxHandle]:
+        """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on
+        exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
+        when it has one (`live_sandbox_slot`). Records its id and the UTC times bracketing its
+        life."""
+        async with live_sandbox_slot(self.backend, flow_run_id):
+            self.sandbox_created_at = datetime.now(UTC)
+            try:
+                handle = await create_sandbox(self.backend, labels)
+                self.sandbox_id = handle.sandbox_id
+                try:
+                    yield handle
+                finally:
+                    await kill_sandbox(self.backend, handle)
+                    self.sandbox_killed_at = datetime.now(UTC)
+            except asyncio.CancelledError:
+                # Cancelled while the sandbox was made or killed: none may outlive the run or
+                # its slot, even one whose handle never came back.
+                await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
+                self.sandbox_killed_at = datetime.now(UTC)
+                raise
+            except SandboxError:
+                if self.sandbox_id is None:
+                    # A create that fails kills what it started before it raises.
+                    self.sandbox_killed_at = datetime.now(UTC)
+                raise
 
     async def execute(
         self,
@@ -204,7 +225,6 @@ class _PipelineRun:
         A `SandboxError` on the way becomes `failure`, a cancellation `cancelled`; the artifacts
         are still downloaded unless the sandbox itself is gone.
         """
-        self.sandbox_id = handle.sandbox_id
         self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
         if handle.kernel is not None:
             self.executed.set_kernel(handle.kernel)
@@ -292,6 +312,9 @@ class _PipelineRun:
             output_dir=self.store.location,
             duration_s=round(duration_s, 6),
             error=error,
+            sandbox_id=self.sandbox_id,
+            sandbox_created_at=self.sandbox_created_at,
+            sandbox_killed_at=self.sandbox_killed_at,
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
@@ -334,7 +357,10 @@ async def _run_pipeline(
         outputs = staging / "outputs"
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         try:
-            async with run.storing_on_exit(outputs), _flow_run_sandbox(backend, labels) as handle:
+            async with (
+                run.storing_on_exit(outputs),
+                run.flow_run_sandbox(str(flow_run.id), labels) as handle,
+            ):
                 await run.execute(
                     handle,
                     staging,
@@ -343,10 +369,9 @@ async def _run_pipeline(
                     cell_timeout_s=cell_timeout_s,
                 )
         except asyncio.CancelledError:
-            # Cancelled while the sandbox was made or files were stored: no sandbox may outlive
-            # the run, even one whose handle never came back.
+            # Cancelled while waiting for a slot, while the sandbox was made or killed (it
+            # killed every sandbox of the run then), or while files were stored.
             run.take_cancellation()
-            await kill_labelled_sandboxes(backend, str(flow_run.id), "cancelled")
         result = await run.store_summary(
             outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
         )

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from daytona_toolbox_api_client_async import InterpreterContext
 
 __all__ = [
+    "BACKEND_SLUG",
     "CREATE_TOKEN_LABEL",
     "DaytonaSandbox",
     "DaytonaSandboxConfig",

@@ -66,7 +66,13 @@ if TYPE_CHECKING:
     import docker
     from docker.models.containers import Container
 
-__all__ = ["CONTAINER_WORKDIR", "DockerSandbox", "DockerSandboxConfig", "import_sdk"]
+__all__ = [
+    "BACKEND_SLUG",
+    "CONTAINER_WORKDIR",
+    "DockerSandbox",
+    "DockerSandboxConfig",
+    "import_sdk",
+]
 
 BACKEND_SLUG = "docker"
 CONTAINER_WORKDIR = "/work"

@@ -60,7 +60,7 @@ from prefect_sandbox.sandbox.isolation import (
     sandbox_view,
 )
 
-__all__ = ["HOST_ENV_ALLOW_LIST", "LocalKernelConfig", "LocalKernelSandbox"]
+__all__ = ["BACKEND_SLUG", "HOST_ENV_ALLOW_LIST", "LocalKernelConfig", "LocalKernelSandbox"]
 
 BACKEND_SLUG = "local"
 

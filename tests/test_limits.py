@@ -1,0 +1,214 @@
+"""The cap on live sandboxes: a backend block's ``max_live_sandboxes`` makes flow runs share the
+Prefect global concurrency limit ``prefect-sandbox:<backend>``, on Prefect's real ephemeral API
+with real local kernels. Each run's ``summary.json`` brackets its sandbox's life."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nbformat
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
+from prefect.exceptions import CancelledRun, ObjectNotFound
+
+from prefect_sandbox import (
+    DaytonaBackend,
+    DockerBackend,
+    E2BBackend,
+    LocalKernelBackend,
+)
+from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
+from prefect_sandbox.flows.limits import live_sandbox_limit_name
+from prefect_sandbox.results import PipelineResult
+from tests.conftest import max_alive_at_once
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+LIMIT = "prefect-sandbox:local"
+
+
+async def _read_limit() -> GlobalConcurrencyLimitResponse:
+    async with get_client() as client:
+        return await client.read_global_concurrency_limit_by_name(LIMIT)
+
+
+@pytest.fixture
+async def no_limit() -> AsyncIterator[None]:
+    """No ``prefect-sandbox:local`` limit before the test, nor after it."""
+
+    async def delete() -> None:
+        async with get_client() as client:
+            with contextlib.suppress(ObjectNotFound):
+                await client.delete_global_concurrency_limit_by_name(LIMIT)
+
+    await delete()
+    yield
+    await delete()
+
+
+def _summary(result: PipelineResult) -> dict[str, object]:
+    summary: dict[str, object] = json.loads((Path(result.output_dir) / "summary.json").read_text())
+    return summary
+
+
+def test_each_backend_names_its_limit_by_its_handles_slug() -> None:
+    assert [
+        live_sandbox_limit_name(backend)
+        for backend in (
+            LocalKernelBackend(),
+            E2BBackend.model_construct(),
+            DaytonaBackend.model_construct(),
+            DockerBackend.model_construct(),
+        )
+    ] == [LIMIT, "prefect-sandbox:e2b", "prefect-sandbox:daytona", "prefect-sandbox:docker"]
+
+
+async def test_uncapped_runs_touch_no_limit(tmp_path: Path, no_limit: None) -> None:
+    result = await amodeling_pipeline(stages={"one": ["x = 1"]}, storage=str(tmp_path))
+    with pytest.raises(ObjectNotFound):
+        await _read_limit()
+    summary = _summary(result)
+    # The handle's slug is the one the limit is named by.
+    notebook = nbformat.read(Path(result.output_dir) / "executed.ipynb", as_version=4)
+    assert notebook.metadata["prefect_sandbox"]["backend"] == LocalKernelBackend.backend_slug
+    assert summary["sandbox_id"] == notebook.metadata["prefect_sandbox"]["sandbox_id"]
+    created = datetime.fromisoformat(str(summary["sandbox_created_at"]))
+    killed = datetime.fromisoformat(str(summary["sandbox_killed_at"]))
+    assert created.tzinfo == UTC and created < killed <= datetime.now(UTC)
+
+
+async def test_capped_runs_never_overlap_beyond_the_cap_and_all_complete(
+    tmp_path: Path, no_limit: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    work, go = tmp_path / "work", tmp_path / "go"
+    work.mkdir()
+    # Unisolated kernels, so that their cells can see the test's "go" file.
+    backend = LocalKernelBackend(max_live_sandboxes=2, workdir_root=str(work), isolation="none")
+    cell = (
+        "import os, time\n"
+        "open('started.marker', 'w').write('1')\n"
+        "deadline = time.monotonic() + 60\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)"
+    )
+
+    def start() -> asyncio.Task[PipelineResult]:
+        return asyncio.create_task(
+            amodeling_pipeline(
+                stages={"work": [cell]}, backend=backend, storage=str(tmp_path / "out")
+            )
+        )
+
+    async def started(count: int) -> None:
+        async with asyncio.timeout(60):
+            while len(list(work.rglob("started.marker"))) < count:
+                await asyncio.sleep(0.05)
+
+    runs = [start(), start()]
+    await started(2)
+    runs.append(start())
+    async with asyncio.timeout(30):
+        while "Waiting for a slot of prefect-sandbox:local" not in caplog.text:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    assert len(list(work.rglob("started.marker"))) == 2
+    go.touch()
+    results = await asyncio.gather(*runs)
+
+    assert [r.status for r in results] == ["completed"] * 3
+    summaries = [_summary(r) for r in results]
+    assert len({s["sandbox_id"] for s in summaries}) == 3
+    assert max_alive_at_once(summaries) == 2
+    # Created with the block's value on first use, and every slot given back.
+    limit = await _read_limit()
+    assert (limit.limit, limit.active_slots) == (2, 0)
+
+
+async def test_the_blocks_cap_is_written_back_over_the_limits(
+    tmp_path: Path, no_limit: None
+) -> None:
+    await amodeling_pipeline(
+        stages={"one": ["x = 1"]},
+        backend=LocalKernelBackend(max_live_sandboxes=1),
+        storage=str(tmp_path),
+    )
+    async with get_client() as client:
+        await client.update_global_concurrency_limit(LIMIT, GlobalConcurrencyLimitUpdate(limit=7))
+    await amodeling_pipeline(
+        stages={"one": ["x = 1"]},
+        backend=LocalKernelBackend(max_live_sandboxes=3),
+        storage=str(tmp_path),
+    )
+    limit = await _read_limit()
+    assert (limit.limit, limit.active_slots) == (3, 0)
+
+
+def _sleeping_notebook(path: Path) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# Wait"),
+        nbformat.v4.new_code_cell(
+            "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(120)"
+        ),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+async def test_the_slot_is_released_after_a_failed_stage_and_a_cancelled_run(
+    tmp_path: Path, no_limit: None
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    backend = LocalKernelBackend(max_live_sandboxes=1, workdir_root=str(work))
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"fail": ["raise ValueError('no')"]},
+            backend=backend,
+            storage=str(tmp_path / "out"),
+        )
+    failed = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert failed["status"] == "failed" and failed["sandbox_killed_at"] is not None
+    assert (await _read_limit()).active_slots == 0
+
+    # A run that holds the only slot mid-cell, and one that waits for it.
+    sleeper = asyncio.create_task(
+        arun_notebook(
+            notebook=str(_sleeping_notebook(tmp_path / "wait.ipynb")),
+            backend=backend,
+            storage=str(tmp_path / "out"),
+        )
+    )
+    async with asyncio.timeout(60):
+        while not list(work.rglob("sleeping.marker")):
+            await asyncio.sleep(0.1)
+    waiter = asyncio.create_task(
+        amodeling_pipeline(
+            stages={"after": ["print('my turn')"]}, backend=backend, storage=str(tmp_path / "out")
+        )
+    )
+    await asyncio.sleep(1.0)
+    assert not waiter.done()
+    sleeper.cancel()
+    with pytest.raises(CancelledRun) as cancelled:
+        await sleeper
+    after = await waiter
+    assert after.status == "completed"
+
+    (cancelled_summary,) = [
+        json.loads(path.read_text())
+        for path in (tmp_path / "out").rglob("summary.json")
+        if json.loads(path.read_text())["status"] == "cancelled"
+    ]
+    assert cancelled_summary["flow_run_name"] in str(cancelled.value)
+    assert max_alive_at_once([failed, cancelled_summary, _summary(after)]) == 1
+    killed = datetime.fromisoformat(cancelled_summary["sandbox_killed_at"])
+    assert datetime.fromisoformat(str(_summary(after)["sandbox_created_at"])) >= killed
+    assert (await _read_limit()).active_slots == 0
