@@ -163,52 +163,69 @@ def _sleeping_notebook(path: Path) -> Path:
 
 
 async def test_the_slot_is_released_after_a_failed_stage_and_a_cancelled_run(
-    tmp_path: Path, no_limit: None
+    tmp_path: Path, no_limit: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    work = tmp_path / "work"
+    work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     backend = LocalKernelBackend(max_live_sandboxes=1, workdir_root=str(work))
     with pytest.raises(PipelineFailedError) as info:
         await amodeling_pipeline(
-            stages={"fail": ["raise ValueError('no')"]},
-            backend=backend,
-            storage=str(tmp_path / "out"),
+            stages={"fail": ["raise ValueError('no')"]}, backend=backend, storage=str(out)
         )
     failed = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
     assert failed["status"] == "failed" and failed["sandbox_killed_at"] is not None
     assert (await _read_limit()).active_slots == 0
 
-    # A run that holds the only slot mid-cell, and one that waits for it.
+    def start(stage: str) -> asyncio.Task[PipelineResult]:
+        return asyncio.create_task(
+            amodeling_pipeline(
+                stages={stage: ["print('my turn')"]}, backend=backend, storage=str(out)
+            )
+        )
+
+    async def waiting(count: int) -> None:
+        async with asyncio.timeout(30):
+            while caplog.text.count("Waiting for a slot of prefect-sandbox:local") < count:
+                await asyncio.sleep(0.05)
+
+    # A run that holds the only slot mid-cell; one cancelled while it waits; one that waits.
     sleeper = asyncio.create_task(
         arun_notebook(
             notebook=str(_sleeping_notebook(tmp_path / "wait.ipynb")),
             backend=backend,
-            storage=str(tmp_path / "out"),
+            storage=str(out),
         )
     )
     async with asyncio.timeout(60):
         while not list(work.rglob("sleeping.marker")):
-            await asyncio.sleep(0.1)
-    waiter = asyncio.create_task(
-        amodeling_pipeline(
-            stages={"after": ["print('my turn')"]}, backend=backend, storage=str(tmp_path / "out")
-        )
-    )
-    await asyncio.sleep(1.0)
+            await asyncio.sleep(0.05)
+    doomed = start("doomed")
+    await waiting(1)
+    doomed.cancel()
+    with pytest.raises(CancelledRun):
+        await doomed
+    waiter = start("after")
+    await waiting(2)
     assert not waiter.done()
     sleeper.cancel()
-    with pytest.raises(CancelledRun) as cancelled:
+    with pytest.raises(CancelledRun):
         await sleeper
     after = await waiter
     assert after.status == "completed"
 
-    (cancelled_summary,) = [
-        json.loads(path.read_text())
-        for path in (tmp_path / "out").rglob("summary.json")
-        if json.loads(path.read_text())["status"] == "cancelled"
+    summaries = [json.loads(path.read_text()) for path in out.rglob("summary.json")]
+    by_stage = {summary["stages"][0]["name"]: summary for summary in summaries}
+    assert [by_stage[name]["status"] for name in ("fail", "doomed", "wait", "after")] == [
+        "failed",
+        "cancelled",
+        "cancelled",
+        "completed",
     ]
-    assert cancelled_summary["flow_run_name"] in str(cancelled.value)
-    assert max_alive_at_once([failed, cancelled_summary, _summary(after)]) == 1
-    killed = datetime.fromisoformat(cancelled_summary["sandbox_killed_at"])
-    assert datetime.fromisoformat(str(_summary(after)["sandbox_created_at"])) >= killed
+    # Cancelled while it waited: it never asked for a sandbox.
+    doomed_summary = by_stage["doomed"]
+    assert doomed_summary["sandbox_id"] is doomed_summary["sandbox_created_at"] is None
+    lived = [by_stage[name] for name in ("fail", "wait", "after")]
+    assert max_alive_at_once(lived) == 1
+    killed = datetime.fromisoformat(by_stage["wait"]["sandbox_killed_at"])
+    assert datetime.fromisoformat(by_stage["after"]["sandbox_created_at"]) >= killed
     assert (await _read_limit()).active_slots == 0

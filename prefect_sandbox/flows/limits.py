@@ -11,10 +11,13 @@ no limit is read or taken.
 Slots are Prefect's lease-based ones (`prefect.concurrency.asyncio.concurrency`), held by
 ``{"type": "flow_run", "id": <flow run id>}`` and released on the way out of the block however
 it is left: a result, an exception or a cancellation. A process killed outright cannot release:
-its lease stops being renewed and the server's repossessor frees the slot once it expires,
-`LEASE_DURATION_S` after the last renewal (plus its 15 s loop). Prefect's ephemeral API server
-(no ``PREFECT_API_URL``) runs no repossessor, so there such a slot stays taken until that
-server's database is reset; a cap is meant for a real ``prefect server`` or Prefect Cloud.
+its lease stops being renewed and the server's repossessor service frees the slot once the lease
+expires, `LEASE_DURATION_S` after the last renewal (it looks every 15 s). Prefect's temporary
+API server (no ``PREFECT_API_URL``) runs no repossessor, so there such a slot stays taken; and
+any server keeps leases in memory by default, so one that restarts while a slot is held forgets
+the lease and the slot stays taken in its database. ``prefect gcl update <name> --active-slots
+0`` (or deleting the limit) frees such slots; a cap is meant for a long-lived ``prefect server``
+or Prefect Cloud.
 """
 
 from __future__ import annotations
