@@ -3,6 +3,7 @@ Prefect's real ephemeral API. No sandbox outlives its flow run; the API key leak
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from prefect.client.orchestration import get_client
 
 from prefect_sandbox import E2BBackend, E2BCredentials
 from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
 from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxNotFoundError
 from prefect_sandbox.testing.e2b import E2BEmulator, Fault
-from tests.conftest import ROOT
+from tests.conftest import ROOT, max_alive_at_once
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -61,6 +63,30 @@ async def test_no_sandbox_outlives_a_successful_failed_or_timed_out_pipeline(
         )
     assert isinstance(timed_out.value.__cause__, CellTimeoutError)
     assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+
+
+async def test_capped_runs_share_the_e2b_limit_one_sandbox_at_a_time(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    test_id = uuid.uuid4().hex
+    backend = _backend(e2b_emulator, test_id, max_live_sandboxes=1)
+    results = await asyncio.gather(
+        *(
+            amodeling_pipeline(
+                stages={"one": ["import time; time.sleep(0.5)"]},
+                backend=backend,
+                storage=str(tmp_path),
+            )
+            for _ in range(2)
+        )
+    )
+    summaries = [json.loads((Path(r.output_dir) / "summary.json").read_text()) for r in results]
+    assert [s["status"] for s in summaries] == ["completed"] * 2
+    assert max_alive_at_once(summaries) == 1
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+    async with get_client() as client:
+        limit = await client.read_global_concurrency_limit_by_name("prefect-sandbox:e2b")
+    assert (limit.limit, limit.active_slots) == (1, 0)
 
 
 async def test_a_removed_working_directory_still_gives_a_stored_summary(
