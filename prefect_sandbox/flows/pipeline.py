@@ -8,7 +8,10 @@ what was made is stored. A failed stage stops the pipeline; what came before is 
 and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
 Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM) stops it the same
 way: the sandbox is killed, what was made is stored with ``summary.json`` (status
-``"cancelled"``), and the flow run ends Cancelled.
+``"cancelled"``), and the flow run ends Cancelled. A backend block with ``max_live_sandboxes``
+makes the run hold a slot of its live-sandbox limit from before the sandbox is made until after
+it is killed (`prefect_sandbox.flows.limits`); ``summary.json`` records when the sandbox was
+asked for and when its kill returned.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
 sync twins run them from plain Python.
