@@ -261,6 +261,24 @@ async def test_a_pool_only_hands_out_kernels_of_the_same_settings() -> None:
         await box.kill()
 
 
+async def test_a_dead_or_broken_pooled_kernel_is_ended_and_a_new_one_started() -> None:
+    backend = LocalKernelBackend(warm_pool_size=2, isolation="none")
+    await backend.fill_warm_pool(timeout_s=60)
+    dead, broken = await backend.list_sandboxes(OWNER)
+    os.killpg(_kernel_pid(dead), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not _gone(_kernel_pid(dead)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    (Path(broken.connection["runtime_dir"]) / "connection.json").unlink()
+    box = await backend.create({"run": "after"})
+    try:
+        assert box.handle.sandbox_id not in {dead.sandbox_id, broken.sandbox_id}
+        assert (await box.run_cell("1 + 1")).outputs[0]["data"] == {"text/plain": "2"}
+    finally:
+        await box.kill()
+    assert not any(Path(h.connection["runtime_dir"]).exists() for h in (dead, broken))
+
+
 async def test_closing_the_pools_ends_their_idle_kernels() -> None:
     backend = LocalKernelBackend(warm_pool_size=2, isolation="none")
     await backend.fill_warm_pool(timeout_s=60)

@@ -139,7 +139,8 @@ class LocalKernelBackend(SandboxBackend):
                 in the background.
 
         Returns:
-            How many ready kernels the pool holds.
+            How many ready kernels the pool holds; fewer if the timeout passed or a kernel
+            failed to start (logged as a warning; `create` raises what stops it).
 
         Raises:
             ValueError: ``warm_pool_size`` is 0.

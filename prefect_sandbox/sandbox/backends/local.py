@@ -219,17 +219,23 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         if not config.warm_pool_size:
             return await cls._start(config, labels)
         pool = _warm_pool(cls, config)
-        handle = pool.take()
-        if handle is None:
-            # The first create, or one that drained the pool: a cold start, then the refill,
-            # so that the two do not compete for the CPU.
-            sandbox = await cls._start(config, labels)
+        while (handle := pool.take()) is not None:
+            try:
+                sandbox = await cls._hand_out(handle, config, labels)
+            except Exception:
+                logger.warning(
+                    "Warm pool: kernel %s failed as it was handed out (ended); trying another",
+                    handle.sandbox_id,
+                    exc_info=True,
+                )
+                continue
             pool.refill()
             return sandbox
-        try:
-            return await cls._hand_out(handle, config, labels)
-        finally:
-            pool.refill()
+        # The first create, or one that drained the pool: a cold start, then the refill, so
+        # that the two do not compete for the CPU.
+        sandbox = await cls._start(config, labels)
+        pool.refill()
+        return sandbox
 
     @classmethod
     async def fill_warm_pool(cls, config: LocalKernelConfig, timeout_s: float) -> int:
@@ -241,7 +247,9 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 starting in the background.
 
         Returns:
-            How many ready kernels the pool holds.
+            How many ready kernels the pool holds. Fewer than ``warm_pool_size`` if the
+            timeout passed or a kernel failed to start (logged as a warning; the next
+            `create` starts one itself, and raises what stops it).
 
         Raises:
             ValueError: ``config.warm_pool_size`` is 0.
