@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -24,12 +25,13 @@ import pytest
 
 from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox.flows import amodeling_pipeline
+from prefect_sandbox.sandbox.backends import warm_pool as warm_pool_module
 from prefect_sandbox.sandbox.backends.local import (
     LocalKernelConfig,
     _pool_key,
     kill_orphaned_pool_kernels,
 )
-from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, close_warm_pools
+from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, close_warm_pools, warm_pool
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.labels import (
     FLOW_RUN_ID_LABEL,
@@ -146,6 +148,24 @@ def test_a_failed_start_stops_the_refill_until_the_next() -> None:
     sandboxes.fail_from = None
     pool.refill()
     assert pool.wait_full(10)
+
+
+def _exit_with_pool_count() -> None:
+    os._exit(len(warm_pool_module._pools))
+
+
+def test_a_forked_child_has_none_of_its_parents_pools() -> None:
+    sandboxes = _Sandboxes()
+    pool, made = warm_pool("forked", lambda: sandboxes.pool(1))
+    pool.refill()
+    assert made and pool.wait_full(10)
+    child = multiprocessing.get_context("fork").Process(target=_exit_with_pool_count)
+    child.start()
+    child.join(10)
+    assert child.exitcode == 0
+    assert warm_pool("forked", lambda: sandboxes.pool(1)) == (pool, False)
+    assert close_warm_pools() == 1
+    assert sandboxes.ended == sandboxes.started
 
 
 def test_every_setting_and_the_host_env_key_a_pool_apart(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,13 +8,15 @@ given, so it knows nothing of kernels.
 
 Pools live per process, found by key with `warm_pool` (one per configuration). `close_warm_pools`
 ends them all; it runs at the exit of a process that made one (``atexit``), so a process that
-ends normally leaves no idle sandbox behind.
+ends normally leaves no idle sandbox behind. A forked child starts with no pool: its parent's
+idle sandboxes stay its parent's.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -185,6 +187,17 @@ def warm_pool(key: Hashable, make: Callable[[], WarmPool]) -> tuple[WarmPool, bo
             atexit.register(close_warm_pools)
         pool = _pools[key] = make()
         return pool, True
+
+
+def _forget_pools_in_child() -> None:
+    # After fork() the parent's pools (and maybe their held lock) are copied but not its
+    # threads; handing out or ending the parent's sandboxes from here would break the parent.
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def close_warm_pools(timeout_s: float = _CLOSE_WAIT_S) -> int:
