@@ -364,6 +364,25 @@ async def test_a_process_that_exits_ends_its_pools_idle_kernels() -> None:
     assert not any(Path(h.workdir).exists() for h in idle)
 
 
+async def test_a_process_that_exits_mid_refill_leaves_no_kernel_behind() -> None:
+    script = textwrap.dedent(
+        """
+        import asyncio, time
+        from prefect_sandbox import LocalKernelBackend
+
+        async def main():
+            box = await LocalKernelBackend(warm_pool_size=2).create({"run": "only"})
+            await box.kill()
+
+        asyncio.run(main())
+        time.sleep(0.2)  # the refill is starting a kernel as the process exits
+        """
+    )
+    owner = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    assert await asyncio.wait_for(owner.wait(), 60) == 0
+    assert await LocalKernelBackend().list_sandboxes({POOL_OWNER_LABEL: str(owner.pid)}) == []
+
+
 @pytest.mark.parametrize("isolation", ["bubblewrap", "none"])
 async def test_a_sigkilled_owners_idle_kernels_die_and_are_found_and_ended(
     isolation: str,

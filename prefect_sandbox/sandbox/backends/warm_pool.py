@@ -7,8 +7,8 @@ are started, checked and ended is the backend's: the pool only calls the functio
 given, so it knows nothing of kernels.
 
 Pools live per process, found by key with `warm_pool` (one per configuration). `close_warm_pools`
-ends them all; it runs at the exit of a process that made one (``atexit``), so a process that
-ends normally leaves no idle sandbox behind. A forked child starts with no pool: its parent's
+ends them all; it runs at the exit of a process that made one, so a process that ends
+normally leaves no idle sandbox behind. A forked child starts with no pool: its parent's
 idle sandboxes stay its parent's.
 """
 
@@ -165,6 +165,19 @@ class WarmPool:
 
 _pools: dict[Hashable, WarmPool] = {}
 _pools_lock = threading.Lock()
+_exit_hook: list[bool] = []
+
+
+def _close_at_exit() -> None:
+    """Run `close_warm_pools` at this process's normal exit, once."""
+    if _exit_hook:
+        return
+    _exit_hook.append(True)
+    # Before Python joins its threads at exit, as concurrent.futures does: plain atexit runs
+    # after the executors that start kernels (and asyncio.to_thread) refuse work, so a kernel
+    # being started then could not be ended. atexit where Python lacks that hook.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(close_warm_pools)
 
 
 def warm_pool(key: Hashable, make: Callable[[], WarmPool]) -> tuple[WarmPool, bool]:
@@ -181,10 +194,7 @@ def warm_pool(key: Hashable, make: Callable[[], WarmPool]) -> tuple[WarmPool, bo
         pool = _pools.get(key)
         if pool is not None:
             return pool, False
-        if not _pools:
-            # Registered on first use (atexit runs handlers once each, last registered first).
-            atexit.unregister(close_warm_pools)
-            atexit.register(close_warm_pools)
+        _close_at_exit()
         pool = _pools[key] = make()
         return pool, True
 
@@ -203,7 +213,8 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 def close_warm_pools(timeout_s: float = _CLOSE_WAIT_S) -> int:
     """End every pool of this process and its idle sandboxes (see `WarmPool.close`).
 
-    Runs at this process's normal exit. A later `warm_pool` call makes a new pool.
+    Runs at this process's normal exit, before its threads are joined. A later `warm_pool`
+    call makes a new pool.
 
     Args:
         timeout_s: seconds to wait, per pool, for a sandbox being started.
