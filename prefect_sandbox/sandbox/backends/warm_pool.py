@@ -15,6 +15,7 @@ idle sandboxes stay its parent's.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -165,14 +166,11 @@ class WarmPool:
 
 _pools: dict[Hashable, WarmPool] = {}
 _pools_lock = threading.Lock()
-_exit_hook: list[bool] = []
 
 
+@functools.cache
 def _close_at_exit() -> None:
-    """Run `close_warm_pools` at this process's normal exit, once."""
-    if _exit_hook:
-        return
-    _exit_hook.append(True)
+    """Run `close_warm_pools` at this process's normal exit (registered once)."""
     # Before Python joins its threads at exit, as concurrent.futures does: plain atexit runs
     # after the executors that start kernels (and asyncio.to_thread) refuse work, so a kernel
     # being started then could not be ended. atexit where Python lacks that hook.
