@@ -113,3 +113,12 @@ class PrefectSandboxSettings(BaseSettings):
             "mount, PID and network namespaces) or none (a plain process of this user)."
         ),
     )
+    warm_pool_size: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "How many ready local kernels each process keeps per kernel configuration when "
+            "its block does not say: the default of LocalKernelBackend's warm_pool_size; "
+            "0: none, every sandbox is a cold start."
+        ),
+    )

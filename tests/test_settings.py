@@ -61,6 +61,7 @@ def test_settings_are_read_when_built_not_at_import(monkeypatch: pytest.MonkeyPa
         ("PREFECT_SANDBOX_ISOLATION", "docker"),
         ("PREFECT_SANDBOX_BACKEND_BLOCK", "no-slug"),
         ("PREFECT_SANDBOX_STORAGE", ""),
+        ("PREFECT_SANDBOX_WARM_POOL_SIZE", "-1"),
     ],
 )
 def test_bad_values_are_refused_naming_the_setting(
@@ -93,6 +94,10 @@ def test_blocks_take_their_defaults_from_the_settings_and_explicit_fields_win(
     explicit = LocalKernelBackend(cell_timeout_s=None, max_output_chars=100, isolation="bubblewrap")
     assert (explicit.cell_timeout_s, explicit.max_output_chars) == (None, 100)
     assert explicit.isolation == "bubblewrap"
+    assert LocalKernelBackend().warm_pool_size == 0
+    monkeypatch.setenv("PREFECT_SANDBOX_WARM_POOL_SIZE", "3")
+    assert LocalKernelBackend().warm_pool_size == 3
+    assert LocalKernelBackend(warm_pool_size=0).warm_pool_size == 0
     # A saved block's fields are explicit too.
     saved = LocalKernelBackend.model_validate({"cell_timeout_s": 30.0})
     assert (saved.cell_timeout_s, saved.max_output_chars) == (30.0, 4096)

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["FLOW_RUN_ID_LABEL", "FLOW_RUN_NAME_LABEL", "MARKER_LABEL", "flow_run_labels"]
+__all__ = [
+    "FLOW_RUN_ID_LABEL",
+    "FLOW_RUN_NAME_LABEL",
+    "MARKER_LABEL",
+    "POOL_OWNER_LABEL",
+    "flow_run_labels",
+]
 
 MARKER_LABEL = "prefect-sandbox"
 FLOW_RUN_ID_LABEL = "prefect-flow-run-id"
 FLOW_RUN_NAME_LABEL = "prefect-flow-run-name"
+POOL_OWNER_LABEL = "prefect-sandbox-pool-owner"
+"""On an idle kernel of a warm pool (with the marker, and no flow run id until it is handed
+out): the pid of the process that owns the pool."""
 
 
 def flow_run_labels(flow_run_id: str, flow_run_name: str) -> dict[str, str]:

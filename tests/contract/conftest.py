@@ -5,7 +5,7 @@ Adding a backend means adding a parameter to `backend` (and its fake server), no
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -14,6 +14,7 @@ from prefect_sandbox.blocks.daytona import DaytonaBackend
 from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.sandbox.backends.warm_pool import close_warm_pools
 from prefect_sandbox.sandbox.base import Sandbox
 
 CONTRACT_LABELS = {"prefect-sandbox": "true", "suite": "contract"}
@@ -64,6 +65,7 @@ def cannot(sandbox: Sandbox, what: str) -> bool:
     params=[
         "local",
         "local-none",
+        "local-pooled",
         "e2b",
         "daytona",
         pytest.param("docker", marks=pytest.mark.docker),
@@ -73,7 +75,9 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     """A backend block under test, with short grace periods so timeouts test quickly.
 
     ``local`` is the local kernel as it runs by default, under bubblewrap; ``local-none`` the
-    same without isolation. ``e2b`` and ``daytona`` drive the vendors' real SDKs against the
+    same without isolation; ``local-pooled`` the default kernel taken from a warm pool (all
+    but the first create), so a pooled kernel keeps every promise a cold one does. ``e2b`` and
+    ``daytona`` drive the vendors' real SDKs against the
     session's offline emulators; ``docker`` runs the offline-built test kernel image on this
     machine's daemon.
     """
@@ -81,6 +85,8 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
         return LocalKernelBackend(interrupt_grace_s=2.0)
     if request.param == "local-none":
         return LocalKernelBackend(interrupt_grace_s=2.0, isolation="none")
+    if request.param == "local-pooled":
+        return LocalKernelBackend(interrupt_grace_s=2.0, warm_pool_size=1)
     if request.param == "e2b":
         emulator = request.getfixturevalue("e2b_emulator")
         credentials = E2BCredentials(
@@ -94,6 +100,13 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     if request.param == "docker":
         return DockerBackend(image=request.getfixturevalue("docker_image"), interrupt_grace_s=2.0)
     raise AssertionError(f"unknown backend {request.param}")
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _warm_pools_end_with_the_suite() -> Iterator[None]:
+    """``local-pooled``'s pool lives across the suite's tests, and ends with it."""
+    yield
+    close_warm_pools()
 
 
 @pytest.fixture

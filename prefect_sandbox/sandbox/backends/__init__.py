@@ -6,6 +6,8 @@
   `_daytona_runner` is the code it installs in the sandbox's interpreter.
 - `docker`: `DockerSandbox`, an ipykernel in a Docker container on this machine
   (``pip install 'prefect-sandbox[docker]'``).
+- `warm_pool`: `WarmPool`, sandboxes started ahead of time and handed out once each (the local
+  backend's ``warm_pool_size``).
 
 No backend is imported here, so importing one never imports another's SDK.
 """

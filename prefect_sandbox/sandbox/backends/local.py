@@ -17,12 +17,18 @@ connection file (read-only), its sockets' folder and its IPython folder.
 The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
 the size of each ``stream`` message (`write_ipython_startup`); a user's ``IPYTHONDIR`` in the
 configured env replaces it, and that bound with it.
+
+With ``warm_pool_size`` set, `LocalKernelSandbox.create` hands out a kernel that this process
+started ahead of time with the same settings (`prefect_sandbox.sandbox.backends.warm_pool`):
+it was made exactly as a cold one, with only a kernel_info round trip and no code run, and
+carried the marker and ``prefect-sandbox-pool-owner`` labels until it got the caller's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -48,6 +54,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelSandbox,
     write_ipython_startup,
 )
+from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, warm_pool
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
 from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.isolation import (
@@ -59,8 +66,15 @@ from prefect_sandbox.sandbox.isolation import (
     limited_command,
     sandbox_view,
 )
+from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
 
-__all__ = ["BACKEND_SLUG", "HOST_ENV_ALLOW_LIST", "LocalKernelConfig", "LocalKernelSandbox"]
+__all__ = [
+    "BACKEND_SLUG",
+    "HOST_ENV_ALLOW_LIST",
+    "LocalKernelConfig",
+    "LocalKernelSandbox",
+    "kill_orphaned_pool_kernels",
+]
 
 BACKEND_SLUG = "local"
 
@@ -117,6 +131,10 @@ class LocalKernelConfig(JupyterKernelConfig):
         network: with bubblewrap, whether the kernel shares this machine's network (the
             host's ports and the internet); without, it has only its own loopback.
         bwrap_path: the ``bwrap`` program, a path or a name on ``PATH``.
+        warm_pool_size: how many started, never-used kernels of these settings this process
+            keeps ready, so that `LocalKernelSandbox.create` returns in milliseconds; 0 for
+            none (every create starts a kernel). The pool starts at the first create, which
+            is a cold start, and refills in the background after each create.
     """
 
     kernel_name: str = "python3"
@@ -127,10 +145,13 @@ class LocalKernelConfig(JupyterKernelConfig):
     isolation: Isolation = "bubblewrap"
     network: bool = False
     bwrap_path: str = "bwrap"
+    warm_pool_size: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_positive("memory_limit_bytes", "cpu_time_limit_s")
+        if self.warm_pool_size < 0:
+            raise ValueError(f"warm_pool_size must be 0 or more, not {self.warm_pool_size}")
         if self.isolation not in ISOLATION_LEVELS:
             raise ValueError(f"isolation must be one of {ISOLATION_LEVELS}, not {self.isolation!r}")
 
@@ -179,6 +200,10 @@ class LocalKernelSandbox(JupyterKernelSandbox):
     ) -> LocalKernelSandbox:
         """Start a kernel in a new working directory and wait until it answers.
 
+        With ``config.warm_pool_size``, take a ready kernel of the same settings from this
+        process's warm pool instead (it gets ``labels`` in place of the pool's), and refill
+        the pool in the background; start one only when none is ready.
+
         Args:
             config: the sandbox settings.
             labels: labels to find the sandbox by later (flow run id and name, ...).
@@ -192,6 +217,72 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 ``startup_timeout_s``.
             SandboxUnavailableError: bubblewrap cannot run here.
         """
+        if not config.warm_pool_size:
+            return await cls._start(config, labels)
+        pool = _warm_pool(cls, config)
+        while (handle := pool.take()) is not None:
+            try:
+                sandbox = await cls._hand_out(handle, config, labels)
+            except Exception:
+                logger.warning(
+                    "Warm pool: kernel %s failed as it was handed out (ended); trying another",
+                    handle.sandbox_id,
+                    exc_info=True,
+                )
+                continue
+            pool.refill()
+            return sandbox
+        # The first create, or one that drained the pool: a cold start, then the refill, so
+        # that the two do not compete for the CPU.
+        sandbox = await cls._start(config, labels)
+        pool.refill()
+        return sandbox
+
+    @classmethod
+    async def fill_warm_pool(cls, config: LocalKernelConfig, timeout_s: float) -> int:
+        """Fill this process's warm pool for ``config`` now, rather than at the first create.
+
+        Args:
+            config: the sandbox settings; ``warm_pool_size`` is how many kernels to start.
+            timeout_s: the longest wait, in seconds; kernels not started by then keep
+                starting in the background.
+
+        Returns:
+            How many ready kernels the pool holds. Fewer than ``warm_pool_size`` if the
+            timeout passed or a kernel failed to start (logged as a warning; the next
+            `create` starts one itself, and raises what stops it).
+
+        Raises:
+            ValueError: ``config.warm_pool_size`` is 0.
+        """
+        if not config.warm_pool_size:
+            raise ValueError("warm_pool_size is 0: there is no warm pool to fill")
+        pool = _warm_pool(cls, config)
+        pool.refill()
+        await asyncio.to_thread(pool.wait_full, timeout_s)
+        return len(pool.idle)
+
+    @classmethod
+    async def _hand_out(
+        cls, handle: SandboxHandle, config: LocalKernelConfig, labels: Mapping[str, str] | None
+    ) -> LocalKernelSandbox:
+        """A pooled kernel, relabelled for its taker and connected from this event loop."""
+        handle = handle.model_copy(update={"labels": dict(labels or {})})
+        try:
+            # Labelled first: from here on the run's hooks and the reaper find it by its labels.
+            _write_handle(handle)
+            sandbox = cls(handle, config)
+            await sandbox._handshake()
+        except BaseException:
+            await asyncio.to_thread(_destroy, handle)
+            raise
+        return sandbox
+
+    @classmethod
+    async def _start(
+        cls, config: LocalKernelConfig, labels: Mapping[str, str] | None
+    ) -> LocalKernelSandbox:
+        """Start a kernel (see `create`), whatever the warm pool holds."""
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         runtime_dir = _runtime_base() / sandbox_id
         runtime_dir.mkdir(mode=0o700)
@@ -210,7 +301,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 "kernel_name": config.kernel_name,
             },
         )
-        (runtime_dir / "handle.json").write_text(handle.model_dump_json())
+        _write_handle(handle)
         write_connection_file(
             fname=str(runtime_dir / "connection.json"),
             ip=str(runtime_dir / "ipc" / "k"),
@@ -261,6 +352,9 @@ class LocalKernelSandbox(JupyterKernelSandbox):
     ) -> list[SandboxHandle]:
         """Handles of this machine's live local sandboxes whose labels include ``labels``.
 
+        Warm pools' idle kernels are listed too: they carry the marker and
+        ``prefect-sandbox-pool-owner`` labels, and no flow run's, until they are handed out.
+
         Args:
             config: the sandbox settings (unused: every local sandbox is found the same way).
             labels: labels every returned sandbox carries; None or empty for all.
@@ -268,13 +362,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         Returns:
             Handles sorted by sandbox id.
         """
-        wanted = dict(labels or {})
-        handles = []
-        for handle_file in sorted(_runtime_base().glob("*/handle.json")):
-            handle = SandboxHandle.model_validate_json(handle_file.read_text())
-            if wanted.items() <= handle.labels.items():
-                handles.append(handle)
-        return handles
+        return _registered_handles(labels or {})
 
     async def interrupt(self) -> None:
         """Send SIGINT to the kernel's process group, as Jupyter does for ``signal`` mode."""
@@ -317,6 +405,107 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         else:
             exit_code = signum = None
         raise self._kernel_died(exit_code=exit_code, signal=signum, reason=reason)
+
+
+def _write_handle(handle: SandboxHandle) -> None:
+    """Record the handle in its runtime folder, replacing the file whole (listings read it)."""
+    handle_file = Path(handle.connection["runtime_dir"]) / "handle.json"
+    partial = handle_file.with_suffix(".json.partial")
+    partial.write_text(handle.model_dump_json(exclude={"kernel"}))
+    partial.replace(handle_file)
+
+
+def _registered_handles(labels: Mapping[str, str]) -> list[SandboxHandle]:
+    """Handles of this machine's local sandboxes whose labels include ``labels``, by id."""
+    handles = []
+    for handle_file in sorted(_runtime_base().glob("*/handle.json")):
+        try:
+            handle = SandboxHandle.model_validate_json(handle_file.read_text())
+        except FileNotFoundError:  # killed since the glob
+            continue
+        if labels.items() <= handle.labels.items():
+            handles.append(handle)
+    return handles
+
+
+def _pool_key(config: LocalKernelConfig) -> tuple[object, ...]:
+    """What a pooled kernel shares with every config it may be handed out for.
+
+    Every setting, and what of this process the kernel was started with: the host variables it
+    inherits and the temp dir its folders are in.
+    """
+    settings = []
+    for setting in dataclasses.fields(config):
+        value = getattr(config, setting.name)
+        if isinstance(value, Mapping):
+            value = tuple(sorted(value.items()))
+        settings.append((setting.name, value))
+    host_env = tuple((name, os.environ.get(name)) for name in HOST_ENV_ALLOW_LIST)
+    return (tuple(settings), host_env, tempfile.gettempdir())
+
+
+def _warm_pool(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> WarmPool:
+    """This process's warm pool of kernels for ``config``."""
+
+    def start() -> SandboxHandle:
+        return asyncio.run(_start_pooled(cls, config))
+
+    def make() -> WarmPool:
+        return WarmPool(config.warm_pool_size, start=start, destroy=_destroy, alive=_kernel_alive)
+
+    pool, _ = warm_pool(_pool_key(config), make)
+    return pool
+
+
+async def _start_pooled(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> SandboxHandle:
+    """Start a kernel for a warm pool (in the pool's thread): labelled as this process's."""
+    _kill_orphans_once()
+    labels = {MARKER_LABEL: "true", POOL_OWNER_LABEL: str(os.getpid())}
+    sandbox = await cls._start(config, labels)
+    # Its sockets belong to this thread's event loop; its taker connects its own.
+    await sandbox.close()
+    return sandbox.handle
+
+
+def _kernel_alive(handle: SandboxHandle) -> bool:
+    """Whether the sandbox's kernel process is running (not exited, not a zombie)."""
+    process = _launched.get(handle.sandbox_id)
+    if process is not None:
+        return process.poll() is None
+    try:
+        pid = _read_pid(handle)
+    except SandboxNotFoundError:
+        return False
+    return _process_state(pid) not in (None, "Z")
+
+
+def kill_orphaned_pool_kernels() -> list[SandboxHandle]:
+    """End the idle warm-pool kernels on this machine whose owning process is gone.
+
+    A pool's kernels die with the process that owns it (as every local kernel does), but a
+    process killed by SIGKILL leaves their folders behind, labelled with its pid. Each process
+    calls this once, when it first fills a warm pool (the reaper considers only sandboxes
+    labelled with a flow run id, so it leaves these alone).
+
+    Returns:
+        The handles of the kernels it ended.
+    """
+    ended = []
+    for handle in _registered_handles({MARKER_LABEL: "true"}):
+        owner = handle.labels.get(POOL_OWNER_LABEL)
+        if owner is None or not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        if _process_state(int(owner)) in (None, "Z") and _destroy(handle):
+            ended.append(handle)
+    return ended
+
+
+@functools.cache
+def _kill_orphans_once() -> None:
+    """`kill_orphaned_pool_kernels`, once per process."""
+    orphans = kill_orphaned_pool_kernels()
+    if orphans:
+        logger.info("Ended %d warm-pool kernel(s) of processes that are gone", len(orphans))
 
 
 def _read_pid(handle: SandboxHandle) -> int:
