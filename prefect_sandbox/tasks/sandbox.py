@@ -29,6 +29,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     UnsafePathError,
 )
+from prefect_sandbox.sandbox.labels import with_created_at
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 from prefect_sandbox.sandbox.outputs import (
     cap_text,
@@ -66,7 +67,8 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
 
     Args:
         backend: the backend block.
-        labels: labels for the sandbox (see `flow_run_labels`).
+        labels: labels for the sandbox (see `flow_run_labels`); the sandbox also gets
+            `CREATED_AT_LABEL`, the time it is made, by which the reaper tells its age.
 
     Returns:
         The new sandbox's handle.
@@ -74,7 +76,7 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
     Raises:
         SandboxError: the backend could not make it.
     """
-    sandbox = await backend.create(labels)
+    sandbox = await backend.create(with_created_at(labels))
     await sandbox.close()
     get_run_logger().info("Sandbox %s started", sandbox.handle.sandbox_id)
     return sandbox.handle

@@ -1,0 +1,315 @@
+"""The reaper: `areap_sandboxes` / `reap_sandboxes` kill sandboxes whose flow run is over.
+
+A flow kills its sandbox in a ``finally``, and its ``on_cancellation``/``on_crashed`` hooks kill
+by label; neither runs when the flow's process is SIGKILLed or its machine is lost. The reaper
+is the net under them: it lists each backend's sandboxes carrying our marker and a flow-run-id
+label (`prefect_sandbox.sandbox.labels`), asks the Prefect API for those flow runs, and kills a
+sandbox when
+
+- its flow run is in a final state (Completed, Failed, Cancelled, Crashed),
+- no such flow run exists (deleted, or made against another Prefect API), or
+- the sandbox is older than ``max_age_s``.
+
+A sandbox's age comes from its `CREATED_AT_LABEL`, set by the pipeline's create-sandbox task
+when it makes the sandbox (to the second, by that machine's clock). A sandbox without the label
+(made by other code) has no age; only its run's state decides.
+
+A flow run whose process was SIGKILLed stays Running in the API: nothing is left to report its
+end. Two things end it for the reaper. Prefect's zombie detection, where set up, marks it
+Crashed once its heartbeats stop (an automation on ``prefect.flow-run.heartbeat`` events,
+emitted every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds; Prefect Cloud's "Unresponsive run
+detection", or the automation Prefect's docs give for a server of your own; a plain server has
+none); the next sweep then reaps it as final. Otherwise ``max_age_s`` does, once the sandbox is
+older. Remote sandboxes also end on their vendor-side lifetime, and a local kernel dies with the
+process that started it, leaving only its folders, which the reaper removes.
+
+Pooled local kernels (the warm pool) carry the marker but no flow-run-id label: the reaper
+leaves them to their pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import get_args
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import FlowRun
+from prefect.exceptions import ObjectNotFound
+from pydantic import BaseModel
+
+from prefect_sandbox.blocks import BackendBlock
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.local import LocalKernelBackend
+from prefect_sandbox.flows.errors import ReapFailedError
+from prefect_sandbox.flows.pipeline import sync_twin
+from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.errors import SandboxError
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
+
+__all__ = [
+    "DEFAULT_MAX_AGE_S",
+    "REAPED_ARTIFACT_KEY",
+    "ReapedSandbox",
+    "areap_sandboxes",
+    "reap_reason",
+    "reap_sandboxes",
+    "saved_backends",
+]
+
+REAPED_ARTIFACT_KEY = "reaped-sandboxes"
+DEFAULT_MAX_AGE_S = 24 * 3600.0
+"""A day: longer than a notebook run is expected to last, shorter than a leak is tolerable."""
+
+_FLOW_RUNS_PER_QUERY = 100
+
+
+class ReapedSandbox(BaseModel):
+    """A sandbox the reaper killed, would kill (dry run), or could not sweep.
+
+    Attributes:
+        backend: the backend's slug (``"local"``, ``"e2b"``, ...); for a backend that could
+            not be listed, its block (``"e2b-sandbox/my-block"``).
+        sandbox_id: the backend's id for the sandbox; empty when listing the backend failed.
+        flow_run_id: the flow run its label names; empty when listing failed.
+        flow_run_state: the run's state name (``"Crashed"``, ``"Running"``); None when no such
+            flow run exists.
+        why: why it is reaped: ``"flow run Completed"``, ``"no such flow run"``,
+            ``"older than 86400 s"``; or what failed.
+        age_s: seconds since the sandbox was made; None when it carries no creation time.
+        killed: True if this sweep ended it.
+        error: why killing it (or listing the backend) failed; None if it did not.
+    """
+
+    backend: str
+    sandbox_id: str
+    flow_run_id: str
+    flow_run_state: str | None
+    why: str
+    age_s: float | None
+    killed: bool
+    error: str | None = None
+
+
+def reap_reason(
+    flow_run: FlowRun | None, age_s: float | None, max_age_s: float | None
+) -> str | None:
+    """Why a labelled sandbox should be killed, or None to leave it.
+
+    Args:
+        flow_run: the flow run its label names, as the API has it; None when there is none.
+        age_s: the sandbox's age in seconds; None when unknown.
+        max_age_s: the age past which it is killed whatever its run's state; None for none.
+
+    Returns:
+        A short reason (``"flow run Crashed"``, ``"no such flow run"``,
+        ``"older than 3600 s"``), or None.
+    """
+    if flow_run is None:
+        return "no such flow run"
+    state = flow_run.state
+    if state is not None and state.is_final():
+        return f"flow run {state.name}"
+    if max_age_s is not None and age_s is not None and age_s > max_age_s:
+        return f"older than {max_age_s:g} s"
+    return None
+
+
+async def saved_backends() -> list[SandboxBackend]:
+    """The backends the reaper sweeps by default: a local kernel backend (this machine's
+    local sandboxes), then every saved block of each backend type, in block-type order.
+
+    Block types not registered with the API are skipped.
+
+    Returns:
+        The backend blocks.
+    """
+    backends: list[SandboxBackend] = [LocalKernelBackend()]
+    async with get_client() as client:
+        for block_class in get_args(BackendBlock):
+            try:
+                documents = await client.read_block_documents_by_type(
+                    block_class.get_block_type_slug(), include_secrets=False
+                )
+            except ObjectNotFound:
+                continue
+            for document in documents:
+                if document.name is not None and not document.is_anonymous:
+                    backends.append(await block_class.aload(document.name))
+    return backends
+
+
+async def _flow_runs(flow_run_ids: Iterable[str]) -> dict[str, FlowRun]:
+    """The flow runs the API has among ``flow_run_ids``, by id; ids that are not UUIDs name
+    no flow run."""
+    wanted: list[UUID] = []
+    for value in set(flow_run_ids):
+        try:
+            wanted.append(UUID(value))
+        except ValueError:
+            continue
+    found: dict[str, FlowRun] = {}
+    async with get_client() as client:
+        for start in range(0, len(wanted), _FLOW_RUNS_PER_QUERY):
+            chunk = wanted[start : start + _FLOW_RUNS_PER_QUERY]
+            runs = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)), limit=len(chunk)
+            )
+            found.update({str(run.id): run for run in runs})
+    return found
+
+
+async def _kill(backend: SandboxBackend, handle: SandboxHandle) -> bool:
+    """Kill one sandbox; False when it was already gone.
+
+    Raises:
+        SandboxError: the backend could not reach or end it.
+    """
+    sandbox = await backend.attach(handle)
+    return await sandbox.kill()
+
+
+def _block_name(backend: SandboxBackend) -> str:
+    """A backend block as people know it: its type's slug, and its name when saved."""
+    slug = backend.get_block_type_slug()
+    name = backend._block_document_name
+    return slug if name is None else f"{slug}/{name}"
+
+
+def _table(reaped: list[ReapedSandbox], dry_run: bool) -> list[dict[str, str]]:
+    """The rows of the ``reaped-sandboxes`` artifact."""
+    rows = []
+    for entry in reaped:
+        if entry.error is not None:
+            result = f"error: {entry.error}"
+        elif dry_run:
+            result = "would kill"
+        else:
+            result = "killed" if entry.killed else "already gone"
+        rows.append(
+            {
+                "backend": entry.backend,
+                "sandbox": entry.sandbox_id,
+                "flow run": entry.flow_run_id,
+                "state": entry.flow_run_state or "missing",
+                "why": entry.why,
+                "age (s)": "unknown" if entry.age_s is None else f"{entry.age_s:.0f}",
+                "result": result,
+            }
+        )
+    return rows
+
+
+@flow(name="reap-sandboxes")
+async def areap_sandboxes(
+    backends: list[BackendBlock] | None = None,
+    max_age_s: float | None = DEFAULT_MAX_AGE_S,
+    dry_run: bool = False,
+    labels: dict[str, str] | None = None,
+) -> list[ReapedSandbox]:
+    """Kill sandboxes whose flow run is over, gone, or too old (see the module's docstring).
+
+    Only sandboxes carrying both the prefect-sandbox marker and a flow-run-id label are
+    considered: pooled kernels and sandboxes made outside a flow are left alone. Each is killed
+    on its own; one that cannot be killed is logged and the others still are. A table artifact
+    (key ``reaped-sandboxes``) lists what was killed, or would be on a dry run.
+
+    Run it against the Prefect API whose flow runs made the sandboxes: to another API's
+    reaper, each of those runs is missing. Where two APIs share a vendor account, give each
+    one's blocks labels of their own (E2B's metadata, Daytona's labels) and pass them here.
+
+    Args:
+        backends: Backend blocks whose sandboxes to sweep; when empty, a local kernel backend
+            (this machine's local sandboxes) and every saved block of each backend type.
+        max_age_s: Seconds after which a sandbox is killed even if its flow run still looks
+            alive (a run whose process was SIGKILLed stays Running); empty for no limit.
+        dry_run: List what would be killed, and kill nothing.
+        labels: Further labels a sandbox must carry to be swept, e.g. {"team": "ml"}.
+
+    Returns:
+        One `ReapedSandbox` per sandbox killed (or that would be), and one per backend that
+        could not be listed.
+
+    Raises:
+        ValueError: ``max_age_s`` is zero, negative, NaN or infinite.
+        ReapFailedError: a backend could not be listed or a sandbox killed; the others were
+            swept and the artifact written first.
+    """
+    if max_age_s is not None and not (math.isfinite(max_age_s) and max_age_s > 0):
+        raise ValueError(f"max_age_s must be a positive number of seconds; got {max_age_s:g}")
+    logger = get_run_logger()
+    swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
+    wanted = {**(labels or {}), MARKER_LABEL: "true"}
+    reaped: list[ReapedSandbox] = []
+    found: dict[tuple[str, str], tuple[SandboxBackend, SandboxHandle]] = {}
+    for backend in swept:
+        try:
+            handles = await backend.list_sandboxes(wanted)
+        except SandboxError as exc:
+            name = _block_name(backend)
+            logger.warning("Could not list the sandboxes of %s: %s", name, exc)
+            reaped.append(
+                ReapedSandbox(
+                    backend=name,
+                    sandbox_id="",
+                    flow_run_id="",
+                    flow_run_state=None,
+                    why="listing failed",
+                    age_s=None,
+                    killed=False,
+                    error=str(exc),
+                )
+            )
+            continue
+        for handle in handles:
+            if FLOW_RUN_ID_LABEL in handle.labels:
+                found.setdefault((handle.backend, handle.sandbox_id), (backend, handle))
+    runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found.values())
+    now = datetime.now(UTC)
+    for backend, handle in found.values():
+        flow_run_id = handle.labels[FLOW_RUN_ID_LABEL]
+        flow_run = runs.get(flow_run_id)
+        made = created_at(handle.labels)
+        age_s = None if made is None else (now - made).total_seconds()
+        why = reap_reason(flow_run, age_s, max_age_s)
+        if why is None:
+            continue
+        entry = ReapedSandbox(
+            backend=handle.backend,
+            sandbox_id=handle.sandbox_id,
+            flow_run_id=flow_run_id,
+            flow_run_state=flow_run.state.name if flow_run and flow_run.state else None,
+            why=why,
+            age_s=age_s,
+            killed=False,
+        )
+        reaped.append(entry)
+        if dry_run:
+            logger.info("Would kill sandbox %s (%s)", handle.sandbox_id, why)
+            continue
+        try:
+            entry.killed = await _kill(backend, handle)
+        except SandboxError as exc:
+            entry.error = str(exc)
+            logger.warning("Could not kill sandbox %s (%s): %s", handle.sandbox_id, why, exc)
+            continue
+        logger.info("Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run_id, why)
+    verb = "Would kill" if dry_run else "Killed"
+    count = sum(1 for entry in reaped if entry.error is None and (dry_run or entry.killed))
+    await acreate_table_artifact(
+        key=REAPED_ARTIFACT_KEY,
+        table=_table(reaped, dry_run),
+        description=f"{verb} {count} sandbox(es) of {len(found)} labelled with a flow run",
+    )
+    failed = [e.sandbox_id or f"listing {e.backend}" for e in reaped if e.error is not None]
+    if failed:
+        raise ReapFailedError(f"could not sweep: {', '.join(failed)}", failed=failed)
+    return reaped
+
+
+reap_sandboxes = sync_twin(areap_sandboxes)
