@@ -4,6 +4,7 @@ on the E2B emulator, with a live run's sandbox beside it left alone."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -32,14 +33,19 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL
-from prefect.states import Completed, Crashed, Running
+from prefect.states import Completed, Crashed, Pending, Running
 from pydantic import SecretStr
 
 from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows import areap_sandboxes, reap_sandboxes
 from prefect_sandbox.flows.hooks import kill_labelled_sandboxes
-from prefect_sandbox.flows.reaper import REAPED_ARTIFACT_KEY, ReapedSandbox, reap_reason
+from prefect_sandbox.flows.reaper import (
+    REAPED_ARTIFACT_KEY,
+    ReapedSandbox,
+    last_heartbeats,
+    reap_reason,
+)
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.labels import (
     CREATED_AT_LABEL,
@@ -82,6 +88,11 @@ def test_reap_reason_kills_final_missing_and_too_old_and_nothing_else() -> None:
     assert reap_reason(run(Running()), 60.0, 3600) is None
     assert reap_reason(run(Running()), None, 3600) is None
     assert reap_reason(run(Running()), 7200.0, None) is None
+    hour = {"heartbeat_timeout_s": 600.0, "heartbeat_age_s": 3600.0}
+    assert reap_reason(run(Running()), 60.0, None, **hour) == "no heartbeat for 3600 s"
+    assert reap_reason(run(Pending()), 60.0, None, **hour) is None
+    assert reap_reason(run(Running()), 60.0, None, heartbeat_age_s=None) is None
+    assert reap_reason(run(Running()), 60.0, None, heartbeat_age_s=3600.0) is None
 
 
 @flow
@@ -261,13 +272,18 @@ async def _state_name(flow_run_id: str) -> str | None:
     return None if run.state is None else run.state.name
 
 
-def _age_between(older: SandboxHandle, younger: SandboxHandle) -> float:
-    """A max age that ``older`` is past and ``younger`` is not, from their created-at labels."""
-    older_at, younger_at = created_at(older.labels), created_at(younger.labels)
-    assert older_at is not None and younger_at is not None
-    assert younger_at > older_at
-    middle = older_at + (younger_at - older_at) / 2
-    return (datetime.now(UTC) - middle).total_seconds()
+async def _timeout_between(orphan: Victim, live: Victim, timeout_s: float = 30) -> float:
+    """A heartbeat timeout that the orphan's last heartbeat is past and the live run's is not,
+    once the API has both (the live run's first came after the orphan was killed)."""
+    async with get_client() as client:
+        runs = [await client.read_flow_run(UUID(v.flow_run_id)) for v in (orphan, live)]
+    deadline = time.monotonic() + timeout_s
+    while len(beats := await last_heartbeats(runs)) < 2:
+        assert time.monotonic() < deadline, f"heartbeats on record: {beats}"
+        await asyncio.sleep(0.5)
+    older, younger = beats[orphan.flow_run_id], beats[live.flow_run_id]
+    assert younger > older
+    return (datetime.now(UTC) - (older + (younger - older) / 2)).total_seconds()
 
 
 async def test_h26_local_sigkilled_flow_its_orphan_is_reaped_a_live_run_is_not(
@@ -283,23 +299,22 @@ async def test_h26_local_sigkilled_flow_its_orphan_is_reaped_a_live_run_is_not(
         # No hook ran: the orphan's folders are still listed.
         assert orphan.handle.sandbox_id in {h.sandbox_id for h in await backend.list_sandboxes({})}
 
-        # Its run still looks alive to the API: by state alone, nothing is reaped.
         ours = {orphan.handle.sandbox_id, live.handle.sandbox_id}
+        # Its run still looks alive to the API, and its last heartbeat is recent.
         reaped, _ = _only(ours, *await _reap(backends=[backend], dry_run=True))
         assert reaped == []
 
-        max_age_s = _age_between(orphan.handle, live.handle)
-        reaped, rows = _only(
-            ours, *await _reap(backends=[backend], max_age_s=max_age_s, dry_run=True)
-        )
+        # Its heartbeats stopped when it was killed; the live run's go on.
+        stale = {"heartbeat_timeout_s": await _timeout_between(orphan, live), "max_age_s": None}
+        reaped, rows = _only(ours, *await _reap(backends=[backend], dry_run=True, **stale))
         assert [(e.sandbox_id, e.killed) for e in reaped] == [(orphan.handle.sandbox_id, False)]
         assert [row["result"] for row in rows] == ["would kill"]
         assert orphan_dir.exists()
 
-        reaped, rows = _only(ours, *await _reap(backends=[backend], max_age_s=max_age_s))
+        reaped, rows = _only(ours, *await _reap(backends=[backend], **stale))
         assert [(e.sandbox_id, e.killed) for e in reaped] == [(orphan.handle.sandbox_id, True)]
         assert reaped[0].flow_run_state == "Running"
-        assert reaped[0].why.startswith("older than")
+        assert reaped[0].why.startswith("no heartbeat for")
         assert [row["result"] for row in rows] == ["killed"]
         listed = {h.sandbox_id for h in await backend.list_sandboxes({})}
         assert orphan.handle.sandbox_id not in listed

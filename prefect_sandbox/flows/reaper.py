@@ -7,7 +7,8 @@ label (`prefect_sandbox.sandbox.labels`), asks the Prefect API for those flow ru
 sandbox when
 
 - its flow run is in a final state (Completed, Failed, Cancelled, Crashed),
-- no such flow run exists (deleted, or made against another Prefect API), or
+- no such flow run exists (deleted, or made against another Prefect API),
+- its flow run is Running but its last heartbeat is older than ``heartbeat_timeout_s``, or
 - the sandbox is older than ``max_age_s``.
 
 A sandbox's age comes from its `CREATED_AT_LABEL`, set by the pipeline's create-sandbox task
@@ -15,13 +16,18 @@ when it makes the sandbox (to the second, by that machine's clock). A sandbox wi
 (made by other code) has no age; only its run's state decides.
 
 A flow run whose process was SIGKILLed stays Running in the API: nothing is left to report its
-end. Two things end it for the reaper. Prefect's zombie detection, where set up, marks it
-Crashed once its heartbeats stop (an automation on ``prefect.flow-run.heartbeat`` events,
-emitted every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds; Prefect Cloud's "Unresponsive run
-detection", or the automation Prefect's docs give for a server of your own; a plain server has
-none); the next sweep then reaps it as final. Otherwise ``max_age_s`` does, once the sandbox is
-older. Remote sandboxes also end on their vendor-side lifetime, and a local kernel dies with the
-process that started it, leaving only its folders, which the reaper removes.
+end. Its heartbeats do stop. Every flow run's engine emits a ``prefect.flow-run.heartbeat``
+event every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (180 by default in Prefect 3.9, 30
+at least; unset, none), and the API stores events. So the reaper reads each Running run's
+last heartbeat: older than ``heartbeat_timeout_s`` (keep it at 3 or more heartbeat periods of
+the flows' processes) means the process is gone. A run with no heartbeat on record (heartbeats
+off, or an API that keeps no events) is never judged by heartbeat: only by state and age.
+Prefect's own zombie detection works from the same events: an automation (Prefect Cloud's
+"Unresponsive run detection", or the one Prefect's docs give for a server of your own; a plain
+server has none) marks such a run Crashed, and the next sweep reaps it as final. Last,
+``max_age_s`` catches what the rest miss. Remote sandboxes also end on their vendor-side
+lifetime, and a local kernel dies with the process that started it, leaving only its folders,
+which the reaper removes.
 
 Pooled local kernels (the warm pool) carry the marker but no flow-run-id label: the reaper
 leaves them to their pool.
@@ -40,6 +46,12 @@ from prefect.artifacts import acreate_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
+from prefect.events.filters import (
+    EventFilter,
+    EventNameFilter,
+    EventOccurredFilter,
+    EventResourceFilter,
+)
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
@@ -53,10 +65,12 @@ from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "DEFAULT_MAX_AGE_S",
     "REAPED_ARTIFACT_KEY",
     "ReapedSandbox",
     "areap_sandboxes",
+    "last_heartbeats",
     "reap_reason",
     "reap_sandboxes",
     "saved_backends",
@@ -65,6 +79,10 @@ __all__ = [
 REAPED_ARTIFACT_KEY = "reaped-sandboxes"
 DEFAULT_MAX_AGE_S = 24 * 3600.0
 """A day: longer than a notebook run is expected to last, shorter than a leak is tolerable."""
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 600.0
+"""Past three heartbeats at Prefect's default period (180 s)."""
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 
 _FLOW_RUNS_PER_QUERY = 100
 
@@ -97,7 +115,12 @@ class ReapedSandbox(BaseModel):
 
 
 def reap_reason(
-    flow_run: FlowRun | None, age_s: float | None, max_age_s: float | None
+    flow_run: FlowRun | None,
+    age_s: float | None,
+    max_age_s: float | None,
+    *,
+    heartbeat_age_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
 ) -> str | None:
     """Why a labelled sandbox should be killed, or None to leave it.
 
@@ -105,16 +128,27 @@ def reap_reason(
         flow_run: the flow run its label names, as the API has it; None when there is none.
         age_s: the sandbox's age in seconds; None when unknown.
         max_age_s: the age past which it is killed whatever its run's state; None for none.
+        heartbeat_age_s: seconds since the run's last heartbeat; None when it sent none.
+        heartbeat_timeout_s: the heartbeat age past which a Running run counts as dead;
+            None to not judge by heartbeats.
 
     Returns:
         A short reason (``"flow run Crashed"``, ``"no such flow run"``,
-        ``"older than 3600 s"``), or None.
+        ``"no heartbeat for 700 s"``, ``"older than 3600 s"``), or None.
     """
     if flow_run is None:
         return "no such flow run"
     state = flow_run.state
     if state is not None and state.is_final():
         return f"flow run {state.name}"
+    if (
+        state is not None
+        and state.is_running()
+        and heartbeat_timeout_s is not None
+        and heartbeat_age_s is not None
+        and heartbeat_age_s > heartbeat_timeout_s
+    ):
+        return f"no heartbeat for {heartbeat_age_s:.0f} s"
     if max_age_s is not None and age_s is not None and age_s > max_age_s:
         return f"older than {max_age_s:g} s"
     return None
@@ -164,6 +198,34 @@ async def _flow_runs(flow_run_ids: Iterable[str]) -> dict[str, FlowRun]:
     return found
 
 
+async def last_heartbeats(flow_runs: Iterable[FlowRun]) -> dict[str, datetime]:
+    """Each flow run's last ``prefect.flow-run.heartbeat`` event since it started, as the API
+    stores them.
+
+    Args:
+        flow_runs: the runs to ask about.
+
+    Returns:
+        Flow run id to when its last heartbeat occurred (UTC); runs with none are left out.
+    """
+    found: dict[str, datetime] = {}
+    async with get_client() as client:
+        for run in flow_runs:
+            since = run.start_time or run.created
+            occurred = EventOccurredFilter() if since is None else EventOccurredFilter(since=since)
+            page = await client.read_events(
+                EventFilter(
+                    occurred=occurred,
+                    event=EventNameFilter(name=[HEARTBEAT_EVENT]),
+                    resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
+                ),
+                limit=1,
+            )
+            if page.events:
+                found[str(run.id)] = page.events[0].occurred
+    return found
+
+
 async def _kill(backend: SandboxBackend, handle: SandboxHandle) -> bool:
     """Kill one sandbox; False when it was already gone.
 
@@ -209,6 +271,7 @@ def _table(reaped: list[ReapedSandbox], dry_run: bool) -> list[dict[str, str]]:
 async def areap_sandboxes(
     backends: list[BackendBlock] | None = None,
     max_age_s: float | None = DEFAULT_MAX_AGE_S,
+    heartbeat_timeout_s: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S,
     dry_run: bool = False,
     labels: dict[str, str] | None = None,
 ) -> list[ReapedSandbox]:
@@ -228,6 +291,10 @@ async def areap_sandboxes(
             (this machine's local sandboxes) and every saved block of each backend type.
         max_age_s: Seconds after which a sandbox is killed even if its flow run still looks
             alive (a run whose process was SIGKILLed stays Running); empty for no limit.
+        heartbeat_timeout_s: Seconds without a heartbeat after which a Running flow run counts
+            as dead (its process was killed or its machine lost); at least 3 heartbeat
+            periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the flows' processes). Runs with no
+            heartbeat on record are not judged by it. Empty to not judge by heartbeats.
         dry_run: List what would be killed, and kill nothing.
         labels: Further labels a sandbox must carry to be swept, e.g. {"team": "ml"}.
 
@@ -236,12 +303,14 @@ async def areap_sandboxes(
         could not be listed.
 
     Raises:
-        ValueError: ``max_age_s`` is zero, negative, NaN or infinite.
+        ValueError: ``max_age_s`` or ``heartbeat_timeout_s`` is zero, negative, NaN or
+            infinite.
         ReapFailedError: a backend could not be listed or a sandbox killed; the others were
             swept and the artifact written first.
     """
-    if max_age_s is not None and not (math.isfinite(max_age_s) and max_age_s > 0):
-        raise ValueError(f"max_age_s must be a positive number of seconds; got {max_age_s:g}")
+    for name, value in (("max_age_s", max_age_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds; got {value:g}")
     logger = get_run_logger()
     swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
     wanted = {**(labels or {}), MARKER_LABEL: "true"}
@@ -270,13 +339,22 @@ async def areap_sandboxes(
             if FLOW_RUN_ID_LABEL in handle.labels:
                 found.setdefault((handle.backend, handle.sandbox_id), (backend, handle))
     runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found.values())
+    running = [run for run in runs.values() if run.state is not None and run.state.is_running()]
+    heartbeats = await last_heartbeats(running) if heartbeat_timeout_s is not None else {}
     now = datetime.now(UTC)
     for backend, handle in found.values():
         flow_run_id = handle.labels[FLOW_RUN_ID_LABEL]
         flow_run = runs.get(flow_run_id)
         made = created_at(handle.labels)
         age_s = None if made is None else (now - made).total_seconds()
-        why = reap_reason(flow_run, age_s, max_age_s)
+        beat = heartbeats.get(flow_run_id)
+        why = reap_reason(
+            flow_run,
+            age_s,
+            max_age_s,
+            heartbeat_age_s=None if beat is None else (now - beat).total_seconds(),
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
         if why is None:
             continue
         entry = ReapedSandbox(
