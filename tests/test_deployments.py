@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -234,3 +235,29 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
         await asyncio.sleep(0.5)
     assert await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) == []
     assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(300)
+async def test_the_reaper_deployment_runs_every_10_minutes_once_switched_on(
+    stack: PrefectStack, client: PrefectClient
+) -> None:
+    deployment = await client.read_deployment_by_name("reap-sandboxes/reap-sandboxes")
+    [schedule] = deployment.schedules
+    assert schedule.schedule.model_dump(include={"interval"}) == {"interval": timedelta(minutes=10)}
+    assert schedule.active is False
+    # As deployments/README.md says to switch it on (and off again).
+    stack.cli("deployment", "schedule", "resume", "reap-sandboxes/reap-sandboxes", str(schedule.id))
+    deployment = await client.read_deployment_by_name("reap-sandboxes/reap-sandboxes")
+    assert [s.active for s in deployment.schedules] == [True]
+    stack.cli("deployment", "schedule", "pause", "reap-sandboxes/reap-sandboxes", str(schedule.id))
+
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        flow_run = await run_deployment(
+            "reap-sandboxes/reap-sandboxes", parameters={"dry_run": True}, timeout=240
+        )
+    assert flow_run.state is not None
+    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
+    artifacts = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    )
+    assert [a.key for a in artifacts if a.type == "table"] == ["reaped-sandboxes"]

@@ -189,6 +189,32 @@ async def test_it_kills_sandboxes_of_finished_missing_and_too_old_runs_and_spare
                 await (await backend.attach(handle)).kill()
 
 
+async def test_by_default_it_sweeps_the_local_backend_and_every_saved_backend_block(
+    e2b_backend: tuple[E2BBackend, dict[str, str]], e2b_emulator: E2BEmulator
+) -> None:
+    saved, spec = e2b_backend
+    scope = {"test-id": spec["test_id"]}
+    name = f"reaper-{spec['test_id'][:12]}"
+    await saved.save(name)
+    ghost = {**with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")), **scope}
+    local = await LocalKernelBackend().create(ghost)
+    remote = await saved.create(ghost)
+    await local.close()
+    await remote.close()
+    try:
+        reaped = await areap_sandboxes(labels=scope)
+        assert {(e.backend, e.sandbox_id, e.killed) for e in reaped} == {
+            ("local", local.handle.sandbox_id, True),
+            ("e2b", remote.handle.sandbox_id, True),
+        }
+        assert e2b_emulator.sandbox_ids(scope) == []
+        assert await LocalKernelBackend().list_sandboxes(scope) == []
+    finally:
+        await E2BBackend.adelete(name)
+        await local.kill()
+        await remote.kill()
+
+
 _VICTIM = """
 import asyncio, json, os
 from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
