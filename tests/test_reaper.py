@@ -38,7 +38,7 @@ from pydantic import SecretStr
 
 from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows import areap_sandboxes, reap_sandboxes
+from prefect_sandbox.flows import ReapFailedError, areap_sandboxes, reap_sandboxes
 from prefect_sandbox.flows.hooks import kill_labelled_sandboxes
 from prefect_sandbox.flows.reaper import (
     REAPED_ARTIFACT_KEY,
@@ -56,7 +56,7 @@ from prefect_sandbox.sandbox.labels import (
     flow_run_labels,
     with_created_at,
 )
-from prefect_sandbox.testing.e2b import E2BEmulator
+from prefect_sandbox.testing.e2b import E2BEmulator, Fault
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -213,6 +213,42 @@ async def test_by_default_it_sweeps_the_local_backend_and_every_saved_backend_bl
         await E2BBackend.adelete(name)
         await local.kill()
         await remote.kill()
+
+
+async def test_a_sandbox_or_backend_that_fails_does_not_stop_the_others(
+    e2b_backend: tuple[E2BBackend, dict[str, str]], e2b_emulator: E2BEmulator
+) -> None:
+    remote_backend, spec = e2b_backend
+    scope = {"test-id": spec["test_id"]}
+    ghost = {**with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")), **scope}
+    remote = await remote_backend.create(ghost)
+    local = await LocalKernelBackend().create(ghost)
+    await remote.close()
+    await local.close()
+    wrong_key = remote_backend.model_copy(
+        update={"credentials": E2BCredentials(api_key=SecretStr("wrong"), api_url=e2b_emulator.url)}
+    )
+    e2b_emulator.inject(Fault("delete", status=500, times=None))
+    try:
+        state = await areap_sandboxes(
+            backends=[wrong_key, remote_backend, LocalKernelBackend()],
+            labels=scope,
+            return_state=True,
+        )
+    finally:
+        e2b_emulator.clear_faults()
+    assert state.is_failed()
+    with pytest.raises(ReapFailedError) as failed:
+        await state.aresult()
+    assert failed.value.failed == ["listing e2b-sandbox", remote.handle.sandbox_id]
+    assert await LocalKernelBackend().list_sandboxes(scope) == []
+    assert state.state_details.flow_run_id is not None
+    rows = await _reaper_artifact(state.state_details.flow_run_id)
+    results = {row["sandbox"]: row["result"] for row in rows}
+    assert results[local.handle.sandbox_id] == "killed"
+    assert results[remote.handle.sandbox_id].startswith("error: ")
+    assert results[""].startswith("error: ")
+    assert await remote.kill()
 
 
 _VICTIM = """

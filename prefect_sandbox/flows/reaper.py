@@ -61,7 +61,7 @@ from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.errors import ReapFailedError
 from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.errors import SandboxError
+from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
 
 __all__ = [
@@ -98,7 +98,7 @@ class ReapedSandbox(BaseModel):
         flow_run_state: the run's state name (``"Crashed"``, ``"Running"``); None when no such
             flow run exists.
         why: why it is reaped: ``"flow run Completed"``, ``"no such flow run"``,
-            ``"older than 86400 s"``; or what failed.
+            ``"no heartbeat for 700 s"``, ``"older than 86400 s"``; or ``"listing failed"``.
         age_s: seconds since the sandbox was made; None when it carries no creation time.
         killed: True if this sweep ended it.
         error: why killing it (or listing the backend) failed; None if it did not.
@@ -226,13 +226,53 @@ async def last_heartbeats(flow_runs: Iterable[FlowRun]) -> dict[str, datetime]:
     return found
 
 
+async def _labelled_sandboxes(
+    backends: list[SandboxBackend], labels: dict[str, str]
+) -> tuple[list[tuple[SandboxBackend, SandboxHandle]], list[ReapedSandbox]]:
+    """The sandboxes of ``backends`` that carry ``labels`` and a flow-run-id label, each once.
+
+    Returns:
+        Each sandbox with the backend that listed it; and a `ReapedSandbox` with the error for
+        each backend that could not be listed (logged as a warning).
+    """
+    found: dict[tuple[str, str], tuple[SandboxBackend, SandboxHandle]] = {}
+    failed: list[ReapedSandbox] = []
+    for backend in backends:
+        try:
+            handles = await backend.list_sandboxes(labels)
+        except SandboxError as exc:
+            name = _block_name(backend)
+            get_run_logger().warning("Could not list the sandboxes of %s: %s", name, exc)
+            failed.append(
+                ReapedSandbox(
+                    backend=name,
+                    sandbox_id="",
+                    flow_run_id="",
+                    flow_run_state=None,
+                    why="listing failed",
+                    age_s=None,
+                    killed=False,
+                    error=str(exc),
+                )
+            )
+            continue
+        for handle in handles:
+            if FLOW_RUN_ID_LABEL in handle.labels:
+                found.setdefault((handle.backend, handle.sandbox_id), (backend, handle))
+    return list(found.values()), failed
+
+
 async def _kill(backend: SandboxBackend, handle: SandboxHandle) -> bool:
-    """Kill one sandbox; False when it was already gone.
+    """Kill one sandbox; False when it was already gone (its run's own clean-up may have
+    just killed it).
 
     Raises:
         SandboxError: the backend could not reach or end it.
     """
-    sandbox = await backend.attach(handle)
+    try:
+        sandbox = await backend.attach(handle)
+    except SandboxNotFoundError:
+        return False
     return await sandbox.kill()
 
 
@@ -275,7 +315,8 @@ async def areap_sandboxes(
     dry_run: bool = False,
     labels: dict[str, str] | None = None,
 ) -> list[ReapedSandbox]:
-    """Kill sandboxes whose flow run is over, gone, or too old (see the module's docstring).
+    """Kill sandboxes whose flow run is over, gone or silent, or that are too old (see the
+    module's docstring).
 
     Only sandboxes carrying both the prefect-sandbox marker and a flow-run-id label are
     considered: pooled kernels and sandboxes made outside a flow are left alone. Each is killed
@@ -313,36 +354,12 @@ async def areap_sandboxes(
             raise ValueError(f"{name} must be a positive number of seconds; got {value:g}")
     logger = get_run_logger()
     swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
-    wanted = {**(labels or {}), MARKER_LABEL: "true"}
-    reaped: list[ReapedSandbox] = []
-    found: dict[tuple[str, str], tuple[SandboxBackend, SandboxHandle]] = {}
-    for backend in swept:
-        try:
-            handles = await backend.list_sandboxes(wanted)
-        except SandboxError as exc:
-            name = _block_name(backend)
-            logger.warning("Could not list the sandboxes of %s: %s", name, exc)
-            reaped.append(
-                ReapedSandbox(
-                    backend=name,
-                    sandbox_id="",
-                    flow_run_id="",
-                    flow_run_state=None,
-                    why="listing failed",
-                    age_s=None,
-                    killed=False,
-                    error=str(exc),
-                )
-            )
-            continue
-        for handle in handles:
-            if FLOW_RUN_ID_LABEL in handle.labels:
-                found.setdefault((handle.backend, handle.sandbox_id), (backend, handle))
-    runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found.values())
+    found, reaped = await _labelled_sandboxes(swept, {**(labels or {}), MARKER_LABEL: "true"})
+    runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found)
     running = [run for run in runs.values() if run.state is not None and run.state.is_running()]
     heartbeats = await last_heartbeats(running) if heartbeat_timeout_s is not None else {}
     now = datetime.now(UTC)
-    for backend, handle in found.values():
+    for backend, handle in found:
         flow_run_id = handle.labels[FLOW_RUN_ID_LABEL]
         flow_run = runs.get(flow_run_id)
         made = created_at(handle.labels)
