@@ -336,7 +336,11 @@ async def _state_name(flow_run_id: str) -> str | None:
 
 async def _timeout_between(orphan: Victim, live: Victim, timeout_s: float = 30) -> float:
     """A heartbeat timeout that the orphan's last heartbeat is past and the live run's is not,
-    once the API has both (the live run's first came after the orphan was killed)."""
+    once the API has both (the live run's first came after the orphan was killed).
+
+    A second short of the orphan's silence so far: the orphan stays past it however late the
+    reaper looks, and the live run stays within it unless the reaper looks later by nearly
+    the gap between their heartbeats (seconds: a process start at least)."""
     async with get_client() as client:
         runs = [await client.read_flow_run(UUID(v.flow_run_id)) for v in (orphan, live)]
     deadline = time.monotonic() + timeout_s
@@ -344,8 +348,8 @@ async def _timeout_between(orphan: Victim, live: Victim, timeout_s: float = 30) 
         assert time.monotonic() < deadline, f"heartbeats on record: {beats}"
         await asyncio.sleep(0.5)
     older, younger = beats[orphan.flow_run_id], beats[live.flow_run_id]
-    assert younger > older
-    return (datetime.now(UTC) - (older + (younger - older) / 2)).total_seconds()
+    assert (younger - older).total_seconds() > 2
+    return (datetime.now(UTC) - older).total_seconds() - 1
 
 
 async def test_h26_local_sigkilled_flow_its_orphan_is_reaped_a_live_run_is_not(
