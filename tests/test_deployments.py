@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import Artifact, FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
@@ -147,20 +147,31 @@ async def _s3_bucket_ref(client: PrefectClient, moto: MotoServer) -> dict[str, A
     return {"$ref": {"block_document_id": str(document_id)}}
 
 
+async def _completed_run(
+    stack: PrefectStack,
+    client: PrefectClient,
+    deployment: str,
+    parameters: dict[str, Any],
+    timeout_s: float,
+) -> tuple[FlowRun, list[Artifact]]:
+    """Run a deployment on the stack's worker; check it completed; return it and its artifacts."""
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        flow_run = await run_deployment(deployment, parameters=parameters, timeout=timeout_s)
+    assert flow_run.state is not None
+    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
+    artifacts = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    )
+    return flow_run, artifacts
+
+
 @pytest.mark.timeout(600)
 async def test_co2_deployment_runs_to_completion_with_blocks_by_reference(
     stack: PrefectStack, client: PrefectClient, moto: MotoServer
 ) -> None:
     storage_ref = await _s3_bucket_ref(client, moto)
-    with temporary_settings({PREFECT_API_URL: stack.url}):
-        flow_run = await run_deployment(
-            "run-notebook/co2-forecast", parameters={"storage": storage_ref}, timeout=300
-        )
-    assert flow_run.state is not None
-    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
-
-    artifacts = await client.read_artifacts(
-        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    flow_run, artifacts = await _completed_run(
+        stack, client, "run-notebook/co2-forecast", {"storage": storage_ref}, timeout_s=300
     )
     by_key = {a.key: a for a in artifacts if a.key}
     assert {"pipeline-summary", "stored-artifacts"} <= set(by_key)
@@ -251,13 +262,7 @@ async def test_the_reaper_deployment_runs_every_10_minutes_once_switched_on(
     assert [s.active for s in deployment.schedules] == [True]
     stack.cli("deployment", "schedule", "pause", "reap-sandboxes/reap-sandboxes", str(schedule.id))
 
-    with temporary_settings({PREFECT_API_URL: stack.url}):
-        flow_run = await run_deployment(
-            "reap-sandboxes/reap-sandboxes", parameters={"dry_run": True}, timeout=240
-        )
-    assert flow_run.state is not None
-    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
-    artifacts = await client.read_artifacts(
-        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    _, artifacts = await _completed_run(
+        stack, client, "reap-sandboxes/reap-sandboxes", {"dry_run": True}, timeout_s=240
     )
     assert [a.key for a in artifacts if a.type == "table"] == ["reaped-sandboxes"]
