@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,14 +49,17 @@ from prefect_sandbox.flows.reaper import (
 )
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.labels import (
+    API_LABEL,
     CREATED_AT_LABEL,
     FLOW_RUN_ID_LABEL,
     FLOW_RUN_NAME_LABEL,
     MARKER_LABEL,
+    api_id,
     created_at,
     flow_run_labels,
     with_created_at,
 )
+from prefect_sandbox.tasks.sandbox import prefect_api_id
 from prefect_sandbox.testing.e2b import E2BEmulator, Fault
 from tests.conftest import ROOT
 
@@ -82,6 +86,8 @@ def test_reap_reason_kills_final_missing_and_too_old_and_nothing_else() -> None:
         return FlowRun(flow_id=uuid.uuid4(), state=state)
 
     assert reap_reason(None, None, None) == "no such flow run"
+    assert reap_reason(None, 60.0, 3600, same_api=False) is None
+    assert reap_reason(None, 7200.0, 3600, same_api=False) == "older than 3600 s"
     assert reap_reason(run(Completed()), 1.0, 3600) == "flow run Completed"
     assert reap_reason(run(Crashed()), None, None) == "flow run Crashed"
     assert reap_reason(run(Running()), 7200.0, 3600) == "older than 3600 s"
@@ -125,6 +131,25 @@ async def _reap(**parameters: Any) -> tuple[list[ReapedSandbox], list[dict[str, 
     return reaped, await _reaper_artifact(state.state_details.flow_run_id)
 
 
+async def test_a_local_sandbox_half_made_or_just_killed_is_not_listed(tmp_path: Path) -> None:
+    from prefect_sandbox.sandbox.backends.local import _runtime_base
+
+    half_made = _runtime_base() / f"local-{uuid.uuid4().hex[:12]}"
+    half_made.mkdir()
+    try:
+        (half_made / "handle.json").write_text('{"backend": "lo')
+        listed = await LocalKernelBackend().list_sandboxes({})
+        assert half_made.name not in {handle.sandbox_id for handle in listed}
+    finally:
+        shutil.rmtree(half_made)
+
+
+def _ghost(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The labels a flow run of this API that no longer exists gave its sandbox just now."""
+    labels = {**flow_run_labels(str(uuid.uuid4()), "ghost"), API_LABEL: prefect_api_id()}
+    return with_created_at({**labels, **(extra or {})})
+
+
 def _only(
     sandbox_ids: set[str], reaped: list[ReapedSandbox], rows: list[dict[str, str]]
 ) -> tuple[list[ReapedSandbox], list[dict[str, str]]]:
@@ -146,7 +171,11 @@ async def test_it_kills_sandboxes_of_finished_missing_and_too_old_runs_and_spare
     hour_ago = datetime.now(UTC) - timedelta(hours=1)
     made = {
         "finished": with_created_at(flow_run_labels(finished, "done")),
-        "missing": with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")),
+        "missing": _ghost(),
+        # A run of another API (the CLI's temporary server), or of none we can tell: its
+        # absence here says nothing.
+        "other-api": _ghost({API_LABEL: api_id("http://elsewhere:4200/api")}),
+        "unknown-api": with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")),
         "too-old": with_created_at(flow_run_labels(str(running.id), "old"), hour_ago),
         "live": with_created_at(flow_run_labels(str(running.id), "young")),
         "unlabelled-run": {MARKER_LABEL: "true", FLOW_RUN_NAME_LABEL: "no-id"},
@@ -176,7 +205,8 @@ async def test_it_kills_sandboxes_of_finished_missing_and_too_old_runs_and_spare
         assert all(entry.killed and entry.error is None for entry in reaped)
         left = {h.sandbox_id for h in await backend.list_sandboxes({})}
         assert not left & set(doomed)
-        assert {ids["live"], ids["unlabelled-run"], ids["pooled"]} <= left
+        spared = ["live", "unlabelled-run", "pooled", "other-api", "unknown-api"]
+        assert {ids[name] for name in spared} <= left
         by_sandbox = {row["sandbox"]: row for row in rows}
         assert by_sandbox[ids["missing"]]["state"] == "missing"
         assert by_sandbox[ids["finished"]]["state"] == "Completed"
@@ -196,7 +226,7 @@ async def test_by_default_it_sweeps_the_local_backend_and_every_saved_backend_bl
     scope = {"test-id": spec["test_id"]}
     name = f"reaper-{spec['test_id'][:12]}"
     await saved.save(name)
-    ghost = {**with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")), **scope}
+    ghost = _ghost(scope)
     local = await LocalKernelBackend().create(ghost)
     remote = await saved.create(ghost)
     await local.close()
@@ -220,7 +250,7 @@ async def test_a_sandbox_or_backend_that_fails_does_not_stop_the_others(
 ) -> None:
     remote_backend, spec = e2b_backend
     scope = {"test-id": spec["test_id"]}
-    ghost = {**with_created_at(flow_run_labels(str(uuid.uuid4()), "ghost")), **scope}
+    ghost = _ghost(scope)
     remote = await remote_backend.create(ghost)
     local = await LocalKernelBackend().create(ghost)
     await remote.close()
@@ -302,6 +332,9 @@ async def _start_victim(
         time.sleep(0.2)
     handles = await backend.list_sandboxes({FLOW_RUN_NAME_LABEL: name})
     assert len(handles) == 1
+    # The flow labelled it with its API (the same as this process's) and its creation time.
+    assert handles[0].labels[API_LABEL] == prefect_api_id()
+    assert CREATED_AT_LABEL in handles[0].labels
     return Victim(process, handles[0])
 
 

@@ -7,7 +7,9 @@ label (`prefect_sandbox.sandbox.labels`), asks the Prefect API for those flow ru
 sandbox when
 
 - its flow run is in a final state (Completed, Failed, Cancelled, Crashed),
-- no such flow run exists (deleted, or made against another Prefect API),
+- no such flow run exists (it was deleted) and the sandbox was made through this same API
+  (its `API_LABEL`, an id of the API's address, matches this process's; a run of another API,
+  such as the CLI's temporary server, is missing here only because it lives elsewhere),
 - its flow run is Running but its last heartbeat is older than ``heartbeat_timeout_s``, or
 - the sandbox is older than ``max_age_s``.
 
@@ -62,7 +64,8 @@ from prefect_sandbox.flows.errors import ReapFailedError
 from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
-from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
+from prefect_sandbox.sandbox.labels import API_LABEL, FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
+from prefect_sandbox.tasks.sandbox import prefect_api_id
 
 __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
@@ -119,6 +122,7 @@ def reap_reason(
     age_s: float | None,
     max_age_s: float | None,
     *,
+    same_api: bool = True,
     heartbeat_age_s: float | None = None,
     heartbeat_timeout_s: float | None = None,
 ) -> str | None:
@@ -127,6 +131,8 @@ def reap_reason(
     Args:
         flow_run: the flow run its label names, as the API has it; None when there is none.
         age_s: the sandbox's age in seconds; None when unknown.
+        same_api: whether the sandbox was made through the API that was asked; when not, a
+            missing run says nothing (it lives in the other API).
         max_age_s: the age past which it is killed whatever its run's state; None for none.
         heartbeat_age_s: seconds since the run's last heartbeat; None when it sent none.
         heartbeat_timeout_s: the heartbeat age past which a Running run counts as dead;
@@ -136,9 +142,9 @@ def reap_reason(
         A short reason (``"flow run Crashed"``, ``"no such flow run"``,
         ``"no heartbeat for 700 s"``, ``"older than 3600 s"``), or None.
     """
-    if flow_run is None:
+    if flow_run is None and same_api:
         return "no such flow run"
-    state = flow_run.state
+    state = None if flow_run is None else flow_run.state
     if state is not None and state.is_final():
         return f"flow run {state.name}"
     if (
@@ -323,9 +329,9 @@ async def areap_sandboxes(
     on its own; one that cannot be killed is logged and the others still are. A table artifact
     (key ``reaped-sandboxes``) lists what was killed, or would be on a dry run.
 
-    Run it against the Prefect API whose flow runs made the sandboxes: to another API's
-    reaper, each of those runs is missing. Where two APIs share a vendor account, give each
-    one's blocks labels of their own (E2B's metadata, Daytona's labels) and pass them here.
+    Sandboxes made through another Prefect API are judged by age alone. To keep two APIs that
+    share a vendor account apart, give each one's blocks labels of their own (E2B's metadata,
+    Daytona's labels) and pass them here.
 
     Args:
         backends: Backend blocks whose sandboxes to sweep; when empty, a local kernel backend
@@ -358,6 +364,7 @@ async def areap_sandboxes(
     runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found)
     running = [run for run in runs.values() if run.state is not None and run.state.is_running()]
     heartbeats = await last_heartbeats(running) if heartbeat_timeout_s is not None else {}
+    this_api = prefect_api_id()
     now = datetime.now(UTC)
     for backend, handle in found:
         flow_run_id = handle.labels[FLOW_RUN_ID_LABEL]
@@ -369,6 +376,7 @@ async def areap_sandboxes(
             flow_run,
             age_s,
             max_age_s,
+            same_api=handle.labels.get(API_LABEL) == this_api,
             heartbeat_age_s=None if beat is None else (now - beat).total_seconds(),
             heartbeat_timeout_s=heartbeat_timeout_s,
         )

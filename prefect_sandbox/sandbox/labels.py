@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
 __all__ = [
+    "API_LABEL",
     "CREATED_AT_LABEL",
     "FLOW_RUN_ID_LABEL",
     "FLOW_RUN_NAME_LABEL",
     "MARKER_LABEL",
+    "api_id",
     "created_at",
     "flow_run_labels",
     "with_created_at",
@@ -21,6 +24,10 @@ FLOW_RUN_NAME_LABEL = "prefect-flow-run-name"
 CREATED_AT_LABEL = "prefect-sandbox-created-at"
 """When the sandbox was asked for, in UTC, as ISO 8601's basic format (``20261201T073747Z``):
 letters and digits only, so every backend's label rules accept it."""
+
+API_LABEL = "prefect-api"
+"""Which Prefect API the flow run belongs to (`api_id`), so that a reaper asking another API
+does not take the run for a missing one."""
 
 _CREATED_AT_FORMAT = "%Y%m%dT%H%M%SZ"
 
@@ -69,3 +76,16 @@ def created_at(labels: Mapping[str, str]) -> datetime | None:
         return datetime.strptime(value, _CREATED_AT_FORMAT).replace(tzinfo=UTC)
     except ValueError:
         return None
+
+
+def api_id(address: str) -> str:
+    """A short id of a Prefect API, for `API_LABEL`: 16 hex digits of the SHA-256 of its
+    address, so that the address (a host name, a database URL) is not written in the label.
+
+    Args:
+        address: the API's URL, or what else tells one API from another (its database URL).
+
+    Returns:
+        16 lower-case hex digits.
+    """
+    return hashlib.sha256(address.rstrip("/").encode()).hexdigest()[:16]

@@ -271,7 +271,12 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         wanted = dict(labels or {})
         handles = []
         for handle_file in sorted(_runtime_base().glob("*/handle.json")):
-            handle = SandboxHandle.model_validate_json(handle_file.read_text())
+            try:
+                handle = SandboxHandle.model_validate_json(handle_file.read_text())
+            except (FileNotFoundError, ValueError):
+                # Killed since the glob (its folder removed), or its handle half written by a
+                # `create` under way: neither is a live sandbox to list yet.
+                continue
             if wanted.items() <= handle.labels.items():
                 handles.append(handle)
         return handles
