@@ -99,6 +99,10 @@ def test_reap_reason_kills_final_missing_and_too_old_and_nothing_else() -> None:
     assert reap_reason(run(Pending()), 60.0, None, **hour) is None
     assert reap_reason(run(Running()), 60.0, None, heartbeat_age_s=None) is None
     assert reap_reason(run(Running()), 60.0, None, heartbeat_age_s=3600.0) is None
+    # A process beating every 1500 s is not dead 3600 s after its last beat.
+    slow = {**hour, "heartbeat_period_s": 1500.0}
+    assert reap_reason(run(Running()), 60.0, None, **slow) is None
+    assert reap_reason(run(Running()), 60.0, None, **{**slow, "heartbeat_period_s": 180.0})
 
 
 @flow
@@ -380,7 +384,7 @@ async def _timeout_between(orphan: Victim, live: Victim, timeout_s: float = 30) 
     while len(beats := await last_heartbeats(runs)) < 2:
         assert time.monotonic() < deadline, f"heartbeats on record: {beats}"
         await asyncio.sleep(0.5)
-    older, younger = beats[orphan.flow_run_id], beats[live.flow_run_id]
+    older, younger = beats[orphan.flow_run_id].last, beats[live.flow_run_id].last
     assert (younger - older).total_seconds() > 2
     return (datetime.now(UTC) - older).total_seconds() - 1
 

@@ -22,8 +22,9 @@ end. Its heartbeats do stop. Every flow run's engine emits a ``prefect.flow-run.
 event every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (180 by default in Prefect 3.9, 30
 at least; unset, none), and the API stores events. So the reaper reads each Running run's
 last heartbeat: older than ``heartbeat_timeout_s`` (keep it at 3 or more heartbeat periods of
-the flows' processes) means the process is gone. A run with no heartbeat on record (heartbeats
-off, or an API that keeps no events) is never judged by heartbeat: only by state and age.
+the flows' processes), and than `HEARTBEAT_PERIODS` of the gap between its last two, means
+the process is gone. A run with no heartbeat on record (heartbeats off, or an API that keeps
+no events) is never judged by heartbeat: only by state and age.
 Prefect's own zombie detection works from the same events: an automation (Prefect Cloud's
 "Unresponsive run detection", or the one Prefect's docs give for a server of your own; a plain
 server has none) marks such a run Crashed, and the next sweep reaps it as final. Last,
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import get_args
 from uuid import UUID
@@ -70,7 +72,9 @@ from prefect_sandbox.tasks.sandbox import prefect_api_id
 __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
     "DEFAULT_MAX_AGE_S",
+    "HEARTBEAT_PERIODS",
     "REAPED_ARTIFACT_KEY",
+    "Heartbeats",
     "ReapedSandbox",
     "areap_sandboxes",
     "last_heartbeats",
@@ -86,6 +90,8 @@ DEFAULT_MAX_AGE_S = 24 * 3600.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 600.0
 """Past three heartbeats at Prefect's default period (180 s)."""
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+HEARTBEAT_PERIODS = 3
+"""Heartbeat periods a Running flow run must miss, at least, to count as dead."""
 
 _FLOW_RUNS_PER_QUERY = 100
 
@@ -124,6 +130,7 @@ def reap_reason(
     *,
     same_api: bool = True,
     heartbeat_age_s: float | None = None,
+    heartbeat_period_s: float | None = None,
     heartbeat_timeout_s: float | None = None,
 ) -> str | None:
     """Why a labelled sandbox should be killed, or None to leave it.
@@ -135,6 +142,9 @@ def reap_reason(
             missing run says nothing (it lives in the other API).
         max_age_s: the age past which it is killed whatever its run's state; None for none.
         heartbeat_age_s: seconds since the run's last heartbeat; None when it sent none.
+        heartbeat_period_s: seconds between its last two heartbeats, when known: the run
+            counts as dead only past `HEARTBEAT_PERIODS` of them too, whatever the timeout
+            (its process may beat slower than the timeout assumes).
         heartbeat_timeout_s: the heartbeat age past which a Running run counts as dead;
             None to not judge by heartbeats.
 
@@ -147,12 +157,15 @@ def reap_reason(
     state = None if flow_run is None else flow_run.state
     if state is not None and state.is_final():
         return f"flow run {state.name}"
+    silent_s = None
+    if heartbeat_timeout_s is not None and heartbeat_age_s is not None:
+        silent_s = max(heartbeat_timeout_s, HEARTBEAT_PERIODS * (heartbeat_period_s or 0.0))
     if (
         state is not None
         and state.is_running()
-        and heartbeat_timeout_s is not None
+        and silent_s is not None
         and heartbeat_age_s is not None
-        and heartbeat_age_s > heartbeat_timeout_s
+        and heartbeat_age_s > silent_s
     ):
         return f"no heartbeat for {heartbeat_age_s:.0f} s"
     if max_age_s is not None and age_s is not None and age_s > max_age_s:
@@ -204,17 +217,30 @@ async def _flow_runs(flow_run_ids: Iterable[str]) -> dict[str, FlowRun]:
     return found
 
 
-async def last_heartbeats(flow_runs: Iterable[FlowRun]) -> dict[str, datetime]:
-    """Each flow run's last ``prefect.flow-run.heartbeat`` event since it started, as the API
-    stores them.
+@dataclass(frozen=True)
+class Heartbeats:
+    """What the API has of a flow run's heartbeats.
+
+    Attributes:
+        last: when the last one occurred (UTC).
+        period_s: seconds between the last two; None when there was only one.
+    """
+
+    last: datetime
+    period_s: float | None
+
+
+async def last_heartbeats(flow_runs: Iterable[FlowRun]) -> dict[str, Heartbeats]:
+    """Each flow run's last two ``prefect.flow-run.heartbeat`` events since it started, as the
+    API stores them.
 
     Args:
         flow_runs: the runs to ask about.
 
     Returns:
-        Flow run id to when its last heartbeat occurred (UTC); runs with none are left out.
+        Flow run id to its `Heartbeats`; runs with none are left out.
     """
-    found: dict[str, datetime] = {}
+    found: dict[str, Heartbeats] = {}
     async with get_client() as client:
         for run in flow_runs:
             since = run.start_time or run.created
@@ -225,10 +251,12 @@ async def last_heartbeats(flow_runs: Iterable[FlowRun]) -> dict[str, datetime]:
                     event=EventNameFilter(name=[HEARTBEAT_EVENT]),
                     resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
                 ),
-                limit=1,
+                limit=2,
             )
-            if page.events:
-                found[str(run.id)] = page.events[0].occurred
+            times = [event.occurred for event in page.events]  # newest first
+            if times:
+                period_s = (times[0] - times[1]).total_seconds() if len(times) > 1 else None
+                found[str(run.id)] = Heartbeats(last=times[0], period_s=period_s)
     return found
 
 
@@ -371,13 +399,14 @@ async def areap_sandboxes(
         flow_run = runs.get(flow_run_id)
         made = created_at(handle.labels)
         age_s = None if made is None else (now - made).total_seconds()
-        beat = heartbeats.get(flow_run_id)
+        beats = heartbeats.get(flow_run_id)
         why = reap_reason(
             flow_run,
             age_s,
             max_age_s,
             same_api=handle.labels.get(API_LABEL) == this_api,
-            heartbeat_age_s=None if beat is None else (now - beat).total_seconds(),
+            heartbeat_age_s=None if beats is None else (now - beats.last).total_seconds(),
+            heartbeat_period_s=None if beats is None else beats.period_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
         if why is None:
