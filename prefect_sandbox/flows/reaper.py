@@ -57,6 +57,7 @@ from prefect.events.filters import (
     EventResourceFilter,
 )
 from prefect.exceptions import ObjectNotFound
+from prefect.logging import get_logger
 from pydantic import BaseModel
 
 from prefect_sandbox.blocks import BackendBlock
@@ -82,6 +83,8 @@ __all__ = [
     "reap_sandboxes",
     "saved_backends",
 ]
+
+logger = get_logger(__name__)
 
 REAPED_ARTIFACT_KEY = "reaped-sandboxes"
 DEFAULT_MAX_AGE_S = 24 * 3600.0
@@ -177,7 +180,8 @@ async def saved_backends() -> list[SandboxBackend]:
     """The backends the reaper sweeps by default: a local kernel backend (this machine's
     local sandboxes), then every saved block of each backend type, in block-type order.
 
-    Block types not registered with the API are skipped.
+    Block types not registered with the API are skipped, and so (with a warning) are saved
+    blocks that no longer load.
 
     Returns:
         The backend blocks.
@@ -192,8 +196,12 @@ async def saved_backends() -> list[SandboxBackend]:
             except ObjectNotFound:
                 continue
             for document in documents:
-                if document.name is not None and not document.is_anonymous:
+                if document.name is None or document.is_anonymous:
+                    continue
+                try:
                     backends.append(await block_class.aload(document.name))
+                except ValueError as exc:  # its fields no longer fit the block's class
+                    logger.warning("Skipped saved backend %r: %s", document.name, exc)
     return backends
 
 
@@ -386,7 +394,7 @@ async def areap_sandboxes(
     for name, value in (("max_age_s", max_age_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number of seconds; got {value:g}")
-    logger = get_run_logger()
+    log = get_run_logger()
     swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
     found, reaped = await _labelled_sandboxes(swept, {**(labels or {}), MARKER_LABEL: "true"})
     runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found)
@@ -422,15 +430,15 @@ async def areap_sandboxes(
         )
         reaped.append(entry)
         if dry_run:
-            logger.info("Would kill sandbox %s (%s)", handle.sandbox_id, why)
+            log.info("Would kill sandbox %s (%s)", handle.sandbox_id, why)
             continue
         try:
             entry.killed = await _kill(backend, handle)
         except SandboxError as exc:
             entry.error = str(exc)
-            logger.warning("Could not kill sandbox %s (%s): %s", handle.sandbox_id, why, exc)
+            log.warning("Could not kill sandbox %s (%s): %s", handle.sandbox_id, why, exc)
             continue
-        logger.info("Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run_id, why)
+        log.info("Killed sandbox %s of flow run %s (%s)", handle.sandbox_id, flow_run_id, why)
     verb = "Would kill" if dry_run else "Killed"
     count = sum(1 for entry in reaped if entry.error is None and (dry_run or entry.killed))
     await acreate_table_artifact(
