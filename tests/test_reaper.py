@@ -81,7 +81,7 @@ def test_created_at_round_trips_to_the_second_in_label_safe_characters() -> None
     assert created_at({CREATED_AT_LABEL: "yesterday"}) is None
 
 
-def test_reap_reason_kills_final_missing_and_too_old_and_nothing_else() -> None:
+def test_reap_reason_kills_final_missing_silent_and_too_old_and_nothing_else() -> None:
     def run(state: Any) -> FlowRun:
         return FlowRun(flow_id=uuid.uuid4(), state=state)
 
@@ -135,7 +135,7 @@ async def _reap(**parameters: Any) -> tuple[list[ReapedSandbox], list[dict[str, 
     return reaped, await _reaper_artifact(state.state_details.flow_run_id)
 
 
-async def test_a_local_sandbox_half_made_or_just_killed_is_not_listed(tmp_path: Path) -> None:
+async def test_a_local_sandbox_whose_handle_is_half_written_is_not_listed() -> None:
     from prefect_sandbox.sandbox.backends.local import _runtime_base
 
     half_made = _runtime_base() / f"local-{uuid.uuid4().hex[:12]}"
