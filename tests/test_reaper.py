@@ -456,7 +456,7 @@ def e2b_backend(e2b_emulator: E2BEmulator) -> Iterator[tuple[E2BBackend, dict[st
 
 
 @pytest.mark.timeout(300)
-async def test_h26_e2b_sigkilled_flow_its_orphan_is_reaped_once_its_run_is_crashed(
+async def test_h26_e2b_sigkilled_flow_its_orphan_is_found_silent_and_reaped_once_crashed(
     e2b_emulator: E2BEmulator,
     e2b_backend: tuple[E2BBackend, dict[str, str]],
     tmp_path: Path,
@@ -471,6 +471,15 @@ async def test_h26_e2b_sigkilled_flow_its_orphan_is_reaped_once_its_run_is_crash
         assert await _state_name(orphan.flow_run_id) == "Running"
         reaped, _ = await _reap(backends=[backend], labels=scope)
         assert reaped == []
+        # Its heartbeats stopped; the live run's go on.
+        stale = await _timeout_between(orphan, live)
+        reaped, rows = await _reap(
+            backends=[backend], labels=scope, heartbeat_timeout_s=stale, dry_run=True
+        )
+        assert [(e.sandbox_id, e.why[:12], e.killed) for e in reaped] == [
+            (orphan.handle.sandbox_id, "no heartbeat", False)
+        ]
+        assert e2b_emulator.sandbox_ids(scope) == both
 
         # What Prefect's zombie detection does once the run's heartbeats stop.
         async with get_client() as client:
