@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -24,7 +25,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import Artifact, FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
@@ -146,20 +147,31 @@ async def _s3_bucket_ref(client: PrefectClient, moto: MotoServer) -> dict[str, A
     return {"$ref": {"block_document_id": str(document_id)}}
 
 
+async def _completed_run(
+    stack: PrefectStack,
+    client: PrefectClient,
+    deployment: str,
+    parameters: dict[str, Any],
+    timeout_s: float,
+) -> tuple[FlowRun, list[Artifact]]:
+    """Run a deployment on the stack's worker; check it completed; return it and its artifacts."""
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        flow_run = await run_deployment(deployment, parameters=parameters, timeout=timeout_s)
+    assert flow_run.state is not None
+    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
+    artifacts = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    )
+    return flow_run, artifacts
+
+
 @pytest.mark.timeout(600)
 async def test_co2_deployment_runs_to_completion_with_blocks_by_reference(
     stack: PrefectStack, client: PrefectClient, moto: MotoServer
 ) -> None:
     storage_ref = await _s3_bucket_ref(client, moto)
-    with temporary_settings({PREFECT_API_URL: stack.url}):
-        flow_run = await run_deployment(
-            "run-notebook/co2-forecast", parameters={"storage": storage_ref}, timeout=300
-        )
-    assert flow_run.state is not None
-    assert flow_run.state.type == StateType.COMPLETED, flow_run.state
-
-    artifacts = await client.read_artifacts(
-        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    flow_run, artifacts = await _completed_run(
+        stack, client, "run-notebook/co2-forecast", {"storage": storage_ref}, timeout_s=300
     )
     by_key = {a.key: a for a in artifacts if a.key}
     assert {"pipeline-summary", "stored-artifacts"} <= set(by_key)
@@ -234,3 +246,23 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
         await asyncio.sleep(0.5)
     assert await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) == []
     assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(300)
+async def test_the_reaper_deployment_runs_every_10_minutes_once_switched_on(
+    stack: PrefectStack, client: PrefectClient
+) -> None:
+    deployment = await client.read_deployment_by_name("reap-sandboxes/reap-sandboxes")
+    [schedule] = deployment.schedules
+    assert schedule.schedule.model_dump(include={"interval"}) == {"interval": timedelta(minutes=10)}
+    assert schedule.active is False
+    # As deployments/README.md says to switch it on (and off again).
+    stack.cli("deployment", "schedule", "resume", "reap-sandboxes/reap-sandboxes", str(schedule.id))
+    deployment = await client.read_deployment_by_name("reap-sandboxes/reap-sandboxes")
+    assert [s.active for s in deployment.schedules] == [True]
+    stack.cli("deployment", "schedule", "pause", "reap-sandboxes/reap-sandboxes", str(schedule.id))
+
+    _, artifacts = await _completed_run(
+        stack, client, "reap-sandboxes/reap-sandboxes", {"dry_run": True}, timeout_s=240
+    )
+    assert [a.key for a in artifacts if a.type == "table"] == ["reaped-sandboxes"]

@@ -1,9 +1,10 @@
-"""The Prefect face's own error: a pipeline flow that stopped.
+"""The Prefect face's own errors: a pipeline flow that stopped, a reaper that could not sweep.
 
 ::
 
     SandboxError                  (prefect_sandbox.sandbox.errors: the core's tree)
-    └── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
+    ├── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
+    └── ReapFailedError           the reaper could not list a backend or kill a sandbox
 
 It is raised ``from`` the error that stopped the pipeline (a stage's `CellExecutionError`,
 `CellTimeoutError`, `SandboxDiedError`, ... or a `FileTransferError` from storing), which stays
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from prefect_sandbox.sandbox.errors import SandboxError
 
-__all__ = ["PipelineFailedError"]
+__all__ = ["PipelineFailedError", "ReapFailedError"]
 
 
 class PipelineFailedError(SandboxError):
@@ -41,3 +42,17 @@ class PipelineFailedError(SandboxError):
         self.stage = stage
         self.cell_index = cell_index
         self.output_dir = output_dir
+
+
+class ReapFailedError(SandboxError):
+    """The reaper swept what it could, but a backend could not be listed or a sandbox killed.
+
+    Args:
+        message: one line naming what failed.
+        failed: the sandboxes it could not kill, by id, and ``"listing <backend>"`` for each
+            backend it could not list.
+    """
+
+    def __init__(self, message: str, *, failed: list[str]) -> None:
+        super().__init__(message)
+        self.failed = failed

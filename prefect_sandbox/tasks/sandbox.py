@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.settings import get_current_settings
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.results import CellRecord, StageResult
@@ -29,6 +30,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     UnsafePathError,
 )
+from prefect_sandbox.sandbox.labels import API_LABEL, api_id, with_created_at
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 from prefect_sandbox.sandbox.outputs import (
     cap_text,
@@ -44,6 +46,7 @@ __all__ = [
     "download_artifacts",
     "kill_sandbox",
     "partial_stage_result",
+    "prefect_api_id",
     "run_stage",
     "upload_inputs",
 ]
@@ -60,13 +63,26 @@ _PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
 E = TypeVar("E", bound=BaseException)
 
 
+def prefect_api_id() -> str:
+    """The id (`api_id`) of the Prefect API this process talks to: of ``PREFECT_API_URL``; with
+    none set, of the database Prefect's temporary server uses.
+    """
+    settings = get_current_settings()
+    if settings.api.url:
+        return api_id(settings.api.url)
+    database = settings.server.database.connection_url
+    return api_id(f"ephemeral:{database.get_secret_value() if database else ''}")
+
+
 @task(name="create-sandbox", cache_policy=NO_CACHE)
 async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> SandboxHandle:
     """Make a sandbox and return its handle.
 
     Args:
         backend: the backend block.
-        labels: labels for the sandbox (see `flow_run_labels`).
+        labels: labels for the sandbox (see `flow_run_labels`); the sandbox also gets
+            `CREATED_AT_LABEL`, the time it is made, by which the reaper tells its age, and
+            `API_LABEL`, the Prefect API's id (`prefect_api_id`).
 
     Returns:
         The new sandbox's handle.
@@ -74,7 +90,7 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
     Raises:
         SandboxError: the backend could not make it.
     """
-    sandbox = await backend.create(labels)
+    sandbox = await backend.create(with_created_at({**labels, API_LABEL: prefect_api_id()}))
     await sandbox.close()
     get_run_logger().info("Sandbox %s started", sandbox.handle.sandbox_id)
     return sandbox.handle

@@ -421,7 +421,9 @@ def _registered_handles(labels: Mapping[str, str]) -> list[SandboxHandle]:
     for handle_file in sorted(_runtime_base().glob("*/handle.json")):
         try:
             handle = SandboxHandle.model_validate_json(handle_file.read_text())
-        except FileNotFoundError:  # killed since the glob
+        except (FileNotFoundError, ValueError):
+            # Killed since the glob (its folder removed), or its handle half written by a
+            # `create` under way: neither is a live sandbox to list yet.
             continue
         if labels.items() <= handle.labels.items():
             handles.append(handle)
