@@ -19,6 +19,19 @@ takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2
 ``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
 `DockerBackend` block's default settings (no network, read-only root, limits).
 
+``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-sandboxes N]
+[--deployment NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the
+``sweep-notebook`` flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of
+the grid (a list of parameter sets, or a mapping of name to a list of values: their cartesian
+product), each in its own sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds
+``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-sandboxes`` caps the
+backend's sandboxes alive at once (subflows only); ``--deployment NAME`` runs the branches as
+runs of that ``run-notebook`` deployment on its workers (then the notebook and inputs are paths
+on the workers, ``--out`` must be reachable by them, and a backend must be a saved block). Exit
+status as ``run``: 1 when a branch did not complete (the last stderr line names each, and where
+its partial results are; the others ran to their end); 2 also for a bad grid file (it names the
+file and entry) or an unknown deployment.
+
 Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 (`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
 ``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
@@ -63,44 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
-    run.add_argument("notebook", help="the .ipynb to run")
-    run.add_argument(
-        "--backend",
-        choices=["local", "e2b", "daytona", "docker"],
-        default=None,
-        help="sandbox backend (default: the block $PREFECT_SANDBOX_BACKEND_BLOCK, else local)",
-    )
-    run.add_argument(
-        "--backend-block",
-        metavar="NAME",
-        help="a saved backend block of that kind (local when no --backend) to use",
-    )
-    run.add_argument(
-        "--docker-image", metavar="IMAGE", help="the image of --backend docker (without a block)"
-    )
-    run.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="file or folder to upload, or s3://bucket/key or s3://bucket/prefix/",
-    )
-    run.add_argument(
-        "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
-    )
-    run.add_argument(
-        "--out",
-        default=None,
-        metavar="DIR",
-        help="output folder, or s3://bucket/prefix (default: $PREFECT_SANDBOX_STORAGE, else "
-        "prefect-sandbox-output)",
-    )
-    run.add_argument(
-        "--aws-credentials",
-        metavar="NAME",
-        default=None,
-        help="saved AwsCredentials block for s3:// (default: the standard AWS environment)",
-    )
+    _add_run_options(run)
     run.add_argument(
         "-p",
         "--parameter",
@@ -109,7 +85,82 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="notebook parameter, typed as papermill's -p does",
     )
-    run.add_argument(
+    sweep = commands.add_parser(
+        "sweep", help="run a notebook once per parameter set, each in its own sandbox"
+    )
+    _add_run_options(sweep)
+    sweep.add_argument(
+        "--grid",
+        required=True,
+        metavar="FILE",
+        help="a .json or .yaml file: a list of parameter sets, or a mapping of name to a list "
+        "of values (their cartesian product)",
+    )
+    sweep.add_argument(
+        "--max-sandboxes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sandboxes of the backend alive at once at most (default: the backend's cap)",
+    )
+    sweep.add_argument(
+        "--deployment",
+        metavar="NAME",
+        default=None,
+        help="run the branches as runs of this run-notebook deployment, on its workers "
+        "(default: subflows in this process)",
+    )
+    sweep.add_argument(
+        "--metrics-artifact",
+        metavar="PATH",
+        default="metrics.json",
+        help="the stored JSON file each branch's key metrics are read from "
+        "(default: metrics.json; '' for none)",
+    )
+    return parser
+
+
+def _add_run_options(command: argparse.ArgumentParser) -> None:
+    """The options ``run`` and ``sweep`` share: notebook, backend, files, storage, timeout."""
+    command.add_argument("notebook", help="the .ipynb to run")
+    command.add_argument(
+        "--backend",
+        choices=["local", "e2b", "daytona", "docker"],
+        default=None,
+        help="sandbox backend (default: the block $PREFECT_SANDBOX_BACKEND_BLOCK, else local)",
+    )
+    command.add_argument(
+        "--backend-block",
+        metavar="NAME",
+        help="a saved backend block of that kind (local when no --backend) to use",
+    )
+    command.add_argument(
+        "--docker-image", metavar="IMAGE", help="the image of --backend docker (without a block)"
+    )
+    command.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="file or folder to upload, or s3://bucket/key or s3://bucket/prefix/",
+    )
+    command.add_argument(
+        "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
+    )
+    command.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output folder, or s3://bucket/prefix (default: $PREFECT_SANDBOX_STORAGE, else "
+        "prefect-sandbox-output)",
+    )
+    command.add_argument(
+        "--aws-credentials",
+        metavar="NAME",
+        default=None,
+        help="saved AwsCredentials block for s3:// (default: the standard AWS environment)",
+    )
+    command.add_argument(
         "--cell-timeout",
         type=float,
         default=None,
@@ -117,7 +168,6 @@ def _parser() -> argparse.ArgumentParser:
         help="per-cell timeout; -1 for none (default: the backend block's, "
         "$PREFECT_SANDBOX_CELL_TIMEOUT_S)",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,8 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; None for ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 success, 1 failed pipeline, 2 bad usage, 130 / 143 when SIGINT /
-        SIGTERM stopped the run (it ends Cancelled, its sandbox killed, what it made stored).
+        The exit status: 0 success, 1 failed pipeline (or sweep branch), 2 bad usage, 130 / 143
+        when SIGINT / SIGTERM stopped the run (it ends Cancelled, its sandboxes killed, what
+        it made stored).
     """
     args = _parser().parse_args(argv)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
@@ -144,44 +195,79 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(_settings_problem(exc))
     if args.out is None:
         args.out = settings.storage
+    parameters: dict[str, Any] = {}
+    grid: list[dict[str, Any]] = []
+    from prefect_sandbox.flows.errors import GridError
+
     try:
-        parameters = dict(parse_parameter(item) for item in args.parameter)
-    except NotebookError as exc:
+        if args.command == "run":
+            parameters = dict(parse_parameter(item) for item in args.parameter)
+        else:
+            from prefect_sandbox.flows.sweep import read_grid
+
+            grid = read_grid(args.grid)
+    except (NotebookError, GridError) as exc:
         return _usage_error(str(exc))
     problem = _usage_problem(args)
     if problem:
         return _usage_error(problem)
-    try:
-        split_stages(read_notebook(Path(args.notebook)))
-    except NotebookError as exc:
-        return _usage_error(str(exc))
+    if not _on_workers(args):
+        try:
+            split_stages(read_notebook(Path(args.notebook)))
+        except NotebookError as exc:
+            return _usage_error(str(exc))
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
     # logs its shutdown: handlers run last-in first-out, so our reason still comes last.
     atexit.register(_print_reason)
     from prefect.exceptions import CancelledRun
 
-    from prefect_sandbox.flows import PipelineFailedError, arun_notebook
+    from prefect_sandbox.flows import (
+        PipelineFailedError,
+        SweepFailedError,
+        arun_notebook,
+        asweep_notebook,
+    )
+    from prefect_sandbox.results import PipelineResult, SweepResult
     from prefect_sandbox.sandbox.errors import SandboxError
 
     with _ephemeral_startup_timeout(), _SignalStop() as stopper:
         _start_temporary_server()
         try:
-            backend = _backend(args)
+            # A sweep on workers with no backend named uses the deployment's.
+            backend = None if _on_workers(args) and not args.backend_block else _backend(args)
         except ValueError as exc:  # Prefect's answer to a block name it does not know
             where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
             return _usage_error(f"{where}{exc}")
+        # Workers get a folder or s3:// URI as text, with their own AWS environment.
+        storage = args.out if _on_workers(args) else _storage(args.out, args.aws_credentials)
         try:
-            result = stopper.run(
-                lambda: arun_notebook(
-                    notebook=args.notebook,
-                    inputs=args.input,
-                    artifacts=args.artifact,
-                    parameters=parameters,
-                    storage=_storage(args.out, args.aws_credentials),
-                    cell_timeout_s=args.cell_timeout,
-                    backend=backend,
+            if args.command == "run":
+                result: PipelineResult | SweepResult = stopper.run(
+                    lambda: arun_notebook(
+                        notebook=args.notebook,
+                        inputs=args.input,
+                        artifacts=args.artifact,
+                        parameters=parameters,
+                        storage=storage,
+                        cell_timeout_s=args.cell_timeout,
+                        backend=backend,
+                    )
                 )
-            )
+            else:
+                result = stopper.run(
+                    lambda: asweep_notebook(
+                        notebook=args.notebook,
+                        grid=grid,
+                        inputs=args.input,
+                        artifacts=args.artifact,
+                        storage=storage,
+                        cell_timeout_s=args.cell_timeout,
+                        backend=backend,
+                        max_sandboxes=args.max_sandboxes,
+                        deployment=args.deployment,
+                        metrics_artifact=args.metrics_artifact or None,
+                    )
+                )
         except (CancelledRun, asyncio.CancelledError) as exc:
             if stopper.signum is None:
                 raise
@@ -191,14 +277,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PipelineFailedError as exc:
             _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
             return 1
+        except SweepFailedError as exc:
+            _say_last(f"sweep failed: {exc}")
+            return 1
         except SandboxError as exc:
             _say_last(str(exc))
             return 1
+        except ValueError as exc:  # the sweep's deployment or blocks, found as it starts
+            return _usage_error(str(exc))
+    if isinstance(result, SweepResult):
+        _print_sweep(result)
+        return 0
     print(f"Stored {len(result.artifacts)} file(s) and summary.json in {result.output_dir}")
     for stage in result.stages:
         cells = f"{stage.cell_count:>3} cell(s)"
         print(f"  {stage.name:<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s")
     return 0
+
+
+def _on_workers(args: argparse.Namespace) -> bool:
+    """Whether the notebook runs elsewhere: a sweep's branches on a deployment's workers,
+    where the notebook and inputs are paths on the workers' machines."""
+    return getattr(args, "deployment", None) is not None
+
+
+def _print_sweep(result: Any) -> None:
+    """A sweep's outcome on stdout: where ``sweep.json`` is, then a line per branch."""
+    done = sum(branch.status == "completed" for branch in result.branches)
+    print(
+        f"Stored sweep.json in {result.output_dir}: "
+        f"{done} of {len(result.branches)} branch(es) completed"
+    )
+    for branch in result.branches:
+        name = branch.flow_run_name or "-"
+        print(f"  {branch.index:>4} {branch.status:<9} {name}  {branch.output_dir or ''}")
 
 
 @contextlib.contextmanager
@@ -348,7 +460,20 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             return "--backend docker needs --backend-block NAME or --docker-image IMAGE"
     elif args.docker_image:
         return "--docker-image needs --backend docker"
-    if not os.path.isfile(args.notebook):
+    remote = _on_workers(args)
+    if remote and args.aws_credentials:
+        return "--deployment sends --out to the workers as text: they use their AWS environment"
+    if remote and args.backend and not args.backend_block:
+        return "--deployment needs a saved backend: --backend-block NAME (or no --backend)"
+    if getattr(args, "max_sandboxes", None) is not None:
+        if args.max_sandboxes < 1:
+            return f"--max-sandboxes must be 1 or more; got {args.max_sandboxes}"
+        if remote:
+            return (
+                "--max-sandboxes is not sent to a deployment's runs: set max_live_sandboxes "
+                "on the saved backend block they use"
+            )
+    if not remote and not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
     for pattern in args.artifact:
         try:
@@ -359,7 +484,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         if item.startswith("s3://"):
             if not item[5:].split("/", 1)[0]:
                 return f"--input {item!r} names no bucket"
-        elif not os.path.exists(item):
+        elif not remote and not os.path.exists(item):
             return f"--input {item!r} does not exist"
     if args.out.startswith("s3://"):
         if not args.out[5:].split("/", 1)[0]:

@@ -9,7 +9,15 @@ from pydantic import BaseModel, Field
 
 from prefect_sandbox.sandbox.base import CellError, CellResult
 
-__all__ = ["CellRecord", "PipelineResult", "StageResult", "StageSummary", "StoredArtifact"]
+__all__ = [
+    "BranchResult",
+    "CellRecord",
+    "PipelineResult",
+    "StageResult",
+    "StageSummary",
+    "StoredArtifact",
+    "SweepResult",
+]
 
 
 class CellRecord(BaseModel):
@@ -105,3 +113,61 @@ class PipelineResult(BaseModel):
     sandbox_id: str | None = None
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
+
+
+class BranchResult(BaseModel):
+    """One branch of a sweep: one parameter set, one flow run of ``run-notebook``.
+
+    Attributes:
+        index: the parameter set's 0-based position in the expanded grid.
+        parameters: the parameters the notebook ran with.
+        status: ``"completed"``, ``"failed"``, ``"cancelled"``, ``"crashed"`` (the flow run's
+            final state), or ``"not_run"`` (no flow run was made).
+        flow_run_id: the branch's flow run id, once it was made.
+        flow_run_name: its name (its folder is named from it and its id).
+        output_dir: the folder (or ``s3://`` URI) its files and ``summary.json`` are under.
+        summary_stored: whether its ``summary.json`` was read back from there.
+        metrics: the top-level numbers, booleans and short strings of the branch's stored
+            metrics artifact (the first 50); empty when it stored none.
+        error: one line: why it failed, was cancelled or crashed.
+    """
+
+    index: int
+    parameters: dict[str, Any]
+    status: Literal["completed", "failed", "cancelled", "crashed", "not_run"]
+    flow_run_id: str | None = None
+    flow_run_name: str | None = None
+    output_dir: str | None = None
+    summary_stored: bool = False
+    metrics: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class SweepResult(BaseModel):
+    """What the sweep flow returns, and what it writes as ``sweep.json``.
+
+    Attributes:
+        flow_run_id: the sweep's flow run id.
+        flow_run_name: the sweep's flow run name.
+        status: ``"completed"`` when every branch completed, ``"failed"`` when one did not,
+            ``"cancelled"`` when the sweep was.
+        mode: ``"subflow"`` (branches ran in the sweep's process) or ``"deployment"``
+            (branches ran as flow runs of a deployment, on its work pool's workers).
+        notebook: the notebook's path, as given.
+        output_dir: where ``sweep.json`` is stored (with the branches' folders, see the flow).
+        metrics_artifact: the stored file each branch's metrics were read from.
+        duration_s: seconds the sweep took.
+        branches: one per parameter set, in grid order.
+        error: one line naming the branches that did not complete, when one did not.
+    """
+
+    flow_run_id: str
+    flow_run_name: str
+    status: Literal["completed", "failed", "cancelled"]
+    mode: Literal["subflow", "deployment"]
+    notebook: str
+    output_dir: str
+    metrics_artifact: str | None
+    duration_s: float
+    branches: list[BranchResult]
+    error: str | None = None

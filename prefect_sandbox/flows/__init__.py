@@ -1,7 +1,12 @@
-"""Prefect flows: run a notebook or a list of stages in one sandbox per flow run; reap the
-sandboxes whose flow run is over."""
+"""Prefect flows: run a notebook or a list of stages in one sandbox per flow run, or a notebook
+once per parameter set (a sweep); reap the sandboxes whose flow run is over."""
 
-from prefect_sandbox.flows.errors import PipelineFailedError, ReapFailedError
+from prefect_sandbox.flows.errors import (
+    GridError,
+    PipelineFailedError,
+    ReapFailedError,
+    SweepFailedError,
+)
 from prefect_sandbox.flows.pipeline import (
     amodeling_pipeline,
     arun_notebook,
@@ -9,14 +14,19 @@ from prefect_sandbox.flows.pipeline import (
     run_notebook,
 )
 from prefect_sandbox.flows.reaper import areap_sandboxes, reap_sandboxes
+from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
 __all__ = [
+    "GridError",
     "PipelineFailedError",
     "ReapFailedError",
+    "SweepFailedError",
     "amodeling_pipeline",
     "areap_sandboxes",
     "arun_notebook",
+    "asweep_notebook",
     "modeling_pipeline",
     "reap_sandboxes",
     "run_notebook",
+    "sweep_notebook",
 ]

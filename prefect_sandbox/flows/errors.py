@@ -4,18 +4,21 @@
 
     SandboxError                  (prefect_sandbox.sandbox.errors: the core's tree)
     ├── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
-    └── ReapFailedError           the reaper could not list a backend or kill a sandbox
+    ├── ReapFailedError           the reaper could not list a backend or kill a sandbox
+    ├── SweepFailedError          a sweep's branch did not complete; names each such branch
+    └── GridError (ValueError)    a sweep's grid of parameters is malformed; names the entry
 
 It is raised ``from`` the error that stopped the pipeline (a stage's `CellExecutionError`,
 `CellTimeoutError`, `SandboxDiedError`, ... or a `FileTransferError` from storing), which stays
-its ``__cause__``.
+its ``__cause__``. A sweep raises `SweepFailedError` after every branch ended and
+``sweep.json`` was stored.
 """
 
 from __future__ import annotations
 
 from prefect_sandbox.sandbox.errors import SandboxError
 
-__all__ = ["PipelineFailedError", "ReapFailedError"]
+__all__ = ["GridError", "PipelineFailedError", "ReapFailedError", "SweepFailedError"]
 
 
 class PipelineFailedError(SandboxError):
@@ -56,3 +59,34 @@ class ReapFailedError(SandboxError):
     def __init__(self, message: str, *, failed: list[str]) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class SweepFailedError(SandboxError):
+    """A sweep's branch failed, was cancelled or crashed; the others ran to their end.
+
+    Args:
+        message: one line naming each branch that did not complete, why, and where its
+            partial results are.
+        failed: those branches' flow-run names (or ``"entry N"`` when no run was made).
+        output_dir: where ``sweep.json`` was stored.
+    """
+
+    def __init__(
+        self, message: str, *, failed: list[str] | None = None, output_dir: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.failed = failed or []
+        self.output_dir = output_dir
+
+
+class GridError(SandboxError, ValueError):
+    """A sweep's grid of parameter sets is malformed; nothing was run.
+
+    Args:
+        message: one line naming the grid's source (its file), the entry and the problem.
+        source: the grid's file, or ``"grid"`` when it was given as a value.
+    """
+
+    def __init__(self, message: str, *, source: str = "grid") -> None:
+        super().__init__(message)
+        self.source = source

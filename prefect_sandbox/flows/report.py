@@ -1,4 +1,5 @@
-"""What a finished run shows in the Prefect UI: a markdown summary. Pure functions.
+"""What a finished run shows in the Prefect UI: a markdown summary (and `table_cell`, for the
+sweep's table). Pure functions.
 
 Everything in it that a cell or a notebook could choose (error messages, file names, stage and
 flow-run names) is escaped, so the only links and images are the ones built here, and it is
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
-__all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "escape_markdown", "summary_markdown"]
+__all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "escape_markdown", "summary_markdown", "table_cell"]
 
 ROWS_SHOWN = 100
 """Stages, and stored files, listed in the summary at most."""
@@ -66,7 +67,7 @@ def _code(text: str) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
-def _cell(text: str) -> str:
+def table_cell(text: str) -> str:
     """Untrusted text safe inside a markdown table cell, cut at `CELL_CHARS` characters."""
     return escape_markdown(strip_ansi(text)[:CELL_CHARS])
 
@@ -94,7 +95,7 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
         size is that plus the figures' ``data:`` URIs.
     """
     lines = [
-        f"# {_cell(result.flow_run_name)}: {result.status}",
+        f"# {table_cell(result.flow_run_name)}: {result.status}",
         "",
         f"{len(result.stages)} stage(s) in {result.duration_s:.1f} s; "
         f"stored in {_code(result.output_dir)}.",
@@ -105,27 +106,34 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
     for stage in result.stages[:ROWS_SHOWN]:
         error = ""
         if stage.ename:
-            error = _cell(f"cell {stage.failed_cell_index}: {stage.ename}: {stage.evalue or ''}")
-        row = [_cell(stage.name), stage.status, str(stage.cell_count), f"{stage.duration_s:.2f}"]
+            error = table_cell(
+                f"cell {stage.failed_cell_index}: {stage.ename}: {stage.evalue or ''}"
+            )
+        row = [
+            table_cell(stage.name),
+            stage.status,
+            str(stage.cell_count),
+            f"{stage.duration_s:.2f}",
+        ]
         lines.append(f"| {' | '.join([*row, error])} |")
     if len(result.stages) > ROWS_SHOWN:
         lines += ["", _more(len(result.stages) - ROWS_SHOWN, "stage(s)")]
     if result.error:
-        lines += ["", f"**Error:** {_cell(result.error)}"]
+        lines += ["", f"**Error:** {table_cell(result.error)}"]
     figures = [a for a in result.artifacts if a.path in figure_urls]
     if figures:
         lines += ["", "## Figures", ""]
         for artifact in figures[:FIGURES_SHOWN]:
             url = figure_urls[artifact.path]
             if url:
-                lines.append(f"![{_cell(artifact.path)}]({_url(url)})")
+                lines.append(f"![{table_cell(artifact.path)}]({_url(url)})")
             else:
                 lines.append(f"- {_code(artifact.path)}: {_code(artifact.location)}")
         if len(figures) > FIGURES_SHOWN:
             lines += ["", _more(len(figures) - FIGURES_SHOWN, "figure(s)")]
     lines += ["", "## Stored files", "", "| path | bytes | sha256 |", "|---|---|---|"]
     shown = result.artifacts[:ROWS_SHOWN]
-    lines += [f"| {_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in shown]
+    lines += [f"| {table_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in shown]
     if len(result.artifacts) > ROWS_SHOWN:
         rest = result.artifacts[ROWS_SHOWN:]
         total = sum(a.bytes for a in rest)

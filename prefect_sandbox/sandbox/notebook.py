@@ -35,6 +35,7 @@ __all__ = [
     "inject_parameters",
     "inline_figures",
     "notebook_from_stages",
+    "parameter_name_problem",
     "parse_parameter",
     "python_literal",
     "read_notebook",
@@ -134,7 +135,7 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
     name, sep, raw = assignment.partition("=")
     if not sep:
         raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
-    problem = _parameter_name_problem(name)
+    problem = parameter_name_problem(name)
     if problem:
         raise NotebookError(f"parameter name {name!r} (in {assignment!r}) {problem}")
     value: Any
@@ -154,7 +155,7 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
     return name, value
 
 
-def _parameter_name_problem(name: object) -> str | None:
+def parameter_name_problem(name: object) -> str | None:
     """Why ``name`` cannot be assigned to (``"is a Python keyword"``, ...); None if it can."""
     if not isinstance(name, str) or not name.isidentifier():
         return "is not a Python identifier"
@@ -251,7 +252,7 @@ def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> 
         return result
     lines = ["# Parameters"]
     for name, value in parameters.items():
-        problem = _parameter_name_problem(name)
+        problem = parameter_name_problem(name)
         if problem:
             raise NotebookError(f"parameter name {name!r} {problem}")
         try:

@@ -147,6 +147,31 @@ class ArtifactStore(ABC):
             FileTransferError: it could not be stored, or the stored copy does not match.
         """
 
+    @abstractmethod
+    def read(self, relative: str) -> bytes:
+        """Read back one stored file.
+
+        Args:
+            relative: its POSIX path relative to the run's location.
+
+        Returns:
+            Its content.
+
+        Raises:
+            UnsafePathError: ``relative`` climbs out with ``..`` or is absolute.
+            FileTransferError: it is not there, or could not be read (names it).
+        """
+
+    @abstractmethod
+    def nested_storage(self) -> S3Bucket | str:
+        """The ``storage`` argument under which another flow run's folder lands inside this
+        run's location (a sweep's branches do so).
+
+        Returns:
+            This run's folder (local), or a copy of the `S3Bucket` block whose folder is this
+            run's prefix (its credentials kept).
+        """
+
 
 class LocalFolderStore(ArtifactStore):
     """Files under one run's folder, e.g. ``<folder>/<run-folder>/``."""
@@ -184,6 +209,19 @@ class LocalFolderStore(ArtifactStore):
             sha256=digest.hexdigest(),
             location=str(target),
         )
+
+    def read(self, relative: str) -> bytes:
+        source = resolve_inside(self._folder, relative)
+        try:
+            return source.read_bytes()
+        except OSError as exc:
+            raise FileTransferError(
+                f"stored file {relative!r} cannot be read from {self.location}: {exc.strerror}",
+                path=relative,
+            ) from exc
+
+    def nested_storage(self) -> str:
+        return self.location
 
 
 class S3Store(ArtifactStore):
@@ -249,6 +287,22 @@ class S3Store(ArtifactStore):
             sha256=whole.hex(),
             location=f"s3://{self._bucket.bucket_name}/{key}",
         )
+
+    def read(self, relative: str) -> bytes:
+        checked_relative_path(relative)
+        try:
+            # _sync: prefect-aws dispatches on the run context, async inside our flows.
+            data = self._bucket.read_path(f"{self._prefix}/{relative}", _sync=True)  # type: ignore[call-arg]
+        except (ClientError, BotoCoreError) as exc:
+            raise FileTransferError(
+                f"stored file {relative!r} cannot be read from {self.location}: {exc}",
+                path=relative,
+            ) from exc
+        return cast(bytes, data)
+
+    def nested_storage(self) -> S3Bucket:
+        folder = self._bucket._join_bucket_folder(self._prefix)
+        return self._bucket.model_copy(update={"bucket_folder": folder})
 
     @staticmethod
     def _part_bytes(source: Path) -> int:

@@ -1,0 +1,310 @@
+"""The sweep flow and ``prefect-sandbox sweep``: grids, branches as subflows on real kernels,
+``sweep.json``, the table artifact, a failing branch, and cancellation. Prefect's real
+ephemeral API; the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+
+from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
+from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def _api_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+
+
+def _notebook(path: Path, body: str) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("x = 0\nlabel = ''", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(body),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+_METRICS = (
+    "import json\n"
+    "json.dump({'x2': x * x, 'label': label, 'nested': {'no': 1}}, open('metrics.json', 'w'))\n"
+    "if x == 2:\n"
+    "    raise ValueError('x may not be 2')"
+)
+
+
+# Grids: pure.
+
+
+def test_a_list_grid_runs_as_given_and_a_mapping_grid_as_its_product() -> None:
+    assert expand_grid([{"a": 1}, {"a": 2, "b": "x"}, {}]) == [{"a": 1}, {"a": 2, "b": "x"}, {}]
+    assert expand_grid({"a": [1, 2], "b": ["x", "y", "z"]}) == [
+        {"a": 1, "b": "x"},
+        {"a": 1, "b": "y"},
+        {"a": 1, "b": "z"},
+        {"a": 2, "b": "x"},
+        {"a": 2, "b": "y"},
+        {"a": 2, "b": "z"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ([], "g.yaml: the grid has no parameter set"),
+        ({}, "g.yaml: the grid names no parameter"),
+        ("a=1", "g.yaml: a grid is a list of parameter sets or a mapping of name to a list of "),
+        ([{"a": 1}, [1]], "g.yaml: entry 1: a parameter set is a mapping of name to value, not "),
+        ([{"a": 1}, {"lambda": 1}], "g.yaml: entry 1: parameter name 'lambda' is a Python keyw"),
+        ([{"a": object()}], "g.yaml: entry 0: parameter 'a': a value of type object has no Py"),
+        ({"a": 1}, "g.yaml: parameter 'a': a mapping grid gives each name a list of values, no"),
+        ({"a": []}, "g.yaml: parameter 'a': no values"),
+        ({"a": [1, {2}]}, "g.yaml: parameter 'a': value 1: a value of type set has no Python l"),
+        ({"a": list(range(200)), "b": list(range(60))}, "g.yaml: the product has 12000 parame"),
+    ],
+)
+def test_a_bad_grid_names_the_source_and_entry(grid: Any, message: str) -> None:
+    with pytest.raises(GridError) as info:
+        expand_grid(grid, "g.yaml")
+    assert str(info.value).startswith(message)
+    assert isinstance(info.value, ValueError) and info.value.source == "g.yaml"
+
+
+def test_grid_files_in_json_and_yaml(tmp_path: Path) -> None:
+    (tmp_path / "g.yaml").write_text("train_end: [1990-12-31, '1995-12-31']\nlag: [1, 2.5]\n")
+    sets = read_grid(tmp_path / "g.yaml")
+    assert [str(s["train_end"]) for s in sets] == ["1990-12-31"] * 2 + ["1995-12-31"] * 2
+    assert [s["lag"] for s in sets] == [1, 2.5, 1, 2.5]
+    (tmp_path / "g.json").write_text('[{"a": 1}, {"a": null}]')
+    assert read_grid(tmp_path / "g.json") == [{"a": 1}, {"a": None}]
+    (tmp_path / "bad.json").write_text('[{"a": 1},\n {"a": }]')
+    with pytest.raises(GridError, match=r"bad\.json: line 2, column 8: not valid JSON: Expect"):
+        read_grid(tmp_path / "bad.json")
+    (tmp_path / "bad.yml").write_text("a: [1, 2\nb: 3\n")
+    with pytest.raises(GridError, match=r"bad\.yml: line 2, column 2: not valid YAML: "):
+        read_grid(tmp_path / "bad.yml")
+    (tmp_path / "g.txt").write_text("[]")
+    with pytest.raises(GridError, match=r"g\.txt: a grid file's name ends in \.json, \.yaml"):
+        read_grid(tmp_path / "g.txt")
+    with pytest.raises(GridError, match=r"missing\.json: cannot be read: No such file"):
+        read_grid(tmp_path / "missing.json")
+
+
+def test_metrics_keep_top_level_scalars_only() -> None:
+    assert metrics_of(b'{"mae": 0.5, "ok": true, "n": 3, "s": "hi", "d": {}, "l": [1]}') == (
+        {"mae": 0.5, "ok": True, "n": 3, "s": "hi"},
+        None,
+    )
+    assert metrics_of(b"[1, 2]") == ({}, "a JSON list, not an object")
+    assert metrics_of(b"{")[1] is not None and metrics_of(b"{")[1].startswith("not JSON")  # type: ignore[union-attr]
+    long = json.dumps({"k" * 500: "v" * 500}).encode()
+    assert metrics_of(long)[0] == {"k" * 100: "v" * 100}
+
+
+def test_the_sync_twin_has_the_flows_signature() -> None:
+    assert inspect.signature(sweep_notebook) == inspect.signature(asweep_notebook.fn)
+
+
+# Sweeps on local kernels.
+
+
+async def _table(flow_run_id: str) -> list[dict[str, str]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async with get_client() as client:
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    (table,) = [a for a in artifacts if a.key == "sweep-summary"]
+    data = json.loads(str(table.data))
+    assert isinstance(data, list)
+    return data
+
+
+async def test_a_failing_branch_stops_no_other_and_fails_the_sweep_naming_it(
+    tmp_path: Path,
+) -> None:
+    source = _notebook(tmp_path / "nb.ipynb", _METRICS)
+    with pytest.raises(SweepFailedError) as info:
+        await asweep_notebook(
+            notebook=str(source),
+            grid=[{"x": 1}, {"x": 2}, {"x": 3, "label": "<b>bold</b> | [x](http://e.vil)"}],
+            artifacts=["metrics.json"],
+            storage=str(tmp_path / "out"),
+        )
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    assert info.value.output_dir == str(sweep_dir)
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    branches = sweep["branches"]
+    assert [b["status"] for b in branches] == ["completed", "failed", "completed"]
+    assert sweep["status"] == "failed" and sweep["mode"] == "subflow"
+    names = [b["flow_run_name"] for b in branches]
+    assert names == [f"{sweep['flow_run_name']}-{i}" for i in range(3)]
+    # Each branch: its own folder inside the sweep's, with its own summary and metrics.
+    folders = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [Path(b["output_dir"]) for b in branches] == folders
+    for branch, folder in zip(branches, folders, strict=True):
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["flow_run_id"] == branch["flow_run_id"]
+        assert summary["status"] == branch["status"]
+        assert branch["summary_stored"] is True
+        assert (folder / "metrics.json").exists()
+    assert [b["metrics"].get("x2") for b in branches] == [1, 4, 9]
+    assert "nested" not in branches[0]["metrics"]
+    assert branches[1]["parameters"] == {"x": 2}
+    assert "ValueError: x may not be 2" in branches[1]["error"]
+    assert branches[0]["error"] is None
+    # The error names the failed branch, why, and where its partial results are.
+    failed = branches[1]
+    assert info.value.failed == [failed["flow_run_name"]]
+    assert str(info.value).startswith(
+        f"1 of 3 branch(es) did not complete: {failed['flow_run_name']} (failed: "
+    )
+    assert f"partial results in {failed['output_dir']})" in str(info.value)
+    assert str(info.value).endswith(f"sweep.json in {sweep_dir}")
+    rows = await _table(sweep["flow_run_id"])
+    assert [row["status"] for row in rows] == ["completed", "failed", "completed"]
+    assert [row["x2"] for row in rows] == ["1", "4", "9"]
+    assert rows[1]["location"] == failed["output_dir"].replace("_", "\\_")
+    # A branch's text is escaped: no HTML, link or table syntax reaches the table.
+    assert rows[2]["label"] == r"&lt;b&gt;bold&lt;/b&gt; \| \[x\](http\://e.vil)"
+    assert "<b>" not in json.dumps(rows)
+
+
+async def test_a_sweep_where_every_branch_completes_returns_its_result(tmp_path: Path) -> None:
+    source = _notebook(tmp_path / "nb.ipynb", _METRICS)
+    result = await asweep_notebook(
+        notebook=str(source),
+        grid={"x": [3, 4]},
+        artifacts=["metrics.json"],
+        storage=str(tmp_path / "out"),
+    )
+    assert result.status == "completed" and result.error is None
+    assert [b.metrics["x2"] for b in result.branches] == [9, 16]
+    stored = json.loads((Path(result.output_dir) / "sweep.json").read_text())
+    assert stored == json.loads(result.model_dump_json())
+
+
+async def test_a_bad_grid_or_notebook_is_refused_before_any_branch(tmp_path: Path) -> None:
+    source = _notebook(tmp_path / "nb.ipynb", "pass")
+    with pytest.raises(GridError, match="grid: entry 0: parameter name 'class' is a Python"):
+        await asweep_notebook(
+            notebook=str(source), grid=[{"class": 1}], storage=str(tmp_path / "out")
+        )
+    with pytest.raises(ValueError, match="max_sandboxes must be 1 or more; got 0"):
+        await asweep_notebook(
+            notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=str(tmp_path / "out")
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", *args],
+        env=_api_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_sweep_exits_1_naming_the_failed_branch_and_2_on_a_bad_grid(tmp_path: Path) -> None:
+    _notebook(tmp_path / "nb.ipynb", _METRICS)
+    (tmp_path / "grid.yaml").write_text("x: [1, 2]\n")
+    done = _cli(
+        "sweep", "nb.ipynb", "--grid", "grid.yaml", "--artifact", "metrics.json", "--out", "out",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    failed = sweep["branches"][1]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"prefect-sandbox: sweep failed: 1 of 2 branch(es) did not complete: "
+        f"{failed['flow_run_name']} (failed: "
+    )
+    assert f"partial results in {failed['output_dir']}" in last
+    assert f"Stored sweep.json in {sweep_dir}" not in done.stdout
+    (tmp_path / "bad.json").write_text('{"x": [1], "if": [2]}')
+    bad = _cli("sweep", "nb.ipynb", "--grid", "bad.json", "--out", "out2", cwd=tmp_path)
+    assert (bad.returncode, bad.stderr) == (
+        2,
+        "prefect-sandbox: bad.json: parameter name 'if' is a Python keyword\n",
+    )
+    assert not (tmp_path / "out2").exists()
+
+
+def test_sigint_stops_every_branch_kills_their_sandboxes_and_stores_sweep_json(
+    tmp_path: Path,
+) -> None:
+    import psutil
+
+    _notebook(
+        tmp_path / "nb.ipynb",
+        "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)",
+    )
+    (tmp_path / "grid.json").write_text('{"x": [300, 301]}')
+    # A short TMPDIR of its own: the kernels' socket paths, and a place to see what is left.
+    tmp = Path(tempfile.mkdtemp(prefix="sweep-"))
+    cli = subprocess.Popen(
+        [
+            sys.executable, "-m", "prefect_sandbox.cli", "sweep", "nb.ipynb",
+            "--grid", "grid.json", "--out", "out",
+        ],
+        env={**_api_env(), "TMPDIR": str(tmp)}, cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tmp.rglob("sleeping.marker"))) < 2:
+            assert cli.poll() is None, cli.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the branches' cells never started"
+            time.sleep(0.2)
+        kernels = [psutil.Process(int(p.read_text())) for p in tmp.rglob("kernel.pid")]
+        assert len(kernels) == 2
+        os.killpg(cli.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        _, stderr = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+    try:
+        assert cli.returncode == 130, stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("prefect-sandbox: interrupted by SIGINT: sweep "), last
+        (sweep_dir,) = (tmp_path / "out").iterdir()
+        assert last.endswith(f"cancelled; sweep.json in {sweep_dir}")
+        sweep = json.loads((sweep_dir / "sweep.json").read_text())
+        assert sweep["status"] == "cancelled"
+        assert [b["status"] for b in sweep["branches"]] == ["cancelled", "cancelled"]
+        for branch in sweep["branches"]:
+            summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+            assert summary["status"] == "cancelled"
+            assert summary["stages"][0]["status"] == "cancelled"
+        deadline = time.monotonic() + 10
+        for kernel in kernels:
+            while kernel.is_running() and kernel.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"{kernel.cmdline()} outlived the sweep"
+                time.sleep(0.2)
+        assert [p.name for p in tmp.rglob("*") if not p.is_dir()] == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
