@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
 from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.testing.s3 import MotoServer
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -308,3 +310,46 @@ def test_sigint_stops_every_branch_kills_their_sandboxes_and_stores_sweep_json(
         assert [p.name for p in tmp.rglob("*") if not p.is_dir()] == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def test_a_sweep_on_s3_stores_sweep_json_beside_its_branches_prefixes(
+    moto: MotoServer, tmp_path: Path
+) -> None:
+    from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
+
+    from prefect_sandbox.sandbox.paths import run_folder_name
+
+    name = f"bucket-{uuid.uuid4().hex[:12]}"
+    client = moto.client()
+    client.create_bucket(Bucket=name)
+    credentials = AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=moto.endpoint),
+    )
+    bucket = S3Bucket(bucket_name=name, bucket_folder="results", credentials=credentials)
+    source = _notebook(tmp_path / "nb.ipynb", _METRICS)
+    with pytest.raises(SweepFailedError) as info:
+        await asweep_notebook(
+            notebook=str(source),
+            grid={"x": [1, 2]},
+            artifacts=["metrics.json"],
+            storage=bucket,
+        )
+    keys = {item["Key"] for item in client.list_objects_v2(Bucket=name)["Contents"]}
+    (sweep_key,) = [key for key in keys if key.endswith("/sweep.json")]
+    sweep = json.loads(client.get_object(Bucket=name, Key=sweep_key)["Body"].read())
+    prefix = (
+        f"results/sweep-notebook/{run_folder_name(sweep['flow_run_name'], sweep['flow_run_id'])}"
+    )
+    assert sweep_key == f"{prefix}/sweep.json"
+    assert info.value.output_dir == sweep["output_dir"] == f"s3://{name}/{prefix}"
+    assert [b["status"] for b in sweep["branches"]] == ["completed", "failed"]
+    assert [b["metrics"]["x2"] for b in sweep["branches"]] == [1, 4]
+    for branch in sweep["branches"]:
+        folder = run_folder_name(branch["flow_run_name"], branch["flow_run_id"])
+        assert branch["output_dir"] == f"s3://{name}/{prefix}/run-notebook/{folder}"
+        for stored in ("summary.json", "metrics.json", "executed.ipynb"):
+            assert f"{prefix}/run-notebook/{folder}/{stored}" in keys
+    assert f"partial results in {sweep['branches'][1]['output_dir']}" in str(info.value)
