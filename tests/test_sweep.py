@@ -4,6 +4,7 @@ ephemeral API; the CLI as a subprocess."""
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 import os
@@ -15,7 +16,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nbformat
 import pytest
@@ -23,6 +24,10 @@ import pytest
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
 from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
 from prefect_sandbox.testing.s3 import MotoServer
+from tests.conftest import ROOT
+
+if TYPE_CHECKING:
+    from prefect_sandbox.testing.e2b import E2BEmulator
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -353,3 +358,63 @@ async def test_a_sweep_on_s3_stores_sweep_json_beside_its_branches_prefixes(
         for stored in ("summary.json", "metrics.json", "executed.ipynb"):
             assert f"{prefix}/run-notebook/{folder}/{stored}" in keys
     assert f"partial results in {sweep['branches'][1]['output_dir']}" in str(info.value)
+
+
+def _max_overlap(lives: list[tuple[datetime.datetime, datetime.datetime]]) -> int:
+    """The most intervals alive at one instant (one ending as another starts: not both)."""
+    events = sorted([(start, 1) for start, _ in lives] + [(end, -1) for _, end in lives])
+    alive = most = 0
+    for _, step in events:
+        alive += step
+        most = max(most, alive)
+    return most
+
+
+@pytest.mark.timeout(900)
+async def test_twelve_co2_branches_on_e2b_with_a_cap_of_three(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    from prefect_sandbox import E2BBackend, E2BCredentials
+
+    test_id = uuid.uuid4().hex
+    backend = E2BBackend(
+        credentials=E2BCredentials(
+            api_key=e2b_emulator.api_key, api_url=e2b_emulator.url, sandbox_url=e2b_emulator.url
+        ),
+        metadata={"test-id": test_id},
+    )
+    example = ROOT / "examples" / "co2"
+    train_ends = [f"{year}-{day}" for year in range(1991, 1997) for day in ("06-30", "12-31")]
+    result = await asweep_notebook(
+        notebook=str(example / "forecast.ipynb"),
+        grid={"train_end": train_ends},
+        inputs=[str(example / "co2.csv")],
+        artifacts=["metrics.json", "forecast.csv"],
+        backend=backend,
+        storage=str(tmp_path / "out"),
+        max_sandboxes=3,
+    )
+    assert result.status == "completed", result.error
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    assert json.loads((sweep_dir / "sweep.json").read_text()) == json.loads(
+        result.model_dump_json()
+    )
+    folders = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert len(folders) == 12
+    assert sorted(Path(b.output_dir or "") for b in result.branches) == folders
+    lives = []
+    for branch in result.branches:
+        summary = json.loads((Path(branch.output_dir or "") / "summary.json").read_text())
+        assert summary["status"] == "completed"
+        lives.append(
+            (
+                datetime.datetime.fromisoformat(summary["sandbox_created_at"]),
+                datetime.datetime.fromisoformat(summary["sandbox_killed_at"]),
+            )
+        )
+        assert 0 < float(branch.metrics["mae_ppm"]) < 5  # type: ignore[arg-type]
+    assert [b.parameters["train_end"] for b in result.branches] == train_ends
+    # Never more than 3 alive at once, and the branches did run side by side.
+    assert 2 <= _max_overlap(lives) <= 3, lives
+    assert len({b.metrics["mae_ppm"] for b in result.branches}) > 1
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
