@@ -22,7 +22,7 @@ import nbformat
 import pytest
 
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep import _block_reference, expand_grid, metrics_of, read_grid
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
 
@@ -418,3 +418,87 @@ async def test_twelve_co2_branches_on_e2b_with_a_cap_of_three(
     assert 2 <= _max_overlap(lives) <= 3, lives
     assert len({b.metrics["mae_ppm"] for b in result.branches}) > 1
     assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+
+
+async def test_deployment_mode_refuses_what_it_cannot_send_before_any_branch(
+    tmp_path: Path,
+) -> None:
+    from prefect_sandbox import LocalKernelBackend
+
+    source = str(_notebook(tmp_path / "nb.ipynb", "pass"))
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="deployment 'other/x' is of flow 'other'; a sweep's b"):
+        await asweep_notebook(notebook=source, grid=[{}], deployment="other/x", storage=out)
+    with pytest.raises(ValueError, match="no deployment 'run-notebook/nowhere' is known to the"):
+        await asweep_notebook(notebook=source, grid=[{}], deployment="nowhere", storage=out)
+    with pytest.raises(ValueError, match="max_sandboxes is not sent to a deployment's runs"):
+        await asweep_notebook(
+            notebook=source, grid=[{}], deployment="x", max_sandboxes=2, storage=out
+        )
+    await _run_notebook_deployment("sweep-test")
+    with pytest.raises(ValueError, match="backend must be a saved block to be sent to a deploym"):
+        await asweep_notebook(
+            notebook=source,
+            grid=[{}],
+            deployment="sweep-test",
+            backend=LocalKernelBackend(),
+            storage=out,
+        )
+    # A saved block goes by reference: a branch's parameters hold none of its fields.
+    await LocalKernelBackend(env={"SECRET_ISH": "kept-out"}).save("sweep-test", overwrite=True)
+    saved = await LocalKernelBackend.aload("sweep-test")
+    assert _block_reference(saved, "backend") == {
+        "$ref": {"block_document_id": str(saved._block_document_id)}
+    }
+
+
+async def _run_notebook_deployment(name: str) -> None:
+    """A deployment run-notebook/NAME on the session's API (no worker runs it)."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_sandbox.flows import arun_notebook
+
+    async with get_client() as client:
+        flow_id = await client.create_flow_from_name(arun_notebook.name)
+        await client.create_deployment(flow_id=flow_id, name=name)
+
+
+async def test_the_crash_hook_kills_the_sandboxes_of_branches_still_running() -> None:
+    """A sweep process that died leaves subflows marked Running and their sandboxes alive: the
+    sweep's crash hook (run with nothing but the records) finds and kills them."""
+    from prefect import task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Crashed, Running
+
+    from prefect_sandbox import LocalKernelBackend
+    from prefect_sandbox.flows import arun_notebook
+    from prefect_sandbox.flows.sweep import cancel_branches
+    from prefect_sandbox.sandbox.labels import flow_run_labels
+
+    @task
+    def branch() -> None: ...
+
+    backend = LocalKernelBackend()
+    async with get_client() as client:
+        sweep = await client.create_flow_run(asweep_notebook, state=Running())
+        children = []
+        for index, state in enumerate([Running(), Completed()]):
+            parent = await client.create_task_run(
+                branch, flow_run_id=sweep.id, dynamic_key=str(index)
+            )
+            children.append(
+                await client.create_flow_run(
+                    arun_notebook, parent_task_run_id=parent.id, state=state
+                )
+            )
+        other = await client.create_flow_run(arun_notebook, state=Running())
+    sandboxes = [
+        await backend.create(flow_run_labels(str(run.id), run.name)) for run in [*children, other]
+    ]
+    try:
+        await cancel_branches(asweep_notebook, sweep, Crashed())
+    finally:
+        # kill() says whether the sandbox was still alive: the running branch's was killed by
+        # the hook; a finished branch's and another flow run's are none of its business.
+        still_alive = [await sandbox.kill() for sandbox in sandboxes]
+    assert still_alive == [False, True, True]
