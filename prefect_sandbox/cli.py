@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-artifact",
         metavar="PATH",
         default="metrics.json",
-        help="the stored JSON file each branch's key metrics are read from "
+        help="the JSON file each branch's key metrics are read from, collected as an artifact "
         "(default: metrics.json; '' for none)",
     )
     return parser

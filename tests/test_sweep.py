@@ -25,17 +25,12 @@ from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, 
 from prefect_sandbox.flows.sweep import _block_reference, expand_grid, metrics_of, read_grid
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
+from tests.test_flows import _api_env, _cli
 
 if TYPE_CHECKING:
     from prefect_sandbox.testing.e2b import E2BEmulator
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-
-
-def _api_env() -> dict[str, str]:
-    from prefect.settings import PREFECT_API_URL
-
-    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
 
 
 def _notebook(path: Path, body: str) -> Path:
@@ -198,12 +193,10 @@ async def test_a_failing_branch_stops_no_other_and_fails_the_sweep_naming_it(
 async def test_a_sweep_where_every_branch_completes_returns_its_result(tmp_path: Path) -> None:
     source = _notebook(tmp_path / "nb.ipynb", _METRICS)
     result = await asweep_notebook(
-        notebook=str(source),
-        grid={"x": [3, 4]},
-        artifacts=["metrics.json"],
-        storage=str(tmp_path / "out"),
+        notebook=str(source), grid={"x": [3, 4]}, storage=str(tmp_path / "out")
     )
     assert result.status == "completed" and result.error is None
+    # The metrics file is collected without being asked for among the artifacts.
     assert [b.metrics["x2"] for b in result.branches] == [9, 16]
     stored = json.loads((Path(result.output_dir) / "sweep.json").read_text())
     assert stored == json.loads(result.model_dump_json())
@@ -220,17 +213,6 @@ async def test_a_bad_grid_or_notebook_is_refused_before_any_branch(tmp_path: Pat
             notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=str(tmp_path / "out")
         )
     assert not (tmp_path / "out").exists()
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefect_sandbox.cli", *args],
-        env=_api_env(),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_cli_sweep_exits_1_naming_the_failed_branch_and_2_on_a_bad_grid(tmp_path: Path) -> None:

@@ -680,8 +680,9 @@ async def asweep_notebook(
             saved backend block they use.
         deployment: A ``run-notebook`` deployment's name (``NAME`` or ``run-notebook/NAME``)
             to run the branches as its flow runs; empty: branches are subflows.
-        metrics_artifact: The stored file (a JSON object) each branch's key metrics are read
-            from, e.g. metrics.json; empty for none.
+        metrics_artifact: The file (a JSON object, relative to the sandbox's working
+            directory) each branch's key metrics are read from once stored; it is collected
+            with ``artifacts``. Empty for none.
 
     Returns:
         The `SweepResult`: every branch with its parameters, status, flow run, location,
@@ -730,6 +731,8 @@ async def asweep_notebook(
     store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
     branch_storage = _branch_storage(storage, store, deployment is not None)
+    if metrics_artifact and metrics_artifact not in (artifacts or []):
+        artifacts = [*(artifacts or []), metrics_artifact]
     options = _Options(
         notebook=notebook,
         inputs=inputs,
