@@ -410,18 +410,26 @@ def _deployment_launcher(deployment: str, options: _Options) -> Launcher:
     )
 
     async def launch(branch: _Branch) -> None:
-        flow_run = await arun_deployment(
-            deployment,
-            parameters={**shared, "parameters": branch.parameters},
-            flow_run_name=branch.name,
-            timeout=0,
+        creating = asyncio.ensure_future(
+            arun_deployment(
+                deployment,
+                parameters={**shared, "parameters": branch.parameters},
+                flow_run_name=branch.name,
+                timeout=0,
+            )
         )
-        branch.flow_run_id = flow_run.id
         try:
+            flow_run = await asyncio.shield(creating)
+            branch.flow_run_id = flow_run.id
             branch.state = await _final_state(flow_run.id, None)
+            return
         except asyncio.CancelledError:
             _uncancel()
-            branch.state = await _cancel_deployment_run(flow_run.id)
+        # Cancelled: a run being made is made all the same, then cancelled, so none outlives
+        # the sweep unseen.
+        flow_run = await creating
+        branch.flow_run_id = flow_run.id
+        branch.state = await _cancel_deployment_run(flow_run.id)
 
     return launch
 
