@@ -698,9 +698,9 @@ async def asweep_notebook(
 
     Raises:
         ValueError: ``cell_timeout_s`` or ``max_sandboxes`` is no valid value (or
-            ``max_sandboxes`` is given with ``deployment``), the deployment is unknown or of
-            another flow, or a block to send to a deployment is not saved (before any branch
-            starts).
+            ``max_sandboxes`` is given with ``deployment``), ``metrics_artifact`` leaves the
+            working directory (`UnsafePathError`), the deployment is unknown or of another
+            flow, or a block to send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
         NotebookError: the notebook is invalid (subflow mode, before any branch starts).
         SweepFailedError: a branch failed, was cancelled or crashed; every branch ran to its
