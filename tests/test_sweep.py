@@ -119,6 +119,41 @@ def test_metrics_keep_top_level_scalars_only() -> None:
     assert metrics_of(long)[0] == {"k" * 100: "v" * 100}
 
 
+def test_the_table_caps_rows_and_metric_columns_and_keeps_its_own_columns() -> None:
+    from prefect_sandbox.flows.sweep import METRIC_COLUMNS, TABLE_ROWS_SHOWN, sweep_table
+    from prefect_sandbox.results import BranchResult, SweepResult
+
+    metrics: dict[str, float | int | bool | str | None] = {
+        f"m{i}": i / 3 for i in range(METRIC_COLUMNS + 2)
+    }
+    metrics["status"] = "forged"
+    branches = [
+        BranchResult(index=i, parameters={"x": i}, status="completed", metrics=metrics)
+        for i in range(TABLE_ROWS_SHOWN + 5)
+    ]
+    result = SweepResult(
+        flow_run_id="id", flow_run_name="s", status="completed", mode="subflow",
+        notebook="nb.ipynb", output_dir="out", metrics_artifact="metrics.json",
+        duration_s=1.0, branches=branches,
+    )  # fmt: skip
+    rows = sweep_table(result)
+    assert len(rows) == TABLE_ROWS_SHOWN + 1
+    assert rows[-1] == {"branch": "… and 5 more branch(es), all listed in sweep.json"}
+    assert list(rows[1]) == [
+        "branch", "flow run", "status", "parameters",
+        *[f"m{i}" for i in range(METRIC_COLUMNS)], "location", "error",
+    ]  # fmt: skip
+    assert (rows[1]["status"], rows[1]["parameters"], rows[1]["m1"]) == (
+        "completed",
+        "x=1",
+        "0.333333",
+    )
+    metrics_first = {"status": "forged", **metrics}
+    branches[0] = BranchResult(index=0, parameters={}, status="failed", metrics=metrics_first)
+    first = sweep_table(result.model_copy(update={"branches": branches}))[0]
+    assert (first["status"], first["metric status"]) == ("failed", "forged")
+
+
 def test_the_sync_twin_has_the_flows_signature() -> None:
     assert inspect.signature(sweep_notebook) == inspect.signature(asweep_notebook.fn)
 
