@@ -1,5 +1,6 @@
-"""Deployments end to end: a real `prefect server`, a process worker, `prefect deploy --all` from
-deployments/prefect.yaml, `run_deployment`, cancellation (H25), and secrets kept out of records."""
+"""Deployments end to end: a real `prefect server`, two process workers on one pool, `prefect
+deploy --all` from deployments/prefect.yaml, `run_deployment`, cancellation (H25), secrets kept out
+of records, and a sweep deployment whose branches spread over both workers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
     LogFilter,
     LogFilterFlowRunId,
 )
@@ -30,6 +33,8 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
+from prefect_sandbox.flows.sweep import SWEEP_NAME
+from prefect_sandbox.results import SweepResult
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.s3 import MotoServer, free_port
@@ -37,10 +42,14 @@ from tests.conftest import ROOT
 
 PREFECT = [sys.executable, "-m", "prefect"]
 SECRET_KEY = "e2e-secret-Zq8xWv3Kp"
+# Two workers on the one pool, two flow runs each at most. A sweep's own run holds a slot on one;
+# of its 4 branches that one runs 1 at a time, so the other worker takes some.
+WORKERS = ("worker-a", "worker-b")
+WORKER_LIMIT = 2
 
 
 class PrefectStack:
-    """`prefect server start` and a process worker, in subprocesses, for one test module."""
+    """`prefect server start` and process workers, in subprocesses, for one test module."""
 
     def __init__(self, home: Path) -> None:
         self.url = f"http://127.0.0.1:{free_port()}/api"
@@ -50,6 +59,8 @@ class PrefectStack:
             PREFECT_API_URL=self.url,
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_LOGGING_LEVEL="INFO",
+            # Workers poll every 2 s instead of 10: runs start sooner.
+            PREFECT_WORKER_QUERY_SECONDS="2",
         )
         self.env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
         self._logs = home
@@ -57,7 +68,7 @@ class PrefectStack:
         self.server = self._start(
             "server", ["server", "start", "--host", "127.0.0.1", "--port", port]
         )
-        self.worker: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with (self._logs / f"{name}.log").open("wb") as log:
@@ -88,15 +99,13 @@ class PrefectStack:
         assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
         return done.stdout
 
-    def start_worker(self) -> None:
-        self.worker = self._start(
-            "worker", ["worker", "start", "--pool", "sandbox-process", "--type", "process"]
-        )
+    def start_worker(self, name: str, limit: int) -> None:
+        """Start a process worker called `name` on the pool, running at most `limit` flow runs."""
+        args = ["--pool", "sandbox-process", "--type", "process", "--name", name]
+        self.workers.append(self._start(name, ["worker", "start", *args, "--limit", str(limit)]))
 
     def stop(self) -> None:
-        for process in (self.worker, self.server):
-            if process is None:
-                continue
+        for process in (*self.workers, self.server):
             # Each runs in its own session: end the whole group (the worker's flow runs too).
             try:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -115,7 +124,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
         stack.cli("block", "register", "-m", "prefect_sandbox")
         stack.cli("block", "register", "-m", "prefect_aws")
         stack.cli("--no-prompt", "deploy", "--all", cwd=ROOT / "deployments")
-        stack.start_worker()
+        for name in WORKERS:
+            stack.start_worker(name, WORKER_LIMIT)
         yield stack
     finally:
         stack.stop()
@@ -154,7 +164,7 @@ async def _completed_run(
     parameters: dict[str, Any],
     timeout_s: float,
 ) -> tuple[FlowRun, list[Artifact]]:
-    """Run a deployment on the stack's worker; check it completed; return it and its artifacts."""
+    """Run a deployment on the stack's workers; check it completed; return it and its artifacts."""
     with temporary_settings({PREFECT_API_URL: stack.url}):
         flow_run = await run_deployment(deployment, parameters=parameters, timeout=timeout_s)
     assert flow_run.state is not None
@@ -266,3 +276,53 @@ async def test_the_reaper_deployment_runs_every_10_minutes_once_switched_on(
         stack, client, "reap-sandboxes/reap-sandboxes", {"dry_run": True}, timeout_s=240
     )
     assert [a.key for a in artifacts if a.type == "table"] == ["reaped-sandboxes"]
+
+
+def _square_notebook(path: Path) -> Path:
+    """A two-cell notebook: parameter `x`, then metrics.json with x squared."""
+    import nbformat
+
+    source = "import json\njson.dump({'square': x * x}, open('metrics.json', 'w'))"
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell(source),
+        ]
+    )
+    nbformat.write(notebook, path)
+    return path
+
+
+@pytest.mark.timeout(400)
+async def test_sweep_deployment_spreads_its_branches_over_both_workers(
+    stack: PrefectStack, client: PrefectClient, tmp_path: Path
+) -> None:
+    notebook = _square_notebook(tmp_path / "square.ipynb")
+    out = tmp_path / "out"  # one folder the sweep and both workers reach
+    parameters = {
+        "notebook": str(notebook),
+        "grid": {"x": [1, 2, 3, 4]},
+        "artifacts": ["metrics.json"],
+        "storage": str(out),
+    }
+    sweep_run, _ = await _completed_run(
+        stack, client, "sweep-notebook/sweep-notebook", parameters, timeout_s=300
+    )
+
+    [sweep_file] = out.glob(f"*/{SWEEP_NAME}")
+    sweep = SweepResult.model_validate_json(sweep_file.read_text())
+    assert (sweep.status, sweep.mode) == ("completed", "deployment")
+    assert [b.parameters for b in sweep.branches] == [{"x": x} for x in [1, 2, 3, 4]]
+    assert [b.status for b in sweep.branches] == ["completed"] * 4
+    assert all(Path(b.output_dir or "", "summary.json").is_file() for b in sweep.branches)
+    assert [b.metrics for b in sweep.branches] == [{"square": x * x} for x in [1, 2, 3, 4]]
+    # Each branch is a child run of the run-notebook deployment; each worker ran some of them.
+    children = await client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_run.id])
+        )
+    )
+    assert {str(run.id) for run in children} == {b.flow_run_id for b in sweep.branches}
+    deployment = await client.read_deployment_by_name("run-notebook/run-notebook")
+    assert {run.deployment_id for run in children} == {deployment.id}
+    assert {run.labels.get("prefect.worker.name") for run in children} == set(WORKERS)
