@@ -79,6 +79,7 @@ case "$command" in
         "$venv/bin/python" bench/bench_output.py
         "$venv/bin/python" bench/bench_isolation.py
         "$venv/bin/python" bench/bench_warm_pool.py
+        "$venv/bin/python" bench/bench_sweep.py
         exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)

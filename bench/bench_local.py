@@ -562,6 +562,26 @@ def git_state() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
+def publish(path: Path, report: dict[str, Any], summary: str) -> int:
+    """Record in ``report`` whether the run was clean, save it as JSON at ``path``, and print
+    its ``table_markdown`` and the one-line ``summary``.
+
+    Returns:
+        The exit status: 1, with ``LEFT BEHIND: ...`` on stderr, when ``report["raw"]
+        ["leftovers"]`` (see `leftovers`) names a kernel or a path; else 0.
+    """
+    left = report["raw"]["leftovers"]
+    report["clean"] = not left["ipykernel_pids"] and not left["paths"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(report["table_markdown"])
+    print(f"\n{summary}; raw numbers in {path}")
+    if not report["clean"]:
+        print(f"LEFT BEHIND: {left}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     """Run the benchmarks under one ephemeral Prefect server; print and save the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -594,7 +614,6 @@ def main() -> int:
     load_after = os.getloadavg()
     rows = build_rows(raw["a"], raw["b"], raw["c"])
     table = markdown_table(rows)
-    clean = not raw["leftovers"]["ipykernel_pids"] and not raw["leftovers"]["paths"]
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "full",
@@ -614,23 +633,16 @@ def main() -> int:
         "loadavg_after": [round(v, 2) for v in load_after],
         "harness_start_s": round(harness_s, 2),
         "total_s": round(total_s, 2),
-        "clean": clean,
         "rows": rows,
         "table_markdown": table,
         "raw": raw,
     }
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps(report, indent=2))
-    print(table)
-    print(
-        f"\n{report['mode']} run, {os.cpu_count()} CPUs, total {total_s:.1f} s "
+    summary = (
+        f"{report['mode']} run, {os.cpu_count()} CPUs, total {total_s:.1f} s "
         f"(server start {harness_s:.1f} s); load average 1 min before {load_before[0]:.2f}, "
-        f"after {load_after[0]:.2f}; raw numbers in {RESULTS_PATH}"
+        f"after {load_after[0]:.2f}"
     )
-    if not clean:
-        print(f"LEFT BEHIND: {raw['leftovers']}", file=sys.stderr)
-        return 1
-    return 0
+    return publish(RESULTS_PATH, report, summary)
 
 
 if __name__ == "__main__":
