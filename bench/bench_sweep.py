@@ -23,7 +23,8 @@ local backend's guard process (one small ``python -I -S`` per sandbox) is only i
 counts shared pages (libraries) in every process, so N sandboxes need less than N times one
 sandbox's RSS.
 
-    python bench/bench_sweep.py [--quick] [--sizes 1,4,16] [--repeats 2] [--papermill-only]
+    python bench/bench_sweep.py [--quick] [--sizes 1,4,16] [--repeats 2] [--max-sandboxes N]
+                                [--papermill-only]
 
 Prints a markdown table and writes it with every sample to ``bench/results/sweep.json``.
 """
@@ -40,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -233,8 +233,11 @@ async def run_papermill(params: list[dict[str, Any]], work: Path) -> None:
     await asyncio.to_thread(run_papermill_branches, params, work)
 
 
-async def run_sweep(params: list[dict[str, Any]], work: Path) -> None:
-    """The sweep flow over the same parameter sets (branches as subflows, all at once).
+async def run_sweep(
+    params: list[dict[str, Any]], work: Path, max_sandboxes: int | None = None
+) -> None:
+    """The sweep flow over the same parameter sets (branches as subflows, all started at once;
+    with ``max_sandboxes``, at most that many sandboxes alive, the others waiting for a slot).
 
     Raises:
         SweepFailedError: a branch did not complete.
@@ -247,38 +250,40 @@ async def run_sweep(params: list[dict[str, Any]], work: Path) -> None:
         inputs=[str(CO2 / "co2.csv")],
         artifacts=["figures/*.png", "forecast.csv", "metrics.json"],
         storage=str(work),
+        max_sandboxes=max_sandboxes,
     )
     assert [branch.status for branch in result.branches] == ["completed"] * len(params)
 
 
-SIDES: dict[str, Callable[[list[dict[str, Any]], Path], Awaitable[None]]] = {
-    "sweep": run_sweep,
-    "papermill": run_papermill,
-}
-
-
-async def timed(side: str, size: int, work: Path) -> tuple[float, dict[str, Any]]:
+async def timed(
+    side: str, size: int, work: Path, max_sandboxes: int | None
+) -> tuple[float, dict[str, Any]]:
     """Wall seconds of one side over ``size`` branches, and what the memory sampler saw."""
     folder = Path(tempfile.mkdtemp(prefix=f"{side}-{size}-", dir=work))
     with MemorySampler() as peaks:
         start = time.perf_counter()
-        await SIDES[side](grid(size), folder)
+        if side == "sweep":
+            await run_sweep(grid(size), folder, max_sandboxes)
+        else:
+            await run_papermill(grid(size), folder)
         elapsed = time.perf_counter() - start
     shutil.rmtree(folder)
     return elapsed, memory_summary(peaks)
 
 
-async def run_all(sizes: list[int], sides: list[str], repeats: int, work: Path) -> dict[str, Any]:
+async def run_all(
+    sizes: list[int], sides: list[str], repeats: int, work: Path, max_sandboxes: int | None
+) -> dict[str, Any]:
     """A warm-up of each side, then ``repeats`` rounds of each size on each side, alternating
     which side goes first."""
     raw: dict[str, Any] = {"warmup_s": {}, "runs": []}
     for side in sides:
-        raw["warmup_s"][side], _ = await timed(side, 1, work)
+        raw["warmup_s"][side], _ = await timed(side, 1, work, max_sandboxes)
     for repeat in range(repeats):
         for index, size in enumerate(sizes):
             order = sides if (index + repeat) % 2 == 0 else sides[::-1]
             for side in order:
-                elapsed, memory = await timed(side, size, work)
+                elapsed, memory = await timed(side, size, work, max_sandboxes)
                 raw["runs"].append(
                     {
                         "side": side,
@@ -364,6 +369,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every size (default 2)")
     parser.add_argument("--sizes", default="1,4,16", help="branch counts (default 1,4,16)")
     parser.add_argument(
+        "--max-sandboxes",
+        type=int,
+        help="the sweep's max_sandboxes (a cap on its sandboxes alive at once; default none)",
+    )
+    parser.add_argument(
         "--papermill-only", action="store_true", help="the papermill side alone (no sweep flow)"
     )
     args = parser.parse_args()
@@ -383,7 +393,7 @@ def main() -> int:
         with private_tmpdir("bench-sweep-tmp-") as private_tmp:
             work = Path(tempfile.mkdtemp(prefix="work-"))
             try:
-                raw = asyncio.run(run_all(sizes, sides, repeats, work))
+                raw = asyncio.run(run_all(sizes, sides, repeats, work, args.max_sandboxes))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             raw["leftovers"] = leftovers(private_tmp, connection_files_before)
@@ -395,6 +405,7 @@ def main() -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "sizes": sizes,
         "repeats": repeats,
+        "max_sandboxes": args.max_sandboxes,
         "sides": sides,
         "git": git_state(),
         "cpus": os.cpu_count(),
@@ -410,7 +421,16 @@ def main() -> int:
         f"{os.cpu_count()} CPUs, total {total_s:.1f} s (server start {harness_s:.1f} s); load "
         f"average 1 min before {load_before[0]:.2f}, after {load_after[0]:.2f}"
     )
-    return publish(RESULTS_PATH, report, summary)
+    status = publish(RESULTS_PATH, report, summary)
+    over = [
+        run
+        for run in raw["runs"]
+        if run["side"] == "sweep" and run["memory"]["max_live"] > (args.max_sandboxes or 1 << 30)
+    ]
+    if over:
+        print(f"CAP EXCEEDED: {over}", file=sys.stderr)
+        return 1
+    return status
 
 
 if __name__ == "__main__":
