@@ -1,0 +1,307 @@
+"""The stage tasks on a Dask cluster of worker processes (prefect-dask's task runner).
+
+Handles and backend blocks cross processes; a stage on one worker process sees what a stage on
+another defined; nothing live is pickled; workers report to the flow process's Prefect API and
+get no secret from Prefect's context. One cluster of two single-thread worker processes serves
+the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import dask
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext, serialize_context
+from prefect.runtime import flow_run
+
+from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.dask import SandboxDaskTaskRunner
+from prefect_sandbox.results import StageResult
+from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.errors import SandboxNotFoundError
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, flow_run_labels
+from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.tasks.sandbox import (
+    create_sandbox,
+    download_artifacts,
+    kill_sandbox,
+    run_stage,
+    upload_inputs,
+)
+from prefect_sandbox.testing.e2b import E2BEmulator
+from tests.conftest import stream_text
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+SECRET = "e2b_dask_secret_0123456789"
+"""An API key that no sandbox sees: the secrets test checks where it travels."""
+
+
+class Workers:
+    """The module's cluster: its scheduler's address and each worker's address and pid."""
+
+    def __init__(self, address: str, pids: dict[str, int]) -> None:
+        self.address = address
+        self.pids = pids
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield Workers(cluster.scheduler_address, client.run(os.getpid))
+
+
+def _stage(name: str, index: int, source: str) -> StageSpec:
+    return StageSpec(name=name, cells=[CellSpec(index=index, source=source)])
+
+
+@flow(name="dask-stages")
+def staged(
+    backend: SandboxBackend, input_file: str, staging_dir: str, first: str, second: str
+) -> dict[str, Any]:
+    """Create, upload and define on worker ``first``; use, download and kill on ``second``."""
+    labels = flow_run_labels(str(flow_run.id), str(flow_run.name))
+    with dask.annotate(workers=[first]):
+        handle = create_sandbox.submit(backend, labels).result()
+        uploaded = upload_inputs.submit(backend, handle, [input_file], staging_dir).result()
+        define = run_stage.submit(
+            backend,
+            handle,
+            _stage("define", 0, "word = open('word.txt').read().strip()\nimport os"),
+        )
+        define.result()
+    with dask.annotate(workers=[second]):
+        use = run_stage.submit(
+            backend,
+            handle,
+            _stage("use", 1, "print(word * 2)\nopen('out.txt', 'w').write(word.upper())"),
+        )
+        used: StageResult = use.result()
+        downloaded = download_artifacts.submit(backend, handle, ["out.txt"], staging_dir).result()
+        killed = kill_sandbox.submit(backend, handle).result()
+    ran_on = {
+        name: [
+            worker
+            for holders in future.wrapped_future.client.who_has([future.wrapped_future]).values()
+            for worker in holders
+        ]
+        for name, future in (("define", define), ("use", use))
+    }
+    return {
+        "handle": handle,
+        "uploaded": uploaded,
+        "used": used,
+        "downloaded": downloaded,
+        "killed": killed,
+        "ran_on": ran_on,
+    }
+
+
+@flow(name="dask-create-and-kill")
+def _create_and_kill(backend: SandboxBackend, worker: str) -> bool:
+    with dask.annotate(workers=[worker]):
+        handle = create_sandbox.submit(backend, {}).result()
+        killed: bool = kill_sandbox.submit(backend, handle).result()
+    return killed
+
+
+async def _run_staged(backend: SandboxBackend, workers: Workers, tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "word.txt").write_text("dask\n")
+    first, second = sorted(workers.pids)
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    result: dict[str, Any] = await asyncio.to_thread(
+        staged.with_options(task_runner=runner),
+        backend,
+        str(tmp_path / "word.txt"),
+        str(tmp_path / "staging"),
+        first,
+        second,
+    )
+    # Each stage ran where it was sent, on two different processes.
+    assert result["ran_on"] == {"define": [first], "use": [second]}
+    assert len({workers.pids[first], workers.pids[second], os.getpid()}) == 3
+    assert result["uploaded"] == ["word.txt"]
+    # The second process's stage saw the first's variable: the sandbox persisted.
+    used = result["used"]
+    assert used.status == "ok"
+    assert stream_text(used.cells[0].result.outputs) == "daskdask\n"
+    assert result["downloaded"] == ["out.txt"]
+    assert (tmp_path / "staging" / "out.txt").read_text() == "DASK"
+    assert result["killed"] is True
+    return result
+
+
+async def test_stages_on_two_worker_processes_share_one_local_sandbox(
+    workers: Workers, tmp_path: Path
+) -> None:
+    backend = LocalKernelBackend(interrupt_grace_s=2.0)
+    result = await _run_staged(backend, workers, tmp_path)
+    handle: SandboxHandle = result["handle"]
+    # Killed from the second worker: its files are gone and no kernel of it is left running.
+    assert not Path(handle.connection["runtime_dir"]).exists()
+    assert not Path(handle.workdir).exists()
+    assert [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.status() != psutil.STATUS_ZOMBIE
+        and handle.connection["runtime_dir"] in " ".join(child.cmdline())
+    ] == []
+    with pytest.raises(SandboxNotFoundError):
+        await backend.attach(handle)
+    # The worker that launched the kernel reaps it, and stops its guard, at its next launch.
+    first = sorted(workers.pids)[0]
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    await asyncio.to_thread(_create_and_kill.with_options(task_runner=runner), backend, first)
+    assert psutil.Process(workers.pids[first]).children(recursive=True) == []
+    assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: handle.labels[FLOW_RUN_ID_LABEL]}) == []
+
+
+async def test_stages_on_two_worker_processes_share_one_e2b_sandbox(
+    workers: Workers, e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    test_id = uuid.uuid4().hex
+    backend = _e2b_backend(e2b_emulator, test_id)
+    result = await _run_staged(backend, workers, tmp_path)
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+    assert e2b_emulator.api_key not in result["handle"].model_dump_json()
+
+
+def _e2b_backend(emulator: E2BEmulator, test_id: str) -> E2BBackend:
+    credentials = E2BCredentials(
+        api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
+    )
+    return E2BBackend(credentials=credentials, metadata={"test-id": test_id})
+
+
+async def test_a_live_sandbox_refuses_pickling_and_its_handle_and_block_cross(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    backend = _e2b_backend(e2b_emulator, uuid.uuid4().hex)
+    secret = e2b_emulator.api_key.encode()
+    sandbox = await backend.create({})
+    try:
+        for dump in (pickle.dumps, cloudpickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match=r"live E2BSandbox .* pass its handle"):
+                dump(sandbox)
+        # The handle holds no key; the block, after making a sandbox, holds it once: in its
+        # SecretStr (no client or config of it was kept).
+        assert pickle.dumps(sandbox.handle).count(secret) == 0
+        blob = cloudpickle.dumps(backend)
+        assert blob.count(secret) == 1
+        again = pickle.loads(blob)
+        attached = await again.attach(pickle.loads(pickle.dumps(sandbox.handle)))
+        try:
+            assert (await attached.run_cell("6 * 7")).outputs[0]["data"]["text/plain"] == "42"
+        finally:
+            await attached.close()
+    finally:
+        await sandbox.kill()
+
+
+async def test_a_live_local_sandbox_refuses_pickling() -> None:
+    sandbox = await LocalKernelBackend().create({})
+    try:
+        with pytest.raises(
+            TypeError, match=r"live LocalKernelSandbox .*`backend\.attach\(handle\)`"
+        ):
+            pickle.dumps(sandbox)
+    finally:
+        await sandbox.kill()
+
+
+@task(cache_policy=NO_CACHE)
+def _what_the_worker_sees(backend: E2BBackend) -> dict[str, Any]:
+    context = FlowRunContext.get()
+    assert context is not None
+    return {
+        "flow_parameters": json.dumps(context.parameters, default=str),
+        "own_key": backend.credentials.api_key.get_secret_value(),
+    }
+
+
+@flow(name="dask-secrets")
+def _secrets_flow(backend: E2BBackend) -> dict[str, Any]:
+    shipped = cloudpickle.dumps(serialize_context())
+    seen: dict[str, Any] = _what_the_worker_sees.submit(backend).result()
+    return {**seen, "prefect_reveals": shipped.count(SECRET.encode())}
+
+
+async def test_workers_get_the_flow_runs_parameters_with_secrets_masked(workers: Workers) -> None:
+    backend = E2BBackend(credentials=E2BCredentials(api_key=SECRET))
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    seen = await asyncio.to_thread(_secrets_flow.with_options(task_runner=runner), backend)
+    # Prefect's own context dump reveals the key; what the worker got does not hold it.
+    assert seen["prefect_reveals"] >= 1
+    assert SECRET not in seen["flow_parameters"]
+    assert "**********" in seen["flow_parameters"]
+    # The task's own argument is the block itself, its key intact in its SecretStr.
+    assert seen["own_key"] == SECRET
+
+
+_TEMPORARY_API_SCRIPT = """
+import json, os, sys
+import psutil
+from prefect import flow, task
+from prefect.settings import PREFECT_API_URL
+from prefect_sandbox.flows.dask import SandboxDaskTaskRunner, temporary_server_url
+
+@task
+def where():
+    servers = [
+        " ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+        if "uvicorn" in " ".join(p.cmdline())
+    ]
+    return {"pid": os.getpid(), "api_url": PREFECT_API_URL.value(), "servers": servers}
+
+@flow(task_runner=SandboxDaskTaskRunner(address=sys.argv[1]))
+def on_dask():
+    return where.submit().result()
+
+seen = on_dask()
+print(json.dumps({**seen, "flow_api_url": temporary_server_url()}))
+"""
+
+
+def test_workers_report_to_the_flow_processs_temporary_api_server(
+    workers: Workers, tmp_path: Path
+) -> None:
+    script = tmp_path / "on_dask.py"
+    script.write_text(_TEMPORARY_API_SCRIPT)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run(
+        [sys.executable, str(script), workers.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["pid"] in workers.pids.values()
+    assert seen["flow_api_url"].startswith("http://127.0.0.1:")
+    assert seen["api_url"] == seen["flow_api_url"]
+    assert seen["servers"] == []
