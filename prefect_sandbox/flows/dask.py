@@ -24,8 +24,9 @@ and dies with that process, as it does with a flow process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from prefect.client.schemas.objects import RunInput
@@ -40,6 +41,8 @@ from prefect.tasks import Task
 from prefect_sandbox.sandbox.errors import BackendNotInstalledError
 
 try:
+    from distributed import LocalCluster
+    from distributed.deploy.utils import nprocesses_nthreads
     from prefect_dask.task_runners import DaskTaskRunner, PrefectDaskFuture
 except ImportError as exc:
     raise BackendNotInstalledError(
@@ -47,7 +50,11 @@ except ImportError as exc:
         extra="dask",
     ) from exc
 
-__all__ = ["SandboxDaskTaskRunner"]
+__all__ = ["BRANCHES_PER_WORKER", "SandboxDaskTaskRunner", "dask_task_runner", "started"]
+
+BRANCHES_PER_WORKER = 4
+"""Threads of each worker process of the cluster ``"dask"`` starts: a branch's thread mostly
+waits on its sandbox, whose kernel is a process of its own, so one worker runs several."""
 
 
 class SandboxDaskTaskRunner(DaskTaskRunner):
@@ -120,3 +127,52 @@ def temporary_server_url() -> str | None:
     server = SubprocessASGIServer()
     server.start()
     return server.api_url
+
+
+def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:
+    """The task runner a ``--task-runner`` value names.
+
+    Args:
+        spec: ``"dask"``: a `distributed.LocalCluster` of worker processes on this machine
+            (as many as Dask starts by default for its cores, `BRANCHES_PER_WORKER` threads
+            each, no dashboard), started for the run and closed after it;
+            ``"dask:ADDRESS"``: the running scheduler at ADDRESS (``tcp://host:8786``).
+
+    Returns:
+        A task runner, not started.
+
+    Raises:
+        ValueError: another value.
+    """
+    kind, colon, address = spec.partition(":")
+    if kind != "dask" or (colon and not address.strip()):
+        raise ValueError(
+            f"task runner {spec!r} is not 'dask' or 'dask:ADDRESS' (a Dask scheduler's address, "
+            "e.g. dask:tcp://127.0.0.1:8786)"
+        )
+    if address:
+        return SandboxDaskTaskRunner(address=address.strip())
+    processes, _ = nprocesses_nthreads()
+    return SandboxDaskTaskRunner(
+        cluster_class=LocalCluster,
+        cluster_kwargs={
+            "n_workers": processes,
+            "processes": True,
+            "threads_per_worker": BRANCHES_PER_WORKER,
+            "dashboard_address": None,
+        },
+    )
+
+
+@contextlib.asynccontextmanager
+async def started(runner: SandboxDaskTaskRunner) -> AsyncIterator[SandboxDaskTaskRunner]:
+    """Within: ``runner`` started outside a flow's own task runner slot (a sweep submits its
+    branches to it directly), its cluster started or reached; closed after. Both happen in a
+    thread, off the event loop: a `LocalCluster` takes seconds to start and to close.
+    """
+    runner.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        await asyncio.to_thread(lambda: runner.client)
+        yield runner
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)
