@@ -15,6 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +28,21 @@ import pytest
 from distributed import Client, LocalCluster
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
 from prefect.context import FlowRunContext, serialize_context
+from prefect.exceptions import CancelledRun
 from prefect.runtime import flow_run
 
 from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.dask import SandboxDaskTaskRunner
+from prefect_sandbox.flows.dask import (
+    BRANCHES_PER_WORKER,
+    SandboxDaskTaskRunner,
+    dask_task_runner,
+)
+from prefect_sandbox.flows.sweep import asweep_notebook
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxNotFoundError
@@ -46,7 +56,9 @@ from prefect_sandbox.tasks.sandbox import (
     upload_inputs,
 )
 from prefect_sandbox.testing.e2b import E2BEmulator
-from tests.conftest import stream_text
+from tests.conftest import ROOT, max_alive_at_once, stream_text
+from tests.test_flows import _cli
+from tests.test_sweep import _notebook
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -305,3 +317,125 @@ def test_workers_report_to_the_flow_processs_temporary_api_server(
     assert seen["flow_api_url"].startswith("http://127.0.0.1:")
     assert seen["api_url"] == seen["flow_api_url"]
     assert seen["servers"] == []
+
+
+CO2 = ROOT / "examples" / "co2"
+
+
+@pytest.mark.timeout(400)
+async def test_a_sweep_of_twelve_on_a_local_dask_cluster_keeps_three_sandboxes_alive_at_most(
+    tmp_path: Path,
+) -> None:
+    grid = [{"train_end": f"{year}-12-31"} for year in range(1985, 1997)]
+    result = await asweep_notebook(
+        notebook=str(CO2 / "forecast.ipynb"),
+        grid=grid,
+        inputs=[str(CO2 / "co2.csv")],
+        backend=LocalKernelBackend(),
+        storage=str(tmp_path),
+        max_sandboxes=3,
+        task_runner="dask",
+    )
+    assert result.mode == "dask"
+    assert result.status == "completed", result.error
+    assert [branch.parameters for branch in result.branches] == grid
+    sweep_dir = Path(result.output_dir)
+    assert json.loads((sweep_dir / "sweep.json").read_text())["status"] == "completed"
+    folders = [Path(str(branch.output_dir)) for branch in result.branches]
+    assert len(set(folders)) == 12
+    assert all(folder.parent == sweep_dir for folder in folders)
+    summaries = [json.loads((folder / "summary.json").read_text()) for folder in folders]
+    assert [summary["status"] for summary in summaries] == ["completed"] * 12
+    # Each branch fitted on its own training period.
+    assert [branch.metrics["train_end"] for branch in result.branches] == [
+        entry["train_end"] for entry in grid
+    ]
+    assert 1 < max_alive_at_once(summaries) <= 3
+    # The branches ran as the sweep's tasks (on the cluster's workers), each flow run a
+    # subflow of the sweep (so its hooks find them).
+    sweep_id = uuid.UUID(result.flow_run_id)
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sweep_id]))
+        )
+        branch_tasks = {
+            run.name: run for run in task_runs if run.task_key.startswith("_dask_branch")
+        }
+        assert sorted(branch_tasks) == sorted(str(b.flow_run_name) for b in result.branches)
+        assert all(run.state_type == StateType.COMPLETED for run in branch_tasks.values())
+        for branch in result.branches:
+            run = await client.read_flow_run(uuid.UUID(str(branch.flow_run_id)))
+            assert run.parent_task_run_id is not None
+            parent = await client.read_task_run(run.parent_task_run_id)
+            assert parent.flow_run_id == sweep_id
+
+
+def test_task_runner_values_name_a_local_cluster_or_a_scheduler() -> None:
+    local = dask_task_runner("dask")
+    assert local.cluster_class is LocalCluster
+    assert local.cluster_kwargs["processes"] is True
+    assert local.cluster_kwargs["threads_per_worker"] == BRANCHES_PER_WORKER
+    assert dask_task_runner("dask:tcp://127.0.0.1:8786").address == "tcp://127.0.0.1:8786"
+    for bad in ("ray", "dask:", "daskx", "Dask"):
+        with pytest.raises(ValueError, match="'dask' or 'dask:ADDRESS'"):
+            dask_task_runner(bad)
+
+
+def test_cli_sweep_runs_branches_on_a_dask_scheduler(workers: Workers, tmp_path: Path) -> None:
+    _notebook(
+        tmp_path / "nb.ipynb",
+        "import json\njson.dump({'double': x * 2}, open('metrics.json', 'w'))",
+    )
+    (tmp_path / "grid.json").write_text(json.dumps({"x": [1, 2]}))
+    done = _cli(
+        "sweep", "nb.ipynb", "--grid", "grid.json", "--out", "out",
+        "--task-runner", f"dask:{workers.address}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = json.loads(next((tmp_path / "out").glob("*/sweep.json")).read_text())
+    assert sweep["mode"] == "dask"
+    assert [branch["metrics"] for branch in sweep["branches"]] == [{"double": 2}, {"double": 4}]
+    refused = _cli(
+        "sweep", "nb.ipynb", "--grid", "grid.json", "--task-runner", "ray", cwd=tmp_path
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "--task-runner: task runner 'ray' is not 'dask' or 'dask:ADDRESS'" in refused.stderr
+
+
+async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_hold(
+    workers: Workers, tmp_path: Path
+) -> None:
+    _notebook(
+        tmp_path / "nb.ipynb", "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)"
+    )
+    work = tmp_path / "work"
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(tmp_path / "nb.ipynb"),
+            grid={"x": [300, 301]},
+            backend=LocalKernelBackend(workdir_root=str(work)),
+            storage=str(tmp_path / "out"),
+            task_runner=f"dask:{workers.address}",
+        )
+    )
+    deadline = time.monotonic() + 90
+    while len(list(work.rglob("sleeping.marker"))) < 2:
+        assert not sweep.done(), sweep.exception() if sweep.done() else None
+        assert time.monotonic() < deadline, "the branches' cells never started"
+        await asyncio.sleep(0.2)
+    started = time.monotonic()
+    sweep.cancel()
+    with pytest.raises((CancelledRun, asyncio.CancelledError)):
+        await sweep
+    # Dask cannot stop a running task: the branches' sandboxes were killed, so their cells
+    # ended at once, each branch stored what it made, and no kernel is left.
+    assert time.monotonic() - started < 60
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    stored = json.loads((sweep_dir / "sweep.json").read_text())
+    assert stored["status"] == "cancelled"
+    assert stored["mode"] == "dask"
+    for branch in stored["branches"]:
+        summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+        assert summary["stages"][0]["status"] == "failed"
+    assert list(work.iterdir()) == []
