@@ -37,6 +37,10 @@ Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 ``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
 ``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
 is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
+
+``sweep --task-runner dask`` runs each branch as a task on a Dask `LocalCluster` of worker
+processes that the sweep starts; ``--task-runner dask:ADDRESS`` on the running cluster whose
+scheduler is at ADDRESS (the ``dask`` extra; see `prefect_sandbox.flows.dask`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="run the branches as runs of this run-notebook deployment, on its workers "
         "(default: subflows in this process)",
+    )
+    sweep.add_argument(
+        "--task-runner",
+        metavar="dask[:ADDRESS]",
+        default=None,
+        help="run the branches as tasks on Dask: 'dask' starts a local cluster of worker "
+        "processes, 'dask:tcp://HOST:PORT' uses a running scheduler (default: subflows in this "
+        "process)",
     )
     sweep.add_argument(
         "--metrics-artifact",
@@ -266,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_sandboxes=args.max_sandboxes,
                         deployment=args.deployment,
                         metrics_artifact=args.metrics_artifact or None,
+                        task_runner=args.task_runner,
                     )
                 )
         except (CancelledRun, asyncio.CancelledError) as exc:
@@ -473,6 +486,16 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
                 "--max-sandboxes is not sent to a deployment's runs: set max_live_sandboxes "
                 "on the saved backend block they use"
             )
+    task_runner = getattr(args, "task_runner", None)
+    if task_runner is not None:
+        if remote:
+            return "--task-runner and --deployment exclude each other"
+        try:
+            from prefect_sandbox.flows.dask import dask_task_runner
+
+            dask_task_runner(task_runner)
+        except (ValueError, ImportError) as exc:
+            return f"--task-runner: {exc}"
     if not remote and not os.path.isfile(args.notebook):
         return f"notebook {args.notebook!r} is not a file"
     for pattern in args.artifact:

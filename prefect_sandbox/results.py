@@ -151,7 +151,8 @@ class SweepResult(BaseModel):
         flow_run_name: the sweep's flow run name.
         status: ``"completed"`` when every branch completed, ``"failed"`` when one did not,
             ``"cancelled"`` when the sweep was.
-        mode: ``"subflow"`` (branches ran in the sweep's process) or ``"deployment"``
+        mode: ``"subflow"`` (branches ran in the sweep's process), ``"dask"`` (as tasks on a
+            Dask cluster's workers) or ``"deployment"``
             (branches ran as flow runs of a deployment, on its work pool's workers).
         notebook: the notebook's path, as given.
         output_dir: where ``sweep.json`` is stored (with the branches' folders, see the flow).
@@ -164,7 +165,7 @@ class SweepResult(BaseModel):
     flow_run_id: str
     flow_run_name: str
     status: Literal["completed", "failed", "cancelled"]
-    mode: Literal["subflow", "deployment"]
+    mode: Literal["subflow", "dask", "deployment"]
     notebook: str
     output_dir: str
     metrics_artifact: str | None

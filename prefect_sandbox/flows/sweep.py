@@ -6,7 +6,7 @@ run concurrently; one that fails does not stop the others. When all have ended, 
 each branch's ``summary.json`` and metrics file back from storage (never from the sandbox, which
 is gone), stores ``sweep.json`` and publishes a table artifact (key ``sweep-summary``).
 
-Two modes:
+Three modes:
 
 - **Subflows** (the default, ``deployment`` empty): branches are subflows in the sweep's own
   process and event loop. Cheap: no worker, no process start, no result round trip; right when
@@ -19,6 +19,12 @@ Two modes:
   sweep waits for each child run and reads its results back from storage, which must then be
   one every worker and the sweep can reach (S3, or a shared folder); blocks sent to the
   workers (``backend``, an `S3Bucket` ``storage``) must be saved ones, sent by reference.
+- **Tasks on Dask** (``task_runner="dask"`` or ``"dask:ADDRESS"``): each branch is a task on
+  a Dask cluster's worker processes (a `LocalCluster` the sweep starts, or a running one), its
+  flow run a subflow of that task. Branches spread over processes without a work pool or
+  deployment; the sweep gets each branch's state back from Dask. Right when the sweep's one
+  process (its event loop, its GIL) is the limit, or a Dask cluster is at hand. See
+  `prefect_sandbox.flows.dask` for how workers reach the API.
 
 The cap on sandboxes alive at once is the backend's global concurrency limit, held by each
 branch from its sandbox's creation to its kill, whatever mode: the sweep schedules nothing
@@ -37,30 +43,40 @@ under that block, ``F/run-notebook/<branch-run-folder>/``; ``sweep.json`` lists 
 
 Cancelling the sweep's task (the CLI does so on SIGINT and SIGTERM) cancels every branch: a
 subflow kills its sandbox and stores what it made; a deployment run is set Cancelling, so its
-worker stops it and its hooks kill its sandbox. The sweep then stores ``sweep.json`` and ends
+worker stops it and its hooks kill its sandbox; a Dask task that has not started is dropped,
+and one that runs, which Dask cannot stop, has its sandbox killed, so its cell ends and it
+stores what it made (ending Failed). The sweep then stores ``sweep.json`` and ends
 Cancelled. The sweep's own cancellation and crash hooks cancel branches still running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 from uuid import UUID
 
 import yaml
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import acreate_table_artifact
 from prefect.blocks.core import Block
+from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterName,
+    FlowRunFilterParentFlowRunId,
+)
 from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.context import FlowRunContext
 from prefect.deployments import arun_deployment
@@ -92,6 +108,11 @@ from prefect_sandbox.sandbox.paths import checked_relative_path
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import S3_BLOCK_PREFIX, ArtifactStore, resolve_storage
 
+if TYPE_CHECKING:
+    from prefect_dask.task_runners import PrefectDaskFuture
+
+    from prefect_sandbox.flows.dask import SandboxDaskTaskRunner
+
 __all__ = [
     "MAX_BRANCHES",
     "SWEEP_NAME",
@@ -122,7 +143,10 @@ FAILED_NAMED = 10
 DEPLOYMENT_POLL_S = 2.0
 """Seconds between two reads of a deployment run's state."""
 CANCEL_WAIT_S = 60.0
-"""Seconds a cancelled sweep waits for its deployment runs to end before it records them."""
+"""Seconds a cancelled sweep waits for its deployment runs (or Dask tasks) to end before it
+records them."""
+DASK_POLL_S = 0.2
+"""Seconds between two looks at whether a branch's Dask task has ended."""
 RUN_NOTEBOOK = "run-notebook"
 
 Metric = float | int | bool | str | None
@@ -363,23 +387,109 @@ class _Options:
     cell_timeout_s: float | None
 
 
+async def _run_notebook(options: _Options, name: str, parameters: dict[str, Any]) -> State[Any]:
+    """One branch's ``run-notebook`` flow run, as a subflow of what calls it; its final state."""
+    run = arun_notebook.with_options(flow_run_name=name)
+    return await run(
+        notebook=options.notebook,
+        inputs=options.inputs,
+        artifacts=options.artifacts,
+        parameters=parameters,
+        backend=cast(BackendBlock | None, options.backend),
+        storage=options.storage,
+        cell_timeout_s=options.cell_timeout_s,
+        return_state=True,
+    )
+
+
 def _subflow_launcher(options: _Options) -> Launcher:
     async def launch(branch: _Branch) -> None:
-        run = arun_notebook.with_options(flow_run_name=branch.name)
-        state = await run(
-            notebook=options.notebook,
-            inputs=options.inputs,
-            artifacts=options.artifacts,
-            parameters=branch.parameters,
-            backend=cast(BackendBlock | None, options.backend),
-            storage=options.storage,
-            cell_timeout_s=options.cell_timeout_s,
-            return_state=True,
-        )
+        state = await _run_notebook(options, branch.name, branch.parameters)
         branch.flow_run_id = state.state_details.flow_run_id
         branch.state = state
 
     return launch
+
+
+@task(name="sweep-branch", task_run_name="{name}", cache_policy=NO_CACHE)
+async def _dask_branch(name: str, options: _Options, parameters: dict[str, Any]) -> dict[str, Any]:
+    """One branch on a Dask worker: its ``run-notebook`` flow run, a subflow of this task.
+
+    Returns:
+        ``{"state": <the flow run's final state>}`` (a state returned bare would become the
+        task's own).
+    """
+    return {"state": await _run_notebook(options, name, parameters)}
+
+
+def _absolute_paths(options: _Options) -> _Options:
+    """``options`` with relative local paths (notebook, inputs, storage folder) made absolute:
+    a Dask worker process has a working directory of its own."""
+
+    def absolute(path: str) -> str:
+        return path if path.startswith("s3://") else os.path.abspath(path)
+
+    storage = options.storage
+    return dataclasses.replace(
+        options,
+        notebook=absolute(options.notebook),
+        inputs=None if options.inputs is None else [absolute(path) for path in options.inputs],
+        storage=absolute(storage) if isinstance(storage, str) else storage,
+    )
+
+
+def _dask_launcher(runner: SandboxDaskTaskRunner, options: _Options, sweep_id: UUID) -> Launcher:
+    options = _absolute_paths(options)
+
+    async def launch(branch: _Branch) -> None:
+        future = runner.submit(
+            _dask_branch,
+            {"name": branch.name, "options": options, "parameters": branch.parameters},
+        )
+        try:
+            outcome = await _dask_outcome(future)
+        except asyncio.CancelledError:
+            _uncancel()
+            # Dask cannot stop a running task: kill the branch's sandbox, so that its run
+            # stops at its cell and stores what it made, and wait for it. A task that has not
+            # made its flow run yet is dropped (if it just started, the sweep's hook kills).
+            if not await _kill_branch_sandboxes(branch.name, sweep_id, options.backend):
+                future.wrapped_future.cancel()
+            try:
+                outcome = await asyncio.wait_for(_dask_outcome(future), CANCEL_WAIT_S)
+            except Exception:  # dropped, or still running: the branch counts as cancelled
+                return
+        branch.state = cast(State[Any], outcome["state"])
+        branch.flow_run_id = branch.state.state_details.flow_run_id
+
+    return launch
+
+
+async def _dask_outcome(future: PrefectDaskFuture[Any]) -> dict[str, Any]:
+    """What `_dask_branch` returned, once its Dask task has ended; polled every `DASK_POLL_S`
+    (a thread per waiting branch would fill the event loop's default executor)."""
+    while not future.wrapped_future.done():
+        await asyncio.sleep(DASK_POLL_S)
+    return cast(dict[str, Any], await asyncio.to_thread(future.result))
+
+
+async def _kill_branch_sandboxes(name: str, sweep_id: UUID, backend: SandboxBackend | None) -> bool:
+    """Kill the sandboxes of the sweep's branch flow run named ``name``, if it was made.
+
+    Returns:
+        Whether that flow run was made.
+    """
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[name]),
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_id]),
+            )
+        )
+    backend = backend or await default_backend()
+    for run in runs:
+        await kill_labelled_sandboxes(backend, str(run.id), "the sweep was cancelled")
+    return bool(runs)
 
 
 def _block_reference(block: Block, what: str) -> dict[str, Any]:
@@ -619,6 +729,34 @@ async def _branch_backend(
     return base.model_copy(update={"max_live_sandboxes": max_sandboxes})
 
 
+def _task_runner(spec: str | None, deployment: str | None) -> SandboxDaskTaskRunner | None:
+    """The Dask task runner ``spec`` names (see `dask_task_runner`), or None for none.
+
+    Raises:
+        ValueError: ``spec`` is no task runner, or is given with a deployment.
+        BackendNotInstalledError: the ``dask`` extra is not installed.
+    """
+    if spec is None:
+        return None
+    if deployment is not None:
+        raise ValueError(
+            "task_runner and deployment exclude each other: a deployment's runs go to its "
+            "work pool's workers"
+        )
+    from prefect_sandbox.flows.dask import dask_task_runner
+
+    return dask_task_runner(spec)
+
+
+def _started(runner: SandboxDaskTaskRunner | None) -> contextlib.AbstractAsyncContextManager[Any]:
+    """Within: ``runner`` started (see `prefect_sandbox.flows.dask.started`); nothing if None."""
+    if runner is None:
+        return contextlib.nullcontext()
+    from prefect_sandbox.flows.dask import started
+
+    return started(runner)
+
+
 async def _checked_deployment(deployment: str) -> str:
     """The deployment's full name, ``run-notebook/NAME``, once the API knows it.
 
@@ -658,6 +796,7 @@ async def asweep_notebook(
     max_sandboxes: int | None = None,
     deployment: str | None = None,
     metrics_artifact: str | None = "metrics.json",
+    task_runner: str | None = None,
 ) -> SweepResult:
     """Run a notebook once per parameter set, each run in its own sandbox, concurrently.
 
@@ -691,14 +830,20 @@ async def asweep_notebook(
         metrics_artifact: The file (a JSON object, relative to the sandbox's working
             directory) each branch's key metrics are read from once stored; it is collected
             with ``artifacts``. Empty for none.
+        task_runner: ``"dask"`` runs each branch as a task on a Dask `LocalCluster` of worker
+            processes that the sweep starts and closes; ``"dask:ADDRESS"`` on the cluster
+            whose scheduler is at ADDRESS (its workers must read the notebook and inputs, and
+            reach the storage and, beyond this machine, a Prefect server; see
+            `prefect_sandbox.flows.dask`). Empty: branches are subflows in this process.
 
     Returns:
         The `SweepResult`: every branch with its parameters, status, flow run, location,
         metrics and error.
 
     Raises:
-        ValueError: ``cell_timeout_s`` or ``max_sandboxes`` is no valid value (or
-            ``max_sandboxes`` is given with ``deployment``), ``metrics_artifact`` leaves the
+        ValueError: ``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value
+            (or ``max_sandboxes`` or ``task_runner`` is given with ``deployment``),
+            ``metrics_artifact`` leaves the
             working directory (`UnsafePathError`), the deployment is unknown or of another
             flow, or a block to send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
@@ -716,6 +861,7 @@ async def asweep_notebook(
     if metrics_artifact:
         checked_relative_path(metrics_artifact)
     parameter_sets = expand_grid(grid)
+    runner = _task_runner(task_runner, deployment)
     if deployment is None:
         split_stages(read_notebook(Path(notebook)))
     elif max_sandboxes is not None:
@@ -749,11 +895,12 @@ async def asweep_notebook(
         storage=branch_storage,
         cell_timeout_s=cell_timeout_s,
     )
-    launch = (
-        _subflow_launcher(options)
-        if deployment is None
-        else _deployment_launcher(deployment, options)
-    )
+    if runner is not None:
+        launch = _dask_launcher(runner, options, flow_run.id)
+    elif deployment is None:
+        launch = _subflow_launcher(options)
+    else:
+        launch = _deployment_launcher(deployment, options)
     width = len(str(len(parameter_sets) - 1))
     branches = [
         _Branch(index, parameters, f"{flow_run.name}-{index:0{width}d}")
@@ -763,9 +910,14 @@ async def asweep_notebook(
     logger.info(
         "Sweeping %d parameter set(s) as %s",
         len(branches),
-        f"runs of deployment {deployment!r}" if deployment else "subflows",
+        f"runs of deployment {deployment!r}"
+        if deployment
+        else f"tasks on Dask ({task_runner})"
+        if runner
+        else "subflows",
     )
-    cancelled = await _run_branches(branches, launch)
+    async with _started(runner):
+        cancelled = await _run_branches(branches, launch)
     results = await asyncio.gather(
         *(
             asyncio.to_thread(_collect, branch, branch_storage, metrics_artifact)
@@ -778,7 +930,7 @@ async def asweep_notebook(
         flow_run_id=str(flow_run.id),
         flow_run_name=flow_run.name,
         status="cancelled" if cancelled else "failed" if failed else "completed",
-        mode="subflow" if deployment is None else "deployment",
+        mode="deployment" if deployment else "dask" if runner else "subflow",
         notebook=notebook,
         output_dir=store.location,
         metrics_artifact=metrics_artifact or None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, NoReturn, Self
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -415,6 +415,10 @@ class Sandbox(abc.ABC):
 
     ``async with sandbox:`` kills it on exit.
 
+    A live sandbox holds sockets, clients and an event loop's tasks, so it refuses pickling
+    (and copying) with a `TypeError`: task runners that move work to other processes (Dask,
+    Ray) get its `handle` instead.
+
     A backend whose SDK is an optional extra imports it lazily, and raises
     `BackendNotInstalledError` (naming the extra) from the first call that needs it.
 
@@ -674,6 +678,18 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Drop this process's connection to the sandbox without ending the sandbox."""
+
+    def __reduce__(self) -> NoReturn:
+        """Refuse pickling and copying: a live sandbox holds connections of this process.
+
+        Raises:
+            TypeError: always; the message says to pass the handle instead.
+        """
+        raise TypeError(
+            f"a live {type(self).__name__} cannot be pickled or copied: pass its handle "
+            "(`sandbox.handle`, a SandboxHandle) and reach it again with "
+            "`backend.attach(handle)` where it is needed"
+        )
 
     async def __aenter__(self) -> Sandbox:
         return self

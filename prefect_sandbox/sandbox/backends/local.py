@@ -547,6 +547,7 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     Raises:
         SandboxError: no kernelspec has that name, or its language is not Python.
     """
+    _forget_killed_elsewhere()
     runtime_dir = Path(handle.connection["runtime_dir"])
     write_ipython_startup(runtime_dir / "ipython")
     try:
@@ -602,6 +603,19 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
         start_new_session=True,
     )
     return spec
+
+
+def _forget_killed_elsewhere() -> None:
+    """Reap the kernels this process launched that another process killed (a stage task on
+    another Dask worker, say), and stop their guards: until then each stays a zombie, and its
+    guard, which sees a zombie's group as alive, keeps running."""
+    for sandbox_id, process in list(_launched.items()):
+        if process.poll() is not None and not (_runtime_base() / sandbox_id).exists():
+            del _launched[sandbox_id]
+            guard = _guards.pop(sandbox_id, None)
+            if guard is not None:
+                guard.kill()
+                guard.wait(timeout=_REAP_WAIT_S)
 
 
 @functools.cache

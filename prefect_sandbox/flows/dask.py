@@ -1,0 +1,178 @@
+"""`SandboxDaskTaskRunner`: the sandbox tasks on a Dask cluster (the ``dask`` extra).
+
+How a Dask worker reaches the Prefect API: prefect-dask sends each task with the flow
+process's Prefect context (its settings, the flow run) and the worker builds its API client from
+those settings. Under a Prefect server (``PREFECT_API_URL`` set, as under Prefect's test
+harness) the workers use that server. Under Prefect's temporary API server (no
+``PREFECT_API_URL``: the server is a subprocess of the flow process, found through no setting)
+the setting travels empty, and each worker process starts a temporary server of its own on the
+same SQLite database: seconds and one more process per worker, writers contending for the file,
+and on another machine a database that has never heard of the flow run. `SandboxDaskTaskRunner`
+hands the workers the flow process's temporary server's address instead; workers on other
+machines cannot reach that (it listens on 127.0.0.1), so a cluster beyond this machine needs a
+Prefect server.
+
+The same context carries the flow run's parameters, and Prefect dumps them for the trip with
+their secrets revealed: a backend block's API key would cross to every worker in plain text
+inside every task. `SandboxDaskTaskRunner` sends them masked, as the Prefect UI shows them
+(tasks get their own parameters as they were, blocks with their `SecretStr` fields).
+
+Tasks pass `SandboxHandle` values, never live sandboxes (which refuse pickling), so each stage
+may run on another worker process. A local kernel is a child of the worker process that made it
+and dies with that process, as it does with a flow process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+from prefect.client.schemas.objects import RunInput
+from prefect.context import FlowRunContext
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_SERVER_EPHEMERAL_ENABLED,
+    temporary_settings,
+)
+from prefect.tasks import Task
+
+from prefect_sandbox.sandbox.errors import BackendNotInstalledError
+
+try:
+    from distributed import LocalCluster
+    from distributed.deploy.utils import nprocesses_nthreads
+    from prefect_dask.task_runners import DaskTaskRunner, PrefectDaskFuture
+except ImportError as exc:
+    raise BackendNotInstalledError(
+        "the Dask task runner needs the dask extra: pip install 'prefect-sandbox[dask]'",
+        extra="dask",
+    ) from exc
+
+__all__ = ["BRANCHES_PER_WORKER", "SandboxDaskTaskRunner", "dask_task_runner", "started"]
+
+BRANCHES_PER_WORKER = 4
+"""Threads of each worker process of the cluster ``"dask"`` starts: a branch's thread mostly
+waits on its sandbox, whose kernel is a process of its own, so one worker runs several."""
+
+
+class SandboxDaskTaskRunner(DaskTaskRunner):
+    """prefect-dask's `DaskTaskRunner`, made safe for sandbox flows on Prefect's temporary API.
+
+    It takes the same arguments (``cluster``, ``address``, ``cluster_class``,
+    ``cluster_kwargs``, ...). Each task it submits carries, in place of what prefect-dask sends:
+
+    - the flow process's temporary API server's address, when ``PREFECT_API_URL`` is unset, so
+      workers on this machine report to it rather than each starting a server of its own;
+    - the flow run's parameters with their secrets masked.
+
+    Example:
+        ```python
+        from prefect import flow
+        from prefect_sandbox.flows.dask import SandboxDaskTaskRunner
+
+        runner = SandboxDaskTaskRunner(
+            cluster_kwargs={"n_workers": 2, "threads_per_worker": 1, "processes": True}
+        )
+
+        @flow(task_runner=runner)
+        def staged(backend, stages): ...
+        ```
+
+    Raises:
+        BackendNotInstalledError: (on import) the ``dask`` extra is not installed.
+    """
+
+    def submit(  # type: ignore[override]
+        self,
+        task: Task[Any, Any],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectDaskFuture[Any]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectDaskFuture[Any]:
+        """Submit ``task`` to the cluster, with the context workers should see (see above)."""
+        with _context_for_workers():
+            return super().submit(task, parameters, wait_for, dependencies)
+
+
+@contextlib.contextmanager
+def _context_for_workers() -> Iterator[None]:
+    """Within: Prefect's context as a worker should get it (the API's address, masked
+    parameters); prefect-dask serializes the context at submission."""
+    with contextlib.ExitStack() as stack:
+        url = temporary_server_url()
+        if url is not None:
+            stack.enter_context(temporary_settings({PREFECT_API_URL: url}))
+        flow_run = FlowRunContext.get()
+        if flow_run is not None and flow_run.parameters:
+            masked = flow_run.model_dump(
+                include={"parameters"}, context={"include_secrets": False}
+            )["parameters"]
+            stack.enter_context(flow_run.model_copy(update={"parameters": masked}))
+        yield
+
+
+def temporary_server_url() -> str | None:
+    """The API URL of this process's temporary Prefect server, when ``PREFECT_API_URL`` is
+    unset and temporary servers are allowed; None otherwise.
+
+    Starts the server if this process has none yet (as Prefect's ``get_client`` would); a
+    flow run has already started it.
+    """
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    return server.api_url
+
+
+def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:
+    """The task runner a ``--task-runner`` value names.
+
+    Args:
+        spec: ``"dask"``: a `distributed.LocalCluster` of worker processes on this machine
+            (as many as Dask starts by default for its cores, `BRANCHES_PER_WORKER` threads
+            each, no dashboard), started for the run and closed after it;
+            ``"dask:ADDRESS"``: the running scheduler at ADDRESS (``tcp://host:8786``).
+
+    Returns:
+        A task runner, not started.
+
+    Raises:
+        ValueError: another value.
+    """
+    kind, colon, address = spec.partition(":")
+    if kind != "dask" or (colon and not address.strip()):
+        raise ValueError(
+            f"task runner {spec!r} is not 'dask' or 'dask:ADDRESS' (a Dask scheduler's address, "
+            "e.g. dask:tcp://127.0.0.1:8786)"
+        )
+    if address:
+        return SandboxDaskTaskRunner(address=address.strip())
+    processes, _ = nprocesses_nthreads()
+    return SandboxDaskTaskRunner(
+        cluster_class=LocalCluster,
+        cluster_kwargs={
+            "n_workers": processes,
+            "processes": True,
+            "threads_per_worker": BRANCHES_PER_WORKER,
+            "dashboard_address": None,
+        },
+    )
+
+
+@contextlib.asynccontextmanager
+async def started(runner: SandboxDaskTaskRunner) -> AsyncIterator[SandboxDaskTaskRunner]:
+    """Within: ``runner`` started outside a flow's own task runner slot (a sweep submits its
+    branches to it directly), its cluster started or reached; closed after. Both happen in a
+    thread, off the event loop: a `LocalCluster` takes seconds to start and to close.
+    """
+    runner.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        await asyncio.to_thread(lambda: runner.client)
+        yield runner
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)

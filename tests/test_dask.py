@@ -1,0 +1,441 @@
+"""The stage tasks on a Dask cluster of worker processes (prefect-dask's task runner).
+
+Handles and backend blocks cross processes; a stage on one worker process sees what a stage on
+another defined; nothing live is pickled; workers report to the flow process's Prefect API and
+get no secret from Prefect's context. One cluster of two single-thread worker processes serves
+the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import dask
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
+from prefect.context import FlowRunContext, serialize_context
+from prefect.exceptions import CancelledRun
+from prefect.runtime import flow_run
+
+from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.dask import (
+    BRANCHES_PER_WORKER,
+    SandboxDaskTaskRunner,
+    dask_task_runner,
+)
+from prefect_sandbox.flows.sweep import asweep_notebook
+from prefect_sandbox.results import StageResult
+from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.errors import SandboxNotFoundError
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL, flow_run_labels
+from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.tasks.sandbox import (
+    create_sandbox,
+    download_artifacts,
+    kill_sandbox,
+    run_stage,
+    upload_inputs,
+)
+from prefect_sandbox.testing.e2b import E2BEmulator
+from tests.conftest import ROOT, max_alive_at_once, stream_text
+from tests.test_flows import _cli
+from tests.test_sweep import _notebook
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+SECRET = "e2b_dask_secret_0123456789"
+"""An API key that no sandbox sees: the secrets test checks where it travels."""
+
+
+class Workers:
+    """The module's cluster: its scheduler's address and each worker's address and pid."""
+
+    def __init__(self, address: str, pids: dict[str, int]) -> None:
+        self.address = address
+        self.pids = pids
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield Workers(cluster.scheduler_address, client.run(os.getpid))
+
+
+def _stage(name: str, index: int, source: str) -> StageSpec:
+    return StageSpec(name=name, cells=[CellSpec(index=index, source=source)])
+
+
+@flow(name="dask-stages")
+def staged(
+    backend: SandboxBackend, input_file: str, staging_dir: str, first: str, second: str
+) -> dict[str, Any]:
+    """Create, upload and define on worker ``first``; use, download and kill on ``second``."""
+    labels = flow_run_labels(str(flow_run.id), str(flow_run.name))
+    with dask.annotate(workers=[first]):
+        handle = create_sandbox.submit(backend, labels).result()
+        uploaded = upload_inputs.submit(backend, handle, [input_file], staging_dir).result()
+        define = run_stage.submit(
+            backend,
+            handle,
+            _stage("define", 0, "word = open('word.txt').read().strip()\nimport os"),
+        )
+        define.result()
+    with dask.annotate(workers=[second]):
+        use = run_stage.submit(
+            backend,
+            handle,
+            _stage("use", 1, "print(word * 2)\nopen('out.txt', 'w').write(word.upper())"),
+        )
+        used: StageResult = use.result()
+        downloaded = download_artifacts.submit(backend, handle, ["out.txt"], staging_dir).result()
+        killed = kill_sandbox.submit(backend, handle).result()
+    ran_on = {
+        name: [
+            worker
+            for holders in future.wrapped_future.client.who_has([future.wrapped_future]).values()
+            for worker in holders
+        ]
+        for name, future in (("define", define), ("use", use))
+    }
+    return {
+        "handle": handle,
+        "uploaded": uploaded,
+        "used": used,
+        "downloaded": downloaded,
+        "killed": killed,
+        "ran_on": ran_on,
+    }
+
+
+@flow(name="dask-create-and-kill")
+def _create_and_kill(backend: SandboxBackend, worker: str) -> bool:
+    with dask.annotate(workers=[worker]):
+        handle = create_sandbox.submit(backend, {}).result()
+        killed: bool = kill_sandbox.submit(backend, handle).result()
+    return killed
+
+
+async def _run_staged(backend: SandboxBackend, workers: Workers, tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "word.txt").write_text("dask\n")
+    first, second = sorted(workers.pids)
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    result: dict[str, Any] = await asyncio.to_thread(
+        staged.with_options(task_runner=runner),
+        backend,
+        str(tmp_path / "word.txt"),
+        str(tmp_path / "staging"),
+        first,
+        second,
+    )
+    # Each stage ran where it was sent, on two different processes.
+    assert result["ran_on"] == {"define": [first], "use": [second]}
+    assert len({workers.pids[first], workers.pids[second], os.getpid()}) == 3
+    assert result["uploaded"] == ["word.txt"]
+    # The second process's stage saw the first's variable: the sandbox persisted.
+    used = result["used"]
+    assert used.status == "ok"
+    assert stream_text(used.cells[0].result.outputs) == "daskdask\n"
+    assert result["downloaded"] == ["out.txt"]
+    assert (tmp_path / "staging" / "out.txt").read_text() == "DASK"
+    assert result["killed"] is True
+    return result
+
+
+async def test_stages_on_two_worker_processes_share_one_local_sandbox(
+    workers: Workers, tmp_path: Path
+) -> None:
+    backend = LocalKernelBackend(interrupt_grace_s=2.0)
+    result = await _run_staged(backend, workers, tmp_path)
+    handle: SandboxHandle = result["handle"]
+    # Killed from the second worker: its files are gone and no kernel of it is left running.
+    assert not Path(handle.connection["runtime_dir"]).exists()
+    assert not Path(handle.workdir).exists()
+    assert [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.status() != psutil.STATUS_ZOMBIE
+        and handle.connection["runtime_dir"] in " ".join(child.cmdline())
+    ] == []
+    with pytest.raises(SandboxNotFoundError):
+        await backend.attach(handle)
+    # The worker that launched the kernel reaps it, and stops its guard, at its next launch.
+    first = sorted(workers.pids)[0]
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    await asyncio.to_thread(_create_and_kill.with_options(task_runner=runner), backend, first)
+    assert psutil.Process(workers.pids[first]).children(recursive=True) == []
+    assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: handle.labels[FLOW_RUN_ID_LABEL]}) == []
+
+
+async def test_stages_on_two_worker_processes_share_one_e2b_sandbox(
+    workers: Workers, e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    test_id = uuid.uuid4().hex
+    backend = _e2b_backend(e2b_emulator, test_id)
+    result = await _run_staged(backend, workers, tmp_path)
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+    assert e2b_emulator.api_key not in result["handle"].model_dump_json()
+
+
+def _e2b_backend(emulator: E2BEmulator, test_id: str) -> E2BBackend:
+    credentials = E2BCredentials(
+        api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
+    )
+    return E2BBackend(credentials=credentials, metadata={"test-id": test_id})
+
+
+async def test_a_live_sandbox_refuses_pickling_and_its_handle_and_block_cross(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    backend = _e2b_backend(e2b_emulator, uuid.uuid4().hex)
+    secret = e2b_emulator.api_key.encode()
+    sandbox = await backend.create({})
+    try:
+        for dump in (pickle.dumps, cloudpickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match=r"live E2BSandbox .* pass its handle"):
+                dump(sandbox)
+        # The handle holds no key; the block, after making a sandbox, holds it once: in its
+        # SecretStr (no client or config of it was kept).
+        assert pickle.dumps(sandbox.handle).count(secret) == 0
+        blob = cloudpickle.dumps(backend)
+        assert blob.count(secret) == 1
+        again = pickle.loads(blob)
+        attached = await again.attach(pickle.loads(pickle.dumps(sandbox.handle)))
+        try:
+            assert (await attached.run_cell("6 * 7")).outputs[0]["data"]["text/plain"] == "42"
+        finally:
+            await attached.close()
+    finally:
+        await sandbox.kill()
+
+
+async def test_a_live_local_sandbox_refuses_pickling() -> None:
+    sandbox = await LocalKernelBackend().create({})
+    try:
+        with pytest.raises(
+            TypeError, match=r"live LocalKernelSandbox .*`backend\.attach\(handle\)`"
+        ):
+            pickle.dumps(sandbox)
+    finally:
+        await sandbox.kill()
+
+
+@task(cache_policy=NO_CACHE)
+def _what_the_worker_sees(backend: E2BBackend) -> dict[str, Any]:
+    context = FlowRunContext.get()
+    assert context is not None
+    return {
+        "flow_parameters": json.dumps(context.parameters, default=str),
+        "own_key": backend.credentials.api_key.get_secret_value(),
+    }
+
+
+@flow(name="dask-secrets")
+def _secrets_flow(backend: E2BBackend) -> dict[str, Any]:
+    shipped = cloudpickle.dumps(serialize_context())
+    seen: dict[str, Any] = _what_the_worker_sees.submit(backend).result()
+    return {**seen, "prefect_reveals": shipped.count(SECRET.encode())}
+
+
+async def test_workers_get_the_flow_runs_parameters_with_secrets_masked(workers: Workers) -> None:
+    backend = E2BBackend(credentials=E2BCredentials(api_key=SECRET))
+    runner = SandboxDaskTaskRunner(address=workers.address)
+    seen = await asyncio.to_thread(_secrets_flow.with_options(task_runner=runner), backend)
+    # Prefect's own context dump reveals the key; what the worker got does not hold it.
+    assert seen["prefect_reveals"] >= 1
+    assert SECRET not in seen["flow_parameters"]
+    assert "**********" in seen["flow_parameters"]
+    # The task's own argument is the block itself, its key intact in its SecretStr.
+    assert seen["own_key"] == SECRET
+
+
+_TEMPORARY_API_SCRIPT = """
+import json, os, sys
+import psutil
+from prefect import flow, task
+from prefect.settings import PREFECT_API_URL
+from prefect_sandbox.flows.dask import SandboxDaskTaskRunner, temporary_server_url
+
+@task
+def where():
+    servers = [
+        " ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+        if "uvicorn" in " ".join(p.cmdline())
+    ]
+    return {"pid": os.getpid(), "api_url": PREFECT_API_URL.value(), "servers": servers}
+
+@flow(task_runner=SandboxDaskTaskRunner(address=sys.argv[1]))
+def on_dask():
+    return where.submit().result()
+
+seen = on_dask()
+print(json.dumps({**seen, "flow_api_url": temporary_server_url()}))
+"""
+
+
+def test_workers_report_to_the_flow_processs_temporary_api_server(
+    workers: Workers, tmp_path: Path
+) -> None:
+    script = tmp_path / "on_dask.py"
+    script.write_text(_TEMPORARY_API_SCRIPT)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run(
+        [sys.executable, str(script), workers.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["pid"] in workers.pids.values()
+    assert seen["flow_api_url"].startswith("http://127.0.0.1:")
+    assert seen["api_url"] == seen["flow_api_url"]
+    assert seen["servers"] == []
+
+
+CO2 = ROOT / "examples" / "co2"
+
+
+@pytest.mark.timeout(400)
+async def test_a_sweep_of_twelve_on_a_local_dask_cluster_keeps_three_sandboxes_alive_at_most(
+    tmp_path: Path,
+) -> None:
+    grid = [{"train_end": f"{year}-12-31"} for year in range(1985, 1997)]
+    result = await asweep_notebook(
+        notebook=str(CO2 / "forecast.ipynb"),
+        grid=grid,
+        inputs=[str(CO2 / "co2.csv")],
+        backend=LocalKernelBackend(),
+        storage=str(tmp_path),
+        max_sandboxes=3,
+        task_runner="dask",
+    )
+    assert result.mode == "dask"
+    assert result.status == "completed", result.error
+    assert [branch.parameters for branch in result.branches] == grid
+    sweep_dir = Path(result.output_dir)
+    assert json.loads((sweep_dir / "sweep.json").read_text())["status"] == "completed"
+    folders = [Path(str(branch.output_dir)) for branch in result.branches]
+    assert len(set(folders)) == 12
+    assert all(folder.parent == sweep_dir for folder in folders)
+    summaries = [json.loads((folder / "summary.json").read_text()) for folder in folders]
+    assert [summary["status"] for summary in summaries] == ["completed"] * 12
+    # Each branch fitted on its own training period.
+    assert [branch.metrics["train_end"] for branch in result.branches] == [
+        entry["train_end"] for entry in grid
+    ]
+    assert 1 < max_alive_at_once(summaries) <= 3
+    # The branches ran as the sweep's tasks (on the cluster's workers), each flow run a
+    # subflow of the sweep (so its hooks find them).
+    sweep_id = uuid.UUID(result.flow_run_id)
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sweep_id]))
+        )
+        branch_tasks = {
+            run.name: run for run in task_runs if run.task_key.startswith("_dask_branch")
+        }
+        assert sorted(branch_tasks) == sorted(str(b.flow_run_name) for b in result.branches)
+        assert all(run.state_type == StateType.COMPLETED for run in branch_tasks.values())
+        for branch in result.branches:
+            run = await client.read_flow_run(uuid.UUID(str(branch.flow_run_id)))
+            assert run.parent_task_run_id is not None
+            parent = await client.read_task_run(run.parent_task_run_id)
+            assert parent.flow_run_id == sweep_id
+
+
+def test_task_runner_values_name_a_local_cluster_or_a_scheduler() -> None:
+    local = dask_task_runner("dask")
+    assert local.cluster_class is LocalCluster
+    assert local.cluster_kwargs["processes"] is True
+    assert local.cluster_kwargs["threads_per_worker"] == BRANCHES_PER_WORKER
+    assert dask_task_runner("dask:tcp://127.0.0.1:8786").address == "tcp://127.0.0.1:8786"
+    for bad in ("ray", "dask:", "daskx", "Dask"):
+        with pytest.raises(ValueError, match="'dask' or 'dask:ADDRESS'"):
+            dask_task_runner(bad)
+
+
+def test_cli_sweep_runs_branches_on_a_dask_scheduler(workers: Workers, tmp_path: Path) -> None:
+    _notebook(
+        tmp_path / "nb.ipynb",
+        "import json\njson.dump({'double': x * 2}, open('metrics.json', 'w'))",
+    )
+    (tmp_path / "grid.json").write_text(json.dumps({"x": [1, 2]}))
+    done = _cli(
+        "sweep", "nb.ipynb", "--grid", "grid.json", "--out", "out",
+        "--task-runner", f"dask:{workers.address}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = json.loads(next((tmp_path / "out").glob("*/sweep.json")).read_text())
+    assert sweep["mode"] == "dask"
+    assert [branch["metrics"] for branch in sweep["branches"]] == [{"double": 2}, {"double": 4}]
+    refused = _cli(
+        "sweep", "nb.ipynb", "--grid", "grid.json", "--task-runner", "ray", cwd=tmp_path
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "--task-runner: task runner 'ray' is not 'dask' or 'dask:ADDRESS'" in refused.stderr
+
+
+async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_hold(
+    workers: Workers, tmp_path: Path
+) -> None:
+    _notebook(
+        tmp_path / "nb.ipynb", "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)"
+    )
+    work = tmp_path / "work"
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(tmp_path / "nb.ipynb"),
+            grid={"x": [300, 301]},
+            backend=LocalKernelBackend(workdir_root=str(work)),
+            storage=str(tmp_path / "out"),
+            task_runner=f"dask:{workers.address}",
+        )
+    )
+    deadline = time.monotonic() + 90
+    while len(list(work.rglob("sleeping.marker"))) < 2:
+        assert not sweep.done(), sweep.exception() if sweep.done() else None
+        assert time.monotonic() < deadline, "the branches' cells never started"
+        await asyncio.sleep(0.2)
+    started = time.monotonic()
+    sweep.cancel()
+    with pytest.raises((CancelledRun, asyncio.CancelledError)):
+        await sweep
+    # Dask cannot stop a running task: the branches' sandboxes were killed, so their cells
+    # ended at once, each branch stored what it made, and no kernel is left.
+    assert time.monotonic() - started < 60
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    stored = json.loads((sweep_dir / "sweep.json").read_text())
+    assert stored["status"] == "cancelled"
+    assert stored["mode"] == "dask"
+    for branch in stored["branches"]:
+        summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+        assert summary["stages"][0]["status"] == "failed"
+    assert list(work.iterdir()) == []
