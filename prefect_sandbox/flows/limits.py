@@ -111,10 +111,13 @@ async def live_sandbox_slot(backend: SandboxBackend, flow_run_id: str) -> AsyncI
     current = await _limit_set_to(name, cap)
     if current.active and current.active_slots >= cap:
         get_run_logger().info(
-            "Waiting for a slot of %s: %d of %d sandbox(es) are alive (max_live_sandboxes)",
+            "Waiting for a slot of %s: %d of %d sandbox(es) are alive (max_live_sandboxes). "
+            "If no run holds them (a run killed outright on Prefect's temporary API keeps its "
+            "slot), free them with: prefect gcl update %s --active-slots 0",
             name,
             current.active_slots,
             cap,
+            name,
         )
     async with concurrency(
         name,
