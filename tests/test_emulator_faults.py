@@ -7,6 +7,7 @@ tests/test_e2b_faults.py and tests/test_daytona.py.
 
 from __future__ import annotations
 
+import copyreg
 import itertools
 import pickle
 import subprocess
@@ -24,6 +25,7 @@ from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.errors import (
+    ForeignError,
     SandboxAuthError,
     SandboxNotFoundError,
     SandboxUnavailableError,
@@ -218,6 +220,40 @@ async def test_a_refused_api_key_is_an_auth_error_that_never_shows_the_key(
     assert vendor.emulator.api_key not in str(info.value)
     assert secret not in backend.model_dump_json()
     assert vendor.emulator.sandbox_ids(labels) == []
+
+
+@pytest.fixture
+def dask_pickling() -> Iterator[None]:
+    """Exceptions pickled as Dask pickles them; copyreg's reducers are restored afterwards.
+
+    ``import distributed`` and each error it ships install tblib's reducers, which carry an
+    exception's ``__cause__``, ``__context__`` and traceback along with it.
+    """
+    saved = dict(copyreg.dispatch_table)
+    try:
+        yield
+    finally:
+        copyreg.dispatch_table.clear()
+        copyreg.dispatch_table.update(saved)
+
+
+async def test_a_refused_api_key_crosses_a_dask_process_boundary_as_an_auth_error(
+    vendor: Vendor, labels: dict[str, str], dask_pickling: None
+) -> None:
+    from distributed.core import error_message
+
+    secret = f"{vendor.name}_not_the_right_key_{uuid.uuid4().hex}"
+    with pytest.raises(SandboxAuthError) as info:
+        await vendor.backend(api_key=secret).create(labels)
+    # What a Dask worker sends back for a task that raised (a bare Exception if pickling fails).
+    blob = error_message(info.value)["exception"].data
+    assert secret.encode() not in blob
+    copy = pickle.loads(blob)
+    assert type(copy) is SandboxAuthError and str(copy) == str(info.value)
+    # The vendor's exception travels as a stand-in naming it, never as itself.
+    assert isinstance(info.value.__cause__, ForeignError)
+    assert str(copy.__cause__) == str(info.value.__cause__)
+    assert str(copy.__cause__).startswith(f"{vendor.name}.")
 
 
 @pytest.mark.parametrize("name", ["e2b", "daytona"])

@@ -15,11 +15,15 @@
     └── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
 
 Every error keeps its structured fields, and any attribute a caller added, through pickling,
-since Prefect's task runners pickle exceptions between threads and processes.
+since Prefect's task runners pickle exceptions between threads and processes. A backend's error
+leaves it with its ``__cause__``/``__context__`` chain made portable (`portable_chain`): Dask
+pickles that chain too, and a vendor's exception in it is replaced by a `ForeignError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "CellExecutionError",
     "CellTimeoutError",
     "FileTransferError",
+    "ForeignError",
     "NotebookError",
     "SandboxAuthError",
     "SandboxDiedError",
@@ -34,6 +39,7 @@ __all__ = [
     "SandboxNotFoundError",
     "SandboxUnavailableError",
     "UnsafePathError",
+    "portable_chain",
 ]
 
 
@@ -268,3 +274,54 @@ class BackendNotInstalledError(SandboxError, ImportError):
     def __init__(self, message: str, *, extra: str = "", sandbox_id: str | None = None) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.extra = extra
+
+
+class ForeignError(Exception):
+    """Stands in for an exception that is not ours (a vendor SDK's, its transport's) in the
+    ``__cause__``/``__context__`` chain of a `SandboxError` (see `portable_chain`).
+
+    It keeps the original's type name and message, its traceback and its own chain (made
+    portable too), so a traceback reads as before; not the original's other attributes.
+
+    Args:
+        message: ``"<module>.<qualname>: <the original's str()>"``.
+    """
+
+
+def _portable(exc: BaseException, done: dict[int, BaseException]) -> BaseException:
+    if id(exc) in done:
+        return done[id(exc)]
+    suppress_context = exc.__suppress_context__
+    if isinstance(exc, SandboxError | ForeignError):
+        portable = exc
+    else:
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        portable = ForeignError(f"{name}: {exc}").with_traceback(exc.__traceback__)
+    done[id(exc)] = portable
+    if exc.__cause__ is not None:
+        portable.__cause__ = _portable(exc.__cause__, done)
+    if exc.__context__ is not None:
+        portable.__context__ = _portable(exc.__context__, done)
+    # Setting __cause__ sets it; the original's choice is what a traceback shows.
+    portable.__suppress_context__ = suppress_context
+    return portable
+
+
+@contextlib.contextmanager
+def portable_chain() -> Iterator[None]:
+    """Make the chain of a `SandboxError` raised in the block portable, then let it go on.
+
+    Dask ships a task's exception with tblib's pickling, which ``import distributed`` installs
+    for every exception class then defined: it pickles ``__cause__``, ``__context__`` and the
+    traceback along with the error. A vendor's exception there may not pickle (Daytona's
+    ``UnauthorizedException`` holds aiohttp's ``CIMultiDictProxy`` of response headers), and
+    then Dask sends a bare ``Exception(repr(error))`` in its place; it may also hold what must
+    not travel (request headers with an API key). So each exception in the chain that is not
+    ours is replaced, in place, by a `ForeignError`. Other exceptions pass untouched.
+    """
+    try:
+        yield
+    except SandboxError as error:
+        # A bare raise keeps the context we set; raising the error anew would reset it.
+        _portable(error, {})
+        raise

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError
+from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError, portable_chain
 
 __all__ = ["cancel_and_wait", "import_extra", "translated"]
 
@@ -62,18 +62,20 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
 def translated(translate: Callable[[Exception], SandboxError | None]) -> Iterator[None]:
     """Raise what a backend's error mapper makes of an exception, ``from`` it.
 
-    Our own errors pass unchanged, and so does anything the mapper returns None for (a bug,
-    not the vendor's or the transport's failure).
+    Our own errors pass unchanged but for their chain, made portable (`portable_chain`: the
+    vendor's exceptions in it become `ForeignError` stand-ins); anything the mapper returns
+    None for (a bug, not the vendor's or the transport's failure) passes unchanged.
 
     Args:
         translate: the backend's one translation function, its call details bound.
     """
-    try:
-        yield
-    except SandboxError:
-        raise
-    except Exception as exc:
-        mapped = translate(exc)
-        if mapped is None:
+    with portable_chain():
+        try:
+            yield
+        except SandboxError:
             raise
-        raise mapped from exc
+        except Exception as exc:
+            mapped = translate(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc

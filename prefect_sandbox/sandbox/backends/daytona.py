@@ -62,6 +62,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
     UnsafePathError,
+    portable_chain,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import checked_relative_path, checked_upload_source
@@ -813,20 +814,21 @@ class DaytonaSandbox(Sandbox):
             idempotent=False,
         )
         cell = _CellRun(CellOutputs(None, None))
-        try:
-            await self._remote.code_interpreter.run_code(
-                _bootstrap_code(),
-                context=self._context,
-                on_stdout=cell.stdout,
-                on_stderr=cell.stderr,
-                on_error=cell.daemon_error,
-                timeout=_BOOTSTRAP_TIMEOUT_S,
-            )
-        except Exception as exc:
-            error = await self._run_failure(exc, in_cell=False)
-            if error is None:
-                raise
-            raise error from exc
+        with portable_chain():
+            try:
+                await self._remote.code_interpreter.run_code(
+                    _bootstrap_code(),
+                    context=self._context,
+                    on_stdout=cell.stdout,
+                    on_stderr=cell.stderr,
+                    on_error=cell.daemon_error,
+                    timeout=_BOOTSTRAP_TIMEOUT_S,
+                )
+            except Exception as exc:
+                error = await self._run_failure(exc, in_cell=False)
+                if error is None:
+                    raise
+                raise error from exc
         cell.finish()
         if cell.outputs.collector.has_error():
             errors = [o for o in cell.outputs.collector.outputs if o["output_type"] == "error"]
@@ -1039,7 +1041,7 @@ async def _create_remote(
         what="Daytona create",
     )
     async for attempt in retrying:
-        with attempt:
+        with attempt, portable_chain():
             try:
                 remote: AsyncSandbox = await client.create(
                     config.create_params(labels), timeout=config.create_timeout_s
@@ -1138,7 +1140,8 @@ class _DaytonaCell(RunningCell):
                 error = await sandbox._run_failure(exc, in_cell=True)
                 if error is None:
                     raise
-                raise error from exc
+                with portable_chain():
+                    raise error from exc
             # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
             # may have killed the interpreter, or an interrupt escaped the runner.
             if not self._interrupted:
