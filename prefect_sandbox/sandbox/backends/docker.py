@@ -59,6 +59,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
     UnsafePathError,
+    portable_chain,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
 
@@ -158,10 +159,11 @@ def _client(config: DockerSandboxConfig) -> docker.DockerClient:
             return sdk.DockerClient(base_url=config.docker_host)  # type: ignore[no-any-return]
         return sdk.from_env()  # type: ignore[no-any-return]
     except sdk.errors.DockerException as exc:
-        raise SandboxUnavailableError(
-            f"no Docker daemon answers ({exc}); start dockerd or set docker_host",
-            operation="connect",
-        ) from exc
+        with portable_chain():
+            raise SandboxUnavailableError(
+                f"no Docker daemon answers ({exc}); start dockerd or set docker_host",
+                operation="connect",
+            ) from exc
 
 
 def _api_error(exc: Exception, operation: str, sandbox_id: str | None) -> SandboxError:
@@ -253,7 +255,8 @@ class DockerSandbox(JupyterKernelSandbox):
                 docker_client.close()
                 if isinstance(exc, SandboxError):
                     raise
-                raise _api_error(exc, "create", sandbox_id) from exc
+                with portable_chain():
+                    raise _api_error(exc, "create", sandbox_id) from exc
             sandbox = cls(handle, config, container)
             await sandbox._handshake()
             kernelspec = {
@@ -298,7 +301,8 @@ class DockerSandbox(JupyterKernelSandbox):
             )
         except Exception as exc:
             docker_client.close()
-            raise _api_error(exc, "attach", handle.sandbox_id) from exc
+            with portable_chain():
+                raise _api_error(exc, "attach", handle.sandbox_id) from exc
         return cls(handle, config, container)
 
     @classmethod
@@ -327,7 +331,8 @@ class DockerSandbox(JupyterKernelSandbox):
                 docker_client.containers.list, all=True, filters={"label": filters}
             )
         except Exception as exc:
-            raise _api_error(exc, "list", None) from exc
+            with portable_chain():
+                raise _api_error(exc, "list", None) from exc
         finally:
             docker_client.close()
         handles = [
@@ -352,7 +357,8 @@ class DockerSandbox(JupyterKernelSandbox):
         try:
             done = await asyncio.to_thread(self._put_file, src, relative, uid, gid)
         except Exception as exc:
-            raise self._file_error(exc, "upload", dest) from exc
+            with portable_chain():
+                raise self._file_error(exc, "upload", dest) from exc
         if not done:
             raise FileTransferError(
                 f"Docker did not write {dest!r} into sandbox {self._handle.sandbox_id}",
@@ -380,7 +386,8 @@ class DockerSandbox(JupyterKernelSandbox):
         except SandboxError:
             raise
         except Exception as exc:
-            raise self._file_error(exc, "download", src) from exc
+            with portable_chain():
+                raise self._file_error(exc, "download", src) from exc
 
     def _download(self, src: str, path: str, dest: Path) -> int:
         stream, info = self._container.get_archive(path)
@@ -480,7 +487,8 @@ class DockerSandbox(JupyterKernelSandbox):
         except Exception as exc:
             self._alive_at = 0.0  # it may have died since the last check: look now
             self._check_alive()
-            raise _api_error(exc, "interrupt", self._handle.sandbox_id) from exc
+            with portable_chain():
+                raise _api_error(exc, "interrupt", self._handle.sandbox_id) from exc
 
     async def restart(self) -> None:
         """Restart the container: a fresh kernel, the same working directory and handle."""
@@ -488,7 +496,8 @@ class DockerSandbox(JupyterKernelSandbox):
         try:
             await asyncio.to_thread(_restart_container, self._container)
         except Exception as exc:
-            raise _api_error(exc, "restart", self._handle.sandbox_id) from exc
+            with portable_chain():
+                raise _api_error(exc, "restart", self._handle.sandbox_id) from exc
         self._alive_at = 0.0
         await self._reconnect()
 
@@ -514,7 +523,8 @@ class DockerSandbox(JupyterKernelSandbox):
                 sandbox_id=self._handle.sandbox_id,
             ) from None
         except Exception as exc:
-            raise _api_error(exc, "inspect", self._handle.sandbox_id) from exc
+            with portable_chain():
+                raise _api_error(exc, "inspect", self._handle.sandbox_id) from exc
         state = (self._container.attrs or {}).get("State", {})
         if state.get("Running"):
             self._alive_at = time.monotonic()
@@ -640,12 +650,13 @@ def _run_container(
             stdin_open=False,
         )
     except sdk.errors.ImageNotFound as exc:
-        raise SandboxError(
-            f"Docker image {config.image!r} is not on this machine's daemon "
-            "(docker pull it, or build it; the test image: python -m "
-            "prefect_sandbox.testing.docker)",
-            sandbox_id=handle.sandbox_id,
-        ) from exc
+        with portable_chain():
+            raise SandboxError(
+                f"Docker image {config.image!r} is not on this machine's daemon "
+                "(docker pull it, or build it; the test image: python -m "
+                "prefect_sandbox.testing.docker)",
+                sandbox_id=handle.sandbox_id,
+            ) from exc
 
 
 def _restart_container(container: Container) -> None:
