@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox.flows import amodeling_pipeline
@@ -297,6 +299,44 @@ async def test_a_dead_or_broken_pooled_kernel_is_ended_and_a_new_one_started() -
     finally:
         await box.kill()
     assert not any(Path(h.connection["runtime_dir"]).exists() for h in (dead, broken))
+
+
+def _connected_kernel_clients() -> set[int]:
+    """This process's kernel clients whose sockets are still open (by id)."""
+    gc.collect()
+    return {
+        id(obj)
+        for obj in gc.get_objects()
+        if isinstance(obj, AsyncKernelClient) and obj.channels_running
+    }
+
+
+async def test_a_pooled_kernel_dying_as_it_is_handed_out_leaves_no_socket_open() -> None:
+    backend = LocalKernelBackend(warm_pool_size=1, isolation="none")
+    await backend.fill_warm_pool(timeout_s=60)
+    (pooled,) = await backend.list_sandboxes(OWNER)
+    pid = _kernel_pid(pooled)
+    os.kill(pid, signal.SIGSTOP)  # it cannot answer: the hand-out waits in its handshake
+    before = _connected_kernel_clients()
+    creating = asyncio.create_task(backend.create({"run": "after"}))
+    # Relabelled for the taker: the hand-out has begun; it dies before it can answer.
+    deadline = time.monotonic() + 30
+    while pooled.sandbox_id not in {
+        h.sandbox_id for h in await backend.list_sandboxes({"run": "after"})
+    }:
+        assert time.monotonic() < deadline, "the pooled kernel was never handed out"
+        await asyncio.sleep(0.02)
+    os.killpg(pid, signal.SIGKILL)
+    box = await creating
+    try:
+        assert box.handle.sandbox_id != pooled.sandbox_id
+        assert (await box.run_cell("1 + 1")).outputs[0]["data"] == {"text/plain": "2"}
+    finally:
+        await box.kill()
+    assert not Path(pooled.connection["runtime_dir"]).exists()
+    close_warm_pools()  # its refill, which connects to the kernel it starts, is done
+    # The failed hand-out closed the sockets it opened, as the cold start's kill did its own.
+    assert _connected_kernel_clients() <= before
 
 
 async def test_closing_the_pools_ends_their_idle_kernels() -> None:

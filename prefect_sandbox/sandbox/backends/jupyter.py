@@ -151,8 +151,14 @@ def _new_client(connection_file: Path) -> AsyncKernelClient:
     # Past 1,000 queued messages zmq DROPS iopub messages for a slow reader (one that logs each
     # output), the closing idle status among them. Unlimited: our side queues them all instead.
     client.context.setsockopt(zmq.RCVHWM, 0)
-    client.load_connection_file(str(connection_file))
-    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    try:
+        client.load_connection_file(str(connection_file))
+        client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    except BaseException:
+        # The context (and any socket opened in it) is ours: the garbage collector would
+        # destroy it with a ResourceWarning (a connection file removed, a kernel gone).
+        client.context.destroy(linger=0)
+        raise
     return client
 
 

@@ -268,13 +268,14 @@ class LocalKernelSandbox(JupyterKernelSandbox):
     ) -> LocalKernelSandbox:
         """A pooled kernel, relabelled for its taker and connected from this event loop."""
         handle = handle.model_copy(update={"labels": dict(labels or {})})
+        sandbox: LocalKernelSandbox | None = None
         try:
             # Labelled first: from here on the run's hooks and the reaper find it by its labels.
             _write_handle(handle)
             sandbox = cls(handle, config)
             await sandbox._handshake()
         except BaseException:
-            await asyncio.to_thread(_destroy, handle)
+            await _end_unstarted(handle, sandbox)
             raise
         return sandbox
 
@@ -309,6 +310,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             transport="ipc",
             kernel_name=config.kernel_name,
         )
+        sandbox: LocalKernelSandbox | None = None
         try:
             spec = _launch(handle, config)
             sandbox = cls(handle, config)
@@ -323,7 +325,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 update={"kernel": KernelInfo(kernelspec=kernelspec, language_info=language_info)}
             )
         except BaseException:
-            await asyncio.to_thread(_destroy, handle)
+            await _end_unstarted(handle, sandbox)
             raise
         return sandbox
 
@@ -467,6 +469,17 @@ async def _start_pooled(cls: type[LocalKernelSandbox], config: LocalKernelConfig
     # Its sockets belong to this thread's event loop; its taker connects its own.
     await sandbox.close()
     return sandbox.handle
+
+
+async def _end_unstarted(handle: SandboxHandle, sandbox: LocalKernelSandbox | None) -> None:
+    """End a kernel whose start or hand-out failed, closing the sockets ``sandbox`` opened to it.
+
+    Left open, its client's sockets are closed only by the garbage collector, which warns
+    (unclosed zmq sockets and context) wherever that happens to run.
+    """
+    if sandbox is not None:
+        await sandbox.close()
+    await asyncio.to_thread(_destroy, handle)
 
 
 def _kernel_alive(handle: SandboxHandle) -> bool:
