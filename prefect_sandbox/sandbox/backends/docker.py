@@ -244,6 +244,7 @@ class DockerSandbox(JupyterKernelSandbox):
                 "user": f"{uid}:{gid}",
             },
         )
+        sandbox: DockerSandbox | None = None
         try:
             _prepare_folders(runtime_dir, host_workdir, uid, gid)
             docker_client = _client(config)
@@ -270,6 +271,9 @@ class DockerSandbox(JupyterKernelSandbox):
                 update={"kernel": KernelInfo(kernelspec=kernelspec, language_info=language_info)}
             )
         except BaseException:
+            # Its client's sockets, left open, would be closed (with a warning) by the GC.
+            if sandbox is not None:
+                await sandbox.close()
             try:
                 await asyncio.to_thread(_destroy, handle, config)
             except SandboxError as cleanup:
