@@ -105,6 +105,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def uncancel_current_task() -> None:
+    """Take the current asyncio task's cancellation as handled, so the awaits of its clean-up
+    (killing sandboxes, storing files) are not cancelled in turn."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
 def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[StageSummary]:
     by_name = {result.name: result for result in results}
     summaries = []
@@ -273,9 +281,7 @@ class _PipelineRun:
     def take_cancellation(self) -> None:
         """Take this task's cancellation as handled here: the run stops, kills its sandbox,
         stores what it made and ends Cancelled."""
-        task = asyncio.current_task()
-        if task is not None:
-            task.uncancel()
+        uncancel_current_task()
         self.cancelled = True
 
     @asynccontextmanager

@@ -92,7 +92,12 @@ from prefect_sandbox.flows.hooks import (
     default_backend,
     kill_labelled_sandboxes,
 )
-from prefect_sandbox.flows.pipeline import SUMMARY_NAME, arun_notebook, sync_twin
+from prefect_sandbox.flows.pipeline import (
+    SUMMARY_NAME,
+    arun_notebook,
+    sync_twin,
+    uncancel_current_task,
+)
 from prefect_sandbox.flows.report import table_cell
 from prefect_sandbox.results import BranchResult, PipelineResult, SweepResult
 from prefect_sandbox.sandbox.base import checked_timeout_s
@@ -449,7 +454,7 @@ def _dask_launcher(runner: SandboxDaskTaskRunner, options: _Options, sweep_id: U
         try:
             outcome = await _dask_outcome(future)
         except asyncio.CancelledError:
-            _uncancel()
+            uncancel_current_task()
             # Dask cannot stop a running task: kill the branch's sandbox, so that its run
             # stops at its cell and stores what it made, and wait for it. A task that has not
             # made its flow run yet is dropped (if it just started, the sweep's hook kills).
@@ -534,7 +539,7 @@ def _deployment_launcher(deployment: str, options: _Options) -> Launcher:
             branch.state = await _final_state(flow_run.id, None)
             return
         except asyncio.CancelledError:
-            _uncancel()
+            uncancel_current_task()
         # Cancelled: a run being made is made all the same, then cancelled, so none outlives
         # the sweep unseen.
         flow_run = await creating
@@ -607,12 +612,6 @@ async def cancel_branches(flow: Flow[Any, Any], flow_run: FlowRun, state: State[
         await kill_labelled_sandboxes(backend, str(child.id), why)
 
 
-def _uncancel() -> None:
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
 async def _run_branches(branches: list[_Branch], launch: Launcher) -> bool:
     """Run every branch concurrently to its end; an error in one is recorded on it.
 
@@ -631,7 +630,7 @@ async def _run_branches(branches: list[_Branch], launch: Launcher) -> bool:
     try:
         await asyncio.wait(tasks)
     except asyncio.CancelledError:
-        _uncancel()
+        uncancel_current_task()
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
