@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import copyreg
 import itertools
+import json
+import logging
 import pickle
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
+from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline
+from prefect_sandbox.flows.hooks import kill_labelled_sandboxes
 from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.errors import (
     ForeignError,
@@ -30,6 +35,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.e2b import E2BEmulator
 from prefect_sandbox.testing.faults import Fault
@@ -292,3 +298,92 @@ _LIST_SANDBOXES = {
     "e2b": ("from e2b_code_interpreter import Sandbox\nprint(Sandbox.list().next_items())"),
     "daytona": ("from daytona import Daytona\nprint(list(Daytona().list()))"),
 }
+
+
+# --- the pipeline under faults on the clean-up and set-up paths ----------------------------
+
+
+def _summary(output_dir: str | None) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((Path(output_dir or "") / "summary.json").read_text())
+    return summary
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_500_on_delete_is_retried_and_the_run_keeps_its_status(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    vendor.emulator.inject(Fault("delete", status=500))
+    start = time.monotonic()
+    result = await amodeling_pipeline(
+        stages={"one": ["print('ok')"]}, backend=vendor.backend(), storage=str(tmp_path)
+    )
+    assert result.status == "completed" and result.sandbox_killed_at is not None
+    assert _summary(result.output_dir)["status"] == "completed"
+    assert len(vendor.since("delete", start)) == 2
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: result.flow_run_id}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_kill_that_keeps_failing_is_a_warning_naming_the_sandbox_not_a_lost_result(
+    vendor: Vendor, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    vendor.emulator.inject(Fault("delete", status=500, times=None))
+    try:
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={"one": ["print('made')"], "two": ["raise ValueError('cell says no')"]},
+                backend=vendor.backend(),
+                storage=str(tmp_path),
+            )
+    finally:
+        vendor.emulator.clear_faults()
+    # The run's true status is its cell's, not the kill's; everything it made is stored.
+    assert info.value.stage == "two"
+    summary = _summary(info.value.output_dir)
+    assert summary["status"] == "failed" and "cell says no" in summary["error"]
+    assert [stage["status"] for stage in summary["stages"]] == ["ok", "failed"]
+    assert summary["sandbox_killed_at"] is None
+    sandbox_id = summary["sandbox_id"]
+    assert f"Sandbox {sandbox_id} could not be killed" in caplog.text
+    assert (Path(info.value.output_dir or "") / "executed.ipynb").is_file()
+    alive = vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]})
+    assert alive == [sandbox_id]
+    await kill_labelled_sandboxes(vendor.backend(), summary["flow_run_id"], "test clean-up")
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+# Made per test: a fault counts down the calls it hits.
+SET_UP_FAULTS: dict[str, Callable[[], list[Fault]]] = {
+    "503-context-create": lambda: [Fault("create_context", status=503, times=None)],
+    # The set-up's first execution (display hooks, the runner) loses its connection, and the
+    # kill that follows meets a 500 once.
+    "dropped-set-up": lambda: [Fault("run_code", drop=True), Fault("delete", status=500)],
+}
+
+
+@pytest.mark.parametrize("faults", sorted(SET_UP_FAULTS))
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
+    vendor: Vendor, tmp_path: Path, caplog: pytest.LogCaptureFixture, faults: str
+) -> None:
+    caplog.set_level(logging.INFO)
+    vendor.emulator.inject(*SET_UP_FAULTS[faults]())
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={"one": ["print('never')"]}, backend=vendor.backend(), storage=str(tmp_path)
+            )
+    finally:
+        vendor.emulator.clear_faults()
+    assert isinstance(info.value.__cause__, SandboxUnavailableError)
+    summary = _summary(info.value.output_dir)
+    assert summary["status"] == "failed"
+    assert summary["stages"] == [
+        {**summary["stages"][0], "name": "one", "status": "not_run"},
+    ]
+    assert summary["error"] == str(info.value)
+    assert "set-up failed; killing it" in caplog.text
+    assert "could not be killed" not in caplog.text
+    assert len(vendor.since("delete", start)) >= 1
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []

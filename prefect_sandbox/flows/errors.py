@@ -26,7 +26,8 @@ class PipelineFailedError(SandboxError):
 
     Args:
         message: one line: stage, cell index and the exception.
-        stage: the stage that failed; None when storing failed after every stage ran.
+        stage: the stage that failed; None when the sandbox could not be made, or storing
+            failed after every stage ran.
         cell_index: 0-based index of the failing cell in the notebook.
         output_dir: where the partial notebook, artifacts and summary were stored.
         sandbox_id: the run's sandbox, when one was made.

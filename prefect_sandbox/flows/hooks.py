@@ -85,10 +85,16 @@ async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why
         why: what ended the run, for the log (e.g. the final state's name).
 
     Returns:
-        How many this call killed; a sandbox it could not kill is logged as a warning.
+        How many this call killed; a sandbox it could not kill, or a listing that failed, is
+        logged as a warning.
     """
     killed = 0
-    for handle in await backend.list_sandboxes({FLOW_RUN_ID_LABEL: flow_run_id}):
+    try:
+        handles = await backend.list_sandboxes({FLOW_RUN_ID_LABEL: flow_run_id})
+    except SandboxError as exc:
+        logger.warning("Sandboxes of flow run %s not listed, none killed: %s", flow_run_id, exc)
+        return 0
+    for handle in handles:
         try:
             sandbox = await backend.attach(handle)
             killed += await sandbox.kill()

@@ -6,6 +6,9 @@ the artifacts, stores them with the executed notebook and ``summary.json``, and 
 The sandbox's lifetime is an async context manager, so it is killed whatever happens, before
 what was made is stored. A failed stage stops the pipeline; what came before is still stored
 and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
+A sandbox that could not be made (its create killed what it started) fails the run the same
+way, ``summary.json`` stored; a kill that fails after its retries is a warning naming the
+sandbox, and the run keeps the status its cells gave it.
 Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM) stops it the same
 way: the sandbox is killed, what was made is stored with ``summary.json`` (status
 ``"cancelled"``), and the flow run ends Cancelled. A backend block with ``max_live_sandboxes``
@@ -208,19 +211,38 @@ class _PipelineRun:
                 try:
                     yield handle
                 finally:
-                    await kill_sandbox(self.backend, handle)
-                    self.sandbox_killed_at = datetime.now(UTC)
+                    await self._kill(handle)
             except asyncio.CancelledError:
                 # Cancelled while the sandbox was made or killed: none may outlive the run or
                 # its slot, even one whose handle never came back.
                 await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
                 self.sandbox_killed_at = datetime.now(UTC)
                 raise
-            except SandboxError:
+            except SandboxError as exc:
+                self.failure = self.failure or exc
                 if self.sandbox_id is None:
-                    # A create that fails kills what it started before it raises.
+                    # The create failed, killing what it made if it could; a sandbox made by a
+                    # try whose answer was lost is found by its label.
+                    get_run_logger().warning("Sandbox not made: %s", exc)
+                    await kill_labelled_sandboxes(self.backend, flow_run_id, "its create failed")
                     self.sandbox_killed_at = datetime.now(UTC)
                 raise
+
+    async def _kill(self, handle: SandboxHandle) -> None:
+        """Kill the sandbox (kill-sandbox retries what is transient); a kill that still fails
+        is a warning naming the sandbox, never the run's failure: what it made is stored and
+        its status stays what its cells made it."""
+        try:
+            await kill_sandbox(self.backend, handle)
+        except SandboxError as exc:
+            get_run_logger().warning(
+                "Sandbox %s could not be killed (%s); its vendor-side lifetime or the reaper "
+                "ends it",
+                handle.sandbox_id,
+                exc,
+            )
+        else:
+            self.sandbox_killed_at = datetime.now(UTC)
 
     async def execute(
         self,
@@ -381,6 +403,10 @@ async def _run_pipeline(
             # Cancelled while waiting for a slot, while the sandbox was made or killed (it
             # killed every sandbox of the run then), or while files were stored.
             run.take_cancellation()
+        except SandboxError as exc:
+            # The sandbox was never made (`flow_run_sandbox` recorded why): the summary is
+            # still stored, and the run fails with that error.
+            run.failure = run.failure or exc
         result = await run.store_summary(
             outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
         )
@@ -485,7 +511,8 @@ async def arun_notebook(
         ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
             (before any sandbox starts).
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
-        PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+        PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
+            notebook, artifacts and summary.json were stored.
         prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
             after storing what it made (the message says where it stopped and where the files
             are).
@@ -553,7 +580,8 @@ async def amodeling_pipeline(
         ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
             (before any sandbox starts).
         NotebookError: a stage is empty or unnamed.
-        PipelineFailedError: a stage failed; the partial notebook and artifacts were stored.
+        PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
+            notebook, artifacts and summary.json were stored.
         prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
             after storing what it made (the message says where it stopped and where the files
             are).

@@ -17,13 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Awaitable, Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from prefect_sandbox.sandbox.errors import BackendNotInstalledError, SandboxError, portable_chain
+from prefect_sandbox.sandbox.errors import (
+    BackendNotInstalledError,
+    SandboxError,
+    SandboxNotFoundError,
+    portable_chain,
+)
 
-__all__ = ["cancel_and_wait", "import_extra", "translated"]
+__all__ = ["cancel_and_wait", "import_extra", "kill_after_failed_setup", "translated"]
+
+logger = logging.getLogger(__name__)
 
 
 def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
@@ -56,6 +64,35 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()
+
+
+async def kill_after_failed_setup(
+    kill: Callable[[], Awaitable[object]], *, backend: str, sandbox_id: str, left_for: str
+) -> None:
+    """Kill a sandbox whose set-up failed after it was made, logging the attempt and its end.
+
+    A failure to kill is a warning naming the sandbox, never raised: the set-up's own error is
+    what the caller raises next.
+
+    Args:
+        kill: the backend's kill, already retrying what is transient.
+        backend: the backend's name for people (``"E2B"``).
+        sandbox_id: the sandbox made.
+        left_for: what ends a sandbox left alive (its lifetime, the reaper), for the warning.
+    """
+    logger.info("%s sandbox %s: set-up failed; killing it", backend, sandbox_id)
+    try:
+        await kill()
+    except SandboxNotFoundError:
+        logger.info("%s sandbox %s was already gone", backend, sandbox_id)
+    except SandboxError as exc:
+        logger.warning(
+            "%s sandbox %s, whose set-up failed, could not be killed (%s); %s",
+            backend,
+            sandbox_id,
+            exc,
+            left_for,
+        )
 
 
 @contextlib.contextmanager

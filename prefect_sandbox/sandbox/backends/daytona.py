@@ -37,7 +37,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra, translated
+from prefect_sandbox.sandbox.backends import (
+    cancel_and_wait,
+    import_extra,
+    kill_after_failed_setup,
+    translated,
+)
 from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
     MARKER_START,
@@ -608,8 +613,12 @@ class DaytonaSandbox(Sandbox):
             sandbox = cls(handle, config, client, remote, None)
             await sandbox._start_interpreter()
         except BaseException:
-            with contextlib.suppress(Exception):
-                await remote.delete()
+            await kill_after_failed_setup(
+                lambda: _call("delete", sandbox_id, config, remote.delete, idempotent=True),
+                backend="Daytona",
+                sandbox_id=sandbox_id,
+                left_for="its auto-stop stops it, or the reaper deletes it",
+            )
             await _close(client)
             raise
         return sandbox

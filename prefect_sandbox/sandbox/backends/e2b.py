@@ -12,8 +12,10 @@ did, state is intact; if not, the context is restarted and the result says ``sta
 
 Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
 ``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
-context listing and restart) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK
-drops the response headers of those. An execute that may have reached the kernel is never replayed.
+context listing and restart, the working directory's creation, and the kill, which the SDK
+does not retry on a 500) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK drops
+the response headers of those. An execute that may have reached the kernel is never replayed.
+A create whose set-up fails kills the sandbox it made (`kill_after_failed_setup`).
 
 Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
 quotes stripped), drops ``update_display_data`` and ``clear_output``, and joins a traceback's
@@ -46,7 +48,12 @@ from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any, TypeVar
 
-from prefect_sandbox.sandbox.backends import cancel_and_wait, import_extra, translated
+from prefect_sandbox.sandbox.backends import (
+    cancel_and_wait,
+    import_extra,
+    kill_after_failed_setup,
+    translated,
+)
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -487,15 +494,20 @@ class E2BSandbox(Sandbox):
         try:
             await sandbox._make_context()
         except BaseException:
-            with contextlib.suppress(Exception):
-                await sdk_sandbox.kill()
+            await kill_after_failed_setup(
+                sandbox.kill,
+                backend="E2B",
+                sandbox_id=sandbox._id,
+                left_for=f"it expires within {config.lifetime_s} s, or the reaper kills it",
+            )
             raise
         logger.info("E2B sandbox %s created", handle.sandbox_id)
         return sandbox
 
     async def _make_context(self) -> None:
+        await self._retrying("create", lambda: self._sdk.files.make_dir(self._config.workdir))
+        # Not retried: a context made by a try whose answer was lost would be a second one.
         with _translated("create", sandbox_id=self._id):
-            await self._sdk.files.make_dir(self._config.workdir)
             self._context = await self._sdk.create_code_context(
                 cwd=self._config.workdir, language="python"
             )
@@ -779,16 +791,17 @@ class E2BSandbox(Sandbox):
         self._last_count = None
 
     async def kill(self) -> bool:
-        """Kill the sandbox. Idempotent.
+        """Kill the sandbox. Idempotent; transient failures are retried as file calls are.
 
         Returns:
-            True if this call ended it, False if it was already gone.
+            True if this call ended it, False if it was already gone (a retry after a kill
+            whose answer was lost finds it gone).
 
         Raises:
-            SandboxAuthError, SandboxUnavailableError: as for `create`.
+            SandboxAuthError: as for `create`.
+            SandboxUnavailableError: E2B stayed unreachable through the retries.
         """
-        with _translated("kill", sandbox_id=self._id):
-            killed: bool = await self._sdk.kill()
+        killed: bool = await self._retrying("kill", self._sdk.kill)
         if killed:
             logger.info("E2B sandbox %s killed", self._id)
         return killed
