@@ -538,7 +538,6 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
         ValueError: a block name that Prefect does not know, or that is no backend block.
     """
     from prefect.utilities.asyncutils import run_coro_as_sync
-    from pydantic import SecretStr
 
     from prefect_sandbox.blocks import (
         DaytonaBackend,
@@ -563,13 +562,7 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
     if args.backend is None:
         return cast("BackendBlock", run_coro_as_sync(default_backend()))
     if args.backend == "e2b":
-        credentials = E2BCredentials(
-            api_key=SecretStr(os.environ["E2B_API_KEY"]),
-            api_url=os.environ.get("E2B_API_URL"),
-            sandbox_url=os.environ.get("E2B_SANDBOX_URL"),
-            domain=os.environ.get("E2B_DOMAIN"),
-        )
-        return E2BBackend(credentials=credentials)
+        return E2BBackend(credentials=E2BCredentials.from_environment())
     if args.backend == "daytona":
         # With no credentials block, the SDK reads its DAYTONA_* variables.
         return DaytonaBackend()

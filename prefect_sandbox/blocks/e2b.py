@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Self
 
 from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr
@@ -69,6 +70,21 @@ class E2BCredentials(CredentialsBlock):
         title="Request timeout (s)",
         description="Seconds an API call may take; empty for the SDK's default (60 s).",
     )
+
+    @classmethod
+    def from_environment(cls) -> Self:
+        """The credentials the SDK's variables give: ``E2B_API_KEY`` (required),
+        ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``.
+
+        Raises:
+            KeyError: ``E2B_API_KEY`` is not set.
+        """
+        return cls(
+            api_key=SecretStr(os.environ["E2B_API_KEY"]),
+            api_url=os.environ.get("E2B_API_URL"),
+            sandbox_url=os.environ.get("E2B_SANDBOX_URL"),
+            domain=os.environ.get("E2B_DOMAIN"),
+        )
 
     def get_client(self) -> Any:
         """An ``e2b_code_interpreter.E2B`` client bound to these credentials.

@@ -2,7 +2,10 @@
 
 ``on_cancellation`` and ``on_crashed`` hooks may run in another process that sees only the
 flow-run record, so they find sandboxes by the flow-run id label, not by a live handle, with the
-backend rebuilt from the run's ``backend`` parameter the way the flow chose it.
+backend found the way the run found it (`run_backend`): in the run's own process, from the
+parameters it was given; elsewhere, from the API's copy, where Prefect masks an inline block's
+secrets, so these come from the environment as the CLI takes them (``E2B_API_KEY``...,
+``DAYTONA_*``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from typing import Any
 from prefect import Flow
 from prefect.blocks.core import Block
 from prefect.client.schemas.objects import FlowRun, State
+from prefect.context import FlowRunContext
 from prefect.logging import get_logger
 from prefect.utilities.dispatch import lookup_type
+from pydantic import SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.daytona import DaytonaBackend
+from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
@@ -26,9 +33,13 @@ __all__ = [
     "default_backend",
     "kill_labelled_sandboxes",
     "kill_run_sandboxes",
+    "run_backend",
 ]
 
 logger = get_logger(__name__)
+
+MASKED_SECRET = str(SecretStr("any"))
+"""What pydantic, and so the API's copy of a flow run's parameters, shows for a secret."""
 
 
 async def default_backend() -> SandboxBackend:
@@ -56,7 +67,9 @@ async def backend_from_parameter(value: Any) -> SandboxBackend:
 
     Args:
         value: None (the flow's default, `default_backend`), a ``{"$ref": ...}`` block
-            reference, a block's serialised fields with ``block_type_slug``, or a block.
+            reference, a block's serialised fields with ``block_type_slug`` (masked credentials
+            are replaced by the environment's: E2B's variables, or none for Daytona, whose SDK
+            reads its own), or a block.
 
     Returns:
         The backend block.
@@ -72,8 +85,34 @@ async def backend_from_parameter(value: Any) -> SandboxBackend:
         fields = {k: v for k, v in value.items() if k != "block_type_slug"}
         block = block_class.model_validate(fields)
         if isinstance(block, SandboxBackend):
-            return block
+            return _unmasked(block)
     return await default_backend()
+
+
+def _unmasked(backend: SandboxBackend) -> SandboxBackend:
+    """``backend``, its credentials taken from the environment (as the CLI takes them) when
+    the copy it was rebuilt from had them masked; a warning when the environment has none."""
+    credentials = getattr(backend, "credentials", None)
+    if credentials is None or MASKED_SECRET not in {
+        secret.get_secret_value()
+        for secret in vars(credentials).values()
+        if isinstance(secret, SecretStr)
+    }:
+        return backend
+    if isinstance(backend, DaytonaBackend):
+        # The SDK reads DAYTONA_API_KEY, DAYTONA_API_URL and DAYTONA_TARGET.
+        return backend.model_copy(update={"credentials": None})
+    if isinstance(backend, E2BBackend):
+        try:
+            return backend.model_copy(update={"credentials": E2BCredentials.from_environment()})
+        except KeyError:
+            pass
+    logger.warning(
+        "The %s backend's credentials are masked in the flow run's parameters and this "
+        "process's environment has none to use instead; save the backend as a block",
+        backend.backend_slug,
+    )
+    return backend
 
 
 async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why: str) -> int:
@@ -105,7 +144,20 @@ async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why
     return killed
 
 
+async def run_backend(flow_run: FlowRun) -> SandboxBackend:
+    """The backend a flow run uses, found as the run found it.
+
+    In the run's own process (its run context is current) from the parameters as given, secrets
+    included; elsewhere (a runner, a worker, a reaper) from the API's copy, whose masked secrets
+    are taken from the environment (see `backend_from_parameter`).
+    """
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None and context.flow_run.id == flow_run.id:
+        return await backend_from_parameter((context.parameters or {}).get("backend"))
+    return await backend_from_parameter(flow_run.parameters.get("backend"))
+
+
 async def kill_run_sandboxes(flow: Flow[Any, Any], flow_run: FlowRun, state: State) -> None:
     """Kill every sandbox labelled with this flow run's id (a cancellation or crash hook)."""
-    backend = await backend_from_parameter(flow_run.parameters.get("backend"))
+    backend = await run_backend(flow_run)
     await kill_labelled_sandboxes(backend, str(flow_run.id), state.name or state.type.value)
