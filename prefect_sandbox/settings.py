@@ -12,9 +12,10 @@ a run counts, whatever was imported earlier. The README lists every variable.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from prefect_sandbox.sandbox.base import checked_timeout_s
 from prefect_sandbox.sandbox.isolation import Isolation
@@ -122,3 +123,20 @@ class PrefectSandboxSettings(BaseSettings):
             "0: none, every sandbox is a cold start."
         ),
     )
+    input_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Folders on this machine, and s3:// prefixes, under which a deployment run's own "
+            "parameters may name its notebook and inputs, comma-separated, e.g. "
+            "/srv/notebooks,s3://team-data/inputs; a path is checked with its links resolved. "
+            "Empty: none (only paths the deployment itself sets). Runs that are not deployment "
+            "runs (the CLI, a flow called from Python) read what they are given."
+        ),
+    )
+
+    @field_validator("input_roots", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [root.strip() for root in value.split(",") if root.strip()]
+        return value

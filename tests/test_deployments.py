@@ -24,6 +24,7 @@ from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
     FlowRunFilter,
+    FlowRunFilterId,
     FlowRunFilterParentFlowRunId,
     LogFilter,
     LogFilterFlowRunId,
@@ -33,6 +34,7 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 
+from prefect_sandbox.blocks import LocalKernelBackend
 from prefect_sandbox.flows.sweep import SWEEP_NAME
 from prefect_sandbox.results import SweepResult
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
@@ -51,11 +53,13 @@ WORKER_LIMIT = 2
 class PrefectStack:
     """`prefect server start` and process workers, in subprocesses, for one test module."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, input_roots: Path) -> None:
         self.url = f"http://127.0.0.1:{free_port()}/api"
         self.env = dict(os.environ)
         self.env.update(
             PREFECT_HOME=str(home),
+            # The tests' own folders: where their runs' notebooks and inputs may come from.
+            PREFECT_SANDBOX_INPUT_ROOTS=str(input_roots),
             PREFECT_API_URL=self.url,
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_LOGGING_LEVEL="INFO",
@@ -117,7 +121,7 @@ class PrefectStack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
+    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp())
     try:
         stack.wait_until_healthy()
         stack.cli("work-pool", "create", "sandbox-process", "--type", "process")
@@ -326,3 +330,60 @@ async def test_sweep_deployment_spreads_its_branches_over_both_workers(
     deployment = await client.read_deployment_by_name("run-notebook/run-notebook")
     assert {run.deployment_id for run in children} == {deployment.id}
     assert {run.labels.get("prefect.worker.name") for run in children} == set(WORKERS)
+
+
+@pytest.mark.timeout(400)
+async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_parameters(
+    stack: PrefectStack, client: PrefectClient, tmp_path: Path
+) -> None:
+    # As someone who may start runs but not save blocks would try it: a backend by value,
+    # a reference with fields beside it, host folders as inputs (one through a link inside the
+    # allowed root), the isolation setting through job variables. Each is refused before any
+    # sandbox starts; a saved block by reference runs.
+    etc = tmp_path / "etc"
+    etc.symlink_to("/etc")
+    saved = await LocalKernelBackend(env={"RUN_MARK": "saved-block"}).save(
+        "policy-saved", overwrite=True, client=client
+    )
+    reference = {"$ref": {"block_document_id": str(saved)}}
+    probe = {"probe": ["import os; print(os.environ.get('RUN_MARK'))"]}
+    attempts: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
+        ({"backend": {"isolation": "none"}}, {}, ["backend"]),
+        ({"backend": {"network": True}}, {}, ["backend"]),
+        ({"backend": {**reference, "isolation": "none"}}, {}, ["backend"]),
+        ({"inputs": [str(etc), str(Path.home() / ".ssh")]}, {}, ["inputs[0]", "inputs[1]"]),
+        ({}, {"env": {"PREFECT_SANDBOX_ISOLATION": "none"}}, ["PREFECT_SANDBOX_ISOLATION"]),
+    ]
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        runs = [
+            await run_deployment(
+                "modeling-pipeline/modeling-pipeline",
+                parameters={"stages": probe, **parameters},
+                job_variables=job_variables,
+                timeout=0,
+            )
+            for parameters, job_variables, _ in attempts
+        ]
+        allowed = await run_deployment(
+            "modeling-pipeline/modeling-pipeline",
+            parameters={"stages": probe, "backend": reference, "storage": str(tmp_path)},
+            timeout=0,
+        )
+    final = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
+    for flow_run, (_, _, refused) in zip(runs, attempts, strict=True):
+        assert await _wait_for_state(client, flow_run.id, final, 240) == StateType.FAILED
+        state = (await client.read_flow_run(flow_run.id)).state
+        assert state is not None and state.message is not None
+        assert "ParameterRefusedError: deployment run refused before any sandbox" in state.message
+        assert all(name in state.message for name in refused), state.message
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        )
+        assert task_runs == [], [t.name for t in task_runs]
+    assert await _wait_for_state(client, allowed.id, final, 240) == StateType.COMPLETED
+    logs = await client.read_logs(
+        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[allowed.id]))
+    )
+    assert any(
+        log.message.startswith("[probe cell 0]") and "saved-block" in log.message for log in logs
+    )

@@ -3,6 +3,7 @@ once per parameter set (a sweep); reap the sandboxes whose flow run is over."""
 
 from prefect_sandbox.flows.errors import (
     GridError,
+    ParameterRefusedError,
     PipelineFailedError,
     ReapFailedError,
     SweepFailedError,
@@ -18,6 +19,7 @@ from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
 __all__ = [
     "GridError",
+    "ParameterRefusedError",
     "PipelineFailedError",
     "ReapFailedError",
     "SweepFailedError",

@@ -6,7 +6,9 @@
     ├── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
     ├── ReapFailedError           the reaper could not list a backend or kill a sandbox
     ├── SweepFailedError          a sweep's branch did not complete; names each such branch
-    └── GridError (ValueError)    a sweep's grid of parameters is malformed; names the entry
+    ├── GridError (ValueError)    a sweep's grid of parameters is malformed; names the entry
+    └── ParameterRefusedError     a deployment run's parameters try to weaken its isolation
+        (PermissionError)         or read host paths outside the allowed roots; names each
 
 It is raised ``from`` the error that stopped the pipeline (a stage's `CellExecutionError`,
 `CellTimeoutError`, `SandboxDiedError`, ... or a `FileTransferError` from storing), which stays
@@ -18,7 +20,13 @@ from __future__ import annotations
 
 from prefect_sandbox.sandbox.errors import SandboxError
 
-__all__ = ["GridError", "PipelineFailedError", "ReapFailedError", "SweepFailedError"]
+__all__ = [
+    "GridError",
+    "ParameterRefusedError",
+    "PipelineFailedError",
+    "ReapFailedError",
+    "SweepFailedError",
+]
 
 
 class PipelineFailedError(SandboxError):
@@ -91,3 +99,18 @@ class GridError(SandboxError, ValueError):
     def __init__(self, message: str, *, source: str = "grid") -> None:
         super().__init__(message)
         self.source = source
+
+
+class ParameterRefusedError(SandboxError, PermissionError):
+    """A deployment run's parameters or job variables try to set what only whoever saves
+    blocks and deployments may: a backend by value, a path outside the allowed roots, a
+    ``PREFECT_SANDBOX_*`` variable. Raised before any sandbox starts; nothing ran.
+
+    Args:
+        message: one line naming each refused parameter and why.
+        refused: the refused parameters' names (``job_variables.env.NAME`` for a variable).
+    """
+
+    def __init__(self, message: str, *, refused: list[str]) -> None:
+        super().__init__(message)
+        self.refused = refused

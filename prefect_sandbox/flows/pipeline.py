@@ -57,6 +57,7 @@ from prefect_sandbox.flows.hooks import (
     kill_run_sandboxes,
 )
 from prefect_sandbox.flows.limits import live_sandbox_slot
+from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
@@ -508,6 +509,10 @@ async def arun_notebook(
         The run's `PipelineResult`.
 
     Raises:
+        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
+            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
+            ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
+            sandbox starts).
         ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
             (before any sandbox starts).
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
@@ -517,6 +522,7 @@ async def arun_notebook(
             after storing what it made (the message says where it stopped and where the files
             are).
     """
+    await check_deployment_run()
     checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     original = read_notebook(Path(notebook))
     source = inject_parameters(original, parameters or {})
@@ -577,6 +583,10 @@ async def amodeling_pipeline(
         The run's `PipelineResult`.
 
     Raises:
+        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
+            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
+            ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
+            sandbox starts).
         ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
             (before any sandbox starts).
         NotebookError: a stage is empty or unnamed.
@@ -586,6 +596,7 @@ async def amodeling_pipeline(
             after storing what it made (the message says where it stopped and where the files
             are).
     """
+    await check_deployment_run()
     checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     source = notebook_from_stages(stages)
     return await _run_pipeline(

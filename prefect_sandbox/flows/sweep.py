@@ -98,6 +98,7 @@ from prefect_sandbox.flows.pipeline import (
     sync_twin,
     uncancel_current_task,
 )
+from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import table_cell
 from prefect_sandbox.results import BranchResult, PipelineResult, SweepResult
 from prefect_sandbox.sandbox.base import checked_timeout_s
@@ -840,6 +841,8 @@ async def asweep_notebook(
         metrics and error.
 
     Raises:
+        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
+            value or a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`).
         ValueError: ``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value
             (or ``max_sandboxes`` or ``task_runner`` is given with ``deployment``),
             ``metrics_artifact`` leaves the
@@ -854,6 +857,7 @@ async def asweep_notebook(
             stopped and ``sweep.json`` stored.
     """
     start = time.monotonic()
+    await check_deployment_run()
     checked_timeout_s(cell_timeout_s, "cell_timeout_s")
     if max_sandboxes is not None and max_sandboxes < 1:
         raise ValueError(f"max_sandboxes must be 1 or more; got {max_sandboxes}")

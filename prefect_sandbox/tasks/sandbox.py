@@ -108,7 +108,8 @@ async def upload_inputs(
 
     A file lands under its own name; a folder or prefix under its name with its tree. Links in
     a folder that leave it, links to folders and broken links are skipped, each named in a
-    warning. S3 objects are streamed to ``staging_dir`` on disk first.
+    warning; an input that is itself such a link is refused. S3 objects are streamed to
+    ``staging_dir`` on disk first.
 
     Args:
         backend: the backend block.
@@ -121,7 +122,8 @@ async def upload_inputs(
         The uploaded files' paths inside the sandbox.
 
     Raises:
-        FileTransferError: an input does not exist or cannot be read (names it).
+        FileTransferError: an input does not exist, cannot be read, or is a link to a folder,
+            out of its own folder or to nothing (names it).
     """
     credentials = store.credentials if isinstance(store, S3Store) else None
     pairs, skipped = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)

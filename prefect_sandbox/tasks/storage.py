@@ -479,6 +479,19 @@ def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tupl
     return pairs
 
 
+def _link_problem(link: Path, root: Path, shown_root: str) -> str | None:
+    """Why the link ``link`` is not followed, or None when it leads to a file inside ``root``
+    (a real folder, named to people as ``shown_root``)."""
+    target = link.resolve()
+    if not target.is_relative_to(root):
+        return f"a link that leaves {shown_root}"
+    if target.is_dir():
+        return "a link to a folder"
+    if not target.is_file():
+        return "a link to no file"
+    return None
+
+
 def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[str]]:
     """A local folder's files, and the links in it that are skipped, each with why.
 
@@ -496,15 +509,9 @@ def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[s
             path = here / entry
             shown = (Path(item) / path.relative_to(source)).as_posix()
             if path.is_symlink():
-                target = path.resolve()
-                if not target.is_relative_to(root):
-                    skipped.append(f"{shown!r} (a link that leaves {item!r})")
-                    continue
-                if entry in dirs:
-                    skipped.append(f"{shown!r} (a link to a folder)")
-                    continue
-                if not target.is_file():
-                    skipped.append(f"{shown!r} (a link to no file)")
+                problem = _link_problem(path, root, repr(item))
+                if problem is not None:
+                    skipped.append(f"{shown!r} ({problem})")
                     continue
             if entry in files and path.is_file():
                 pairs.append((path, (Path(name) / path.relative_to(source)).as_posix()))
@@ -518,7 +525,8 @@ def fetch_inputs(
 
     Local files keep their name; local folders their name and tree, where links that leave
     the folder, links to folders and broken links are skipped; ``s3://`` objects and prefixes
-    are streamed to ``staging`` on disk first, keeping their relative names.
+    are streamed to ``staging`` on disk first, keeping their relative names. An input that is
+    itself a link is followed only to a file in the link's own folder.
 
     Args:
         inputs: local paths or ``s3://`` URIs.
@@ -530,7 +538,8 @@ def fetch_inputs(
         it and why.
 
     Raises:
-        FileTransferError: an input does not exist (names it).
+        FileTransferError: an input does not exist, or is a link to a folder, out of its own
+            folder or to nothing (names it).
     """
     pairs: list[tuple[Path, str]] = []
     skipped: list[str] = []
@@ -544,6 +553,12 @@ def fetch_inputs(
                 ) from exc
             continue
         source = Path(item)
+        if source.is_symlink():
+            # As a link in a folder: followed only to a file in its own folder, so a link
+            # to "/etc" or to a key file never uploads what it points at.
+            problem = _link_problem(source, source.absolute().parent.resolve(), "its folder")
+            if problem is not None:
+                raise FileTransferError(f"input {item!r} is {problem}", path=item)
         # Resolved, so that "." or "../data" land under the folder's real name.
         name = source.resolve().name
         if source.is_dir():

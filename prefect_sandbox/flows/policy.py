@@ -1,0 +1,134 @@
+"""What a deployment run's own parameters may set: isolation is decided by whoever saves blocks
+and deployments, not by whoever starts runs.
+
+Anyone who may start a deployment's runs chooses its parameters, and on a process work pool its
+job variables. Were those trusted, a run could ask for ``backend={"isolation": "none"}`` or
+``{"network": true}`` and read the worker's files or reach the Prefect API from a cell, or name
+``~/.ssh`` as an input and have it uploaded and printed. So, in a deployment run (one whose flow
+run has a deployment; subflows and runs from the CLI or from Python are not), before any
+sandbox starts:
+
+- ``backend`` must be a saved block, by reference (``{"$ref": {"block_document_id": ...}}``,
+  what the UI's block selector and `prefect.blocks.core.Block`'s reference form send), or the
+  deployment's own value: a block's fields given by value are refused, whatever they say, so
+  isolation, network and environment are those of a block someone saved;
+- ``notebook`` and each of ``inputs`` must be the deployment's own value or lie under a root
+  of ``PREFECT_SANDBOX_INPUT_ROOTS`` (a folder, its links resolved, or an ``s3://`` prefix);
+- the run's job variables may set no ``PREFECT_SANDBOX_*`` variable in ``env``.
+
+A refusal raises `ParameterRefusedError` naming each refused parameter, so the flow run ends
+Failed with the reason in its state message. The deployment's own parameters are trusted: they
+are set by whoever deploys, and are read back from the API, not from the run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
+
+from prefect_sandbox.flows.errors import ParameterRefusedError
+from prefect_sandbox.settings import PrefectSandboxSettings
+
+__all__ = ["check_deployment_run", "refused_parameters"]
+
+SETTINGS_PREFIX = "PREFECT_SANDBOX_"
+
+
+def _is_reference(value: Any) -> bool:
+    """Whether ``value`` is a saved block's reference and nothing else."""
+    return isinstance(value, dict) and set(value) == {"$ref"} and isinstance(value["$ref"], dict)
+
+
+def _under_root(path: str, roots: list[str]) -> bool:
+    """Whether ``path`` (a local path, its links resolved, or an ``s3://`` URI) lies under one
+    of ``roots``."""
+    if path.startswith("s3://"):
+        return any(
+            root.startswith("s3://") and (path == root or path.startswith(root.rstrip("/") + "/"))
+            for root in roots
+        )
+    real = Path(os.path.realpath(path))
+    return any(
+        not root.startswith("s3://") and real.is_relative_to(os.path.realpath(root))
+        for root in roots
+    )
+
+
+def refused_parameters(
+    given: Mapping[str, Any],
+    deployed: Mapping[str, Any],
+    job_variables: Mapping[str, Any],
+    roots: list[str],
+) -> dict[str, str]:
+    """The parts of a deployment run that its starter may not set, each with why.
+
+    Args:
+        given: the flow run's parameters as stored by the API (block references unresolved).
+        deployed: the deployment's own parameters.
+        job_variables: the flow run's own job variables (the deployment's are not included).
+        roots: local folders and ``s3://`` prefixes paths may lie under
+            (``PREFECT_SANDBOX_INPUT_ROOTS``).
+
+    Returns:
+        Each refused parameter's name (``inputs[INDEX]``, ``job_variables.env.NAME``) to a
+        sentence saying why; empty when the run may go ahead.
+    """
+    refused: dict[str, str] = {}
+    backend = given.get("backend")
+    if backend is not None and backend != deployed.get("backend") and not _is_reference(backend):
+        refused["backend"] = (
+            "a deployment run takes a saved backend block by reference "
+            '({"$ref": {"block_document_id": ...}}), not its fields by value: its isolation, '
+            "network and environment are set by whoever saves blocks"
+        )
+    inputs = given.get("inputs")
+    paths = [("notebook", given.get("notebook"))]
+    paths += [(f"inputs[{i}]", item) for i, item in enumerate(inputs or [])]
+    # Paths the deployment itself sets are trusted as they are.
+    deployed_paths = [deployed.get("notebook"), *(deployed.get("inputs") or [])]
+    allowed = f"PREFECT_SANDBOX_INPUT_ROOTS ({', '.join(roots) or 'empty'})"
+    for name, path in paths:
+        if isinstance(path, str) and path not in deployed_paths and not _under_root(path, roots):
+            refused[name] = f"{path!r} is not under a root of {allowed}"
+    env = job_variables.get("env")
+    for name in sorted(env) if isinstance(env, dict) else []:
+        if str(name).upper().startswith(SETTINGS_PREFIX):
+            refused[f"job_variables.env.{name}"] = (
+                "a run's job variables may not set prefect-sandbox's settings; set them on "
+                "the worker or in the deployment"
+            )
+    return refused
+
+
+async def check_deployment_run() -> None:
+    """Refuse a deployment run whose own parameters or job variables set what only saved
+    blocks and the deployment may (see the module's docstring); nothing to do in any other run.
+
+    Call it first thing in a flow, before any sandbox starts.
+
+    Raises:
+        ParameterRefusedError: names each refused parameter and why.
+    """
+    context = FlowRunContext.get()
+    flow_run = context.flow_run if context is not None else None
+    if flow_run is None or flow_run.deployment_id is None:
+        return
+    async with get_client() as client:
+        deployment = await client.read_deployment(flow_run.deployment_id)
+    refused = refused_parameters(
+        flow_run.parameters,
+        deployment.parameters,
+        flow_run.job_variables or {},
+        PrefectSandboxSettings().input_roots,
+    )
+    if refused:
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise ParameterRefusedError(
+            f"deployment run refused before any sandbox started: {reasons}",
+            refused=list(refused),
+        )
