@@ -355,3 +355,24 @@ async def test_a_cell_that_ended_in_time_is_not_interrupted_while_its_output_is_
     assert result.status == "ok" and not result.interrupted and not result.state_lost
     assert stream_text(result.outputs) == "hi\n"
     assert stream_text(after.outputs) == "42\n"
+
+
+async def test_an_idle_sent_by_another_holder_of_the_sockets_does_not_end_the_cell() -> None:
+    """An idle status for the running cell that is not the kernel's (here the kernel sends one
+    itself mid-cell, as a forked copy that holds its sockets would) does not end the cell: it
+    ends with the kernel's reply, with what it printed after."""
+    box = await LocalKernelSandbox.create(LocalKernelConfig(isolation="none"))
+    try:
+        result = await box.run_cell(
+            "kernel = get_ipython().kernel\n"
+            "kernel.session.send(kernel.iopub_socket, 'status', {'execution_state': 'idle'},"
+            " parent=kernel.get_parent(), ident=kernel._topic('status'))\n"
+            "import time\n"
+            "time.sleep(1.5)\n"
+            "print('after the stray idle')",
+            timeout_s=30,
+        )
+        assert result.status == "ok"
+        assert stream_text(result.outputs) == "after the stray idle\n"
+    finally:
+        await box.kill()

@@ -8,8 +8,8 @@ machine; a container backend whose connection file and working directory are bin
 folders works the same way).
 
 Kernels write the ``stream`` messages we read; `write_ipython_startup` installs a startup file
-that bounds their size (`STREAM_MESSAGE_CHARS`), for a launcher to put in the kernel's
-``IPYTHONDIR``.
+that bounds their size (`STREAM_MESSAGE_CHARS`) and keeps a process forked by a cell from
+answering for the kernel, for a launcher to put in the kernel's ``IPYTHONDIR``.
 """
 
 from __future__ import annotations
@@ -88,6 +88,46 @@ def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
 
 _prefect_sandbox_bound_stream_messages()
 del _prefect_sandbox_bound_stream_messages
+
+
+def _prefect_sandbox_quiet_forked_children():
+    # A process forked by a cell (os.fork) is a copy of the kernel holding its sockets: it
+    # would send the cell's busy/idle status and reply as if it were the kernel. It may send
+    # the cell's outputs only, and it stops (no CPU, killed with the kernel) where its copy
+    # of the cell ends, instead of carrying on as a second kernel that nothing can reach.
+    import os
+    import signal
+    import sys
+
+    kernel_pid = os.getpid()
+    shell = get_ipython()
+    session = getattr(getattr(shell, "kernel", None), "session", None)
+    if session is None:
+        return  # not ipykernel
+    outputs = {{"stream", "display_data", "update_display_data", "clear_output", "error"}}
+    send = session.send
+
+    def send_from_kernel(stream, msg_or_type, *args, **kwargs):
+        if os.getpid() != kernel_pid:
+            msg_type = msg_or_type
+            if not isinstance(msg_type, str):
+                msg_type = msg_or_type["header"]["msg_type"]
+            if msg_type not in outputs:
+                return None
+        return send(stream, msg_or_type, *args, **kwargs)
+
+    def stop_forked_child(result):
+        if os.getpid() != kernel_pid:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    session.send = send_from_kernel
+    shell.events.register("post_run_cell", stop_forked_child)
+
+
+_prefect_sandbox_quiet_forked_children()
+del _prefect_sandbox_quiet_forked_children
 """
 
 
@@ -114,7 +154,9 @@ def write_ipython_startup(ipython_dir: Path) -> None:
     """Put our kernel config and startup file in a kernel's ``IPYTHONDIR``.
 
     The config file lifts the iopub send limit (no output is dropped for a slow reader); the
-    startup file bounds the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`).
+    startup file bounds the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`), and
+    makes a process forked by a cell send outputs only and stop where its copy of the cell
+    ends (else it sends the cell's idle status, and spins as a kernel nothing can reach).
     """
     profile = ipython_dir / "profile_default"
     startup = profile / "startup" / "00-prefect-sandbox.py"
@@ -296,9 +338,21 @@ class JupyterKernelSandbox(Sandbox):
 
     async def _poll_execute_reply(self, msg_id: str) -> dict[str, Any] | None:
         """The cell's ``execute_reply`` if it has arrived, without waiting; else None."""
+        return await self._wait_execute_reply(msg_id, 0)
+
+    async def _wait_execute_reply(
+        self, msg_id: str, timeout_s: float = _LIVENESS_POLL_S
+    ) -> dict[str, Any] | None:
+        """The cell's ``execute_reply`` if it arrives within ``timeout_s`` seconds; else None.
+
+        The kernel sends it on another socket than its idle status, so it may reach us later.
+        """
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                reply: dict[str, Any] = await self._client.get_shell_msg(timeout=0)
+                reply: dict[str, Any] = await self._client.get_shell_msg(
+                    timeout=max(deadline - time.monotonic(), 0.0)
+                )
             except Empty:
                 return None
             if reply["parent_header"].get("msg_id") == msg_id:
@@ -400,6 +454,7 @@ class _KernelCell(RunningCell):
         self._msg_id = msg_id
         self._outputs = outputs
         self._reply: dict[str, Any] | None = None
+        self._idle_seen = False
         self._last_message_at = time.monotonic()
 
     async def wait(self, deadline: float | None) -> bool:
@@ -424,6 +479,8 @@ class _KernelCell(RunningCell):
                     continue
                 sandbox._check_alive()
                 self._reply = self._reply or await sandbox._poll_execute_reply(self._msg_id)
+                if self._reply is not None and self._idle_seen:
+                    return True
                 idle_s = time.monotonic() - self._last_message_at
                 if self._reply is not None and idle_s > _IDLE_LOST_S:
                     logger.warning(
@@ -440,7 +497,13 @@ class _KernelCell(RunningCell):
             msg_type = msg["header"]["msg_type"]
             content = msg["content"]
             if msg_type == "status" and content["execution_state"] == "idle":
-                return True
+                # A process that holds the kernel's sockets (a forked copy of it) can send the
+                # cell's idle while the kernel still runs it: the cell ends with its reply.
+                self._idle_seen = True
+                self._reply = self._reply or await sandbox._wait_execute_reply(self._msg_id)
+                if self._reply is not None:
+                    return True
+                continue
             self._outputs.add(msg_type, content, hold=True)
 
     async def interrupt(self, attempt: int) -> None:
