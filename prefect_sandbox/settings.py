@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from prefect_sandbox.sandbox.base import checked_timeout_s
 from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
+from prefect_sandbox.sandbox.paths import DEFAULT_MAX_ARTIFACT_BYTES
 
 __all__ = ["DEFAULT_CELL_TIMEOUT_S", "DEFAULT_STORAGE", "PrefectSandboxSettings"]
 
@@ -88,7 +89,22 @@ class PrefectSandboxSettings(BaseSettings):
         ),
     )
 
-    @field_validator("cell_timeout_s", "max_output_chars", "max_live_sandboxes", mode="before")
+    max_artifact_bytes: int | None = Field(
+        default=DEFAULT_MAX_ARTIFACT_BYTES,
+        gt=0,
+        description=(
+            "The largest file collected from a sandbox as an artifact, in bytes (default 1 GiB); "
+            "a larger one is skipped with a warning naming it. none: no cap."
+        ),
+    )
+
+    @field_validator(
+        "cell_timeout_s",
+        "max_output_chars",
+        "max_live_sandboxes",
+        "max_artifact_bytes",
+        mode="before",
+    )
     @classmethod
     def _none_is_no_limit(cls, value: object) -> object:
         return None if isinstance(value, str) and value.strip().lower() == "none" else value

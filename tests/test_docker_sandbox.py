@@ -192,7 +192,12 @@ async def test_symlinks_resolve_inside_the_container_only(
     # The host's /etc and /root are never listed or written through the sandbox's links.
     assert await sandbox.list_files("etc/*") == []
     assert await sandbox.list_files("home/**/*") == []
-    assert [f.path for f in await sandbox.list_files()] == ["real.txt"]
+    # Links are listed as found, as on a local kernel; those that lead out are refused.
+    assert [f.path for f in await sandbox.list_files()] == ["alias.txt", "etc", "home", "real.txt"]
+    for link in ["etc", "home"]:
+        with pytest.raises(UnsafePathError, match=link):
+            await sandbox.download(link, tmp_path / link)
+        assert not (tmp_path / link).exists()
     source = tmp_path / "payload"
     source.write_text("x")
     for dest in ["etc/payload", "home/payload"]:

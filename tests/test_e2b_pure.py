@@ -12,7 +12,6 @@ from e2b_code_interpreter.models import Result
 
 from prefect_sandbox.sandbox.backends.e2b import (
     E2BConfig,
-    glob_match,
     mime_bundle,
     translate_error,
 )
@@ -24,6 +23,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
 )
 from prefect_sandbox.sandbox.outputs import error_content
+from prefect_sandbox.sandbox.paths import glob_match
 from prefect_sandbox.testing.e2b.wire import execute_lines, operation_of, result_fields
 
 

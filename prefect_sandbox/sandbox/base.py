@@ -634,20 +634,32 @@ class Sandbox(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def download(self, src: str, dest: Path) -> int:
+    async def download(self, src: str, dest: Path, *, max_bytes: int | None = None) -> int:
         """Copy ``src`` from inside the sandbox to the local file ``dest``.
+
+        Args:
+            src: the file, relative to the working directory, as `list_files` gave it.
+            dest: the local file to write; its folder is made if needed.
+            max_bytes: the largest file copied, in bytes; None for no cap.
 
         Returns:
             The number of bytes copied.
 
         Raises:
             UnsafePathError: ``src`` leaves the working directory (a symlink included).
-            FileTransferError: the file is missing or the copy failed.
+            FileTransferError: the file is missing, is not a regular file, is larger than
+                ``max_bytes``, or the copy failed.
         """
 
     @abc.abstractmethod
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
-        """List regular files under the working directory that match a glob pattern.
+        """List files under the working directory that an artifact pattern names.
+
+        A pattern that spells out an existing file's path names that file alone, glob
+        characters and all; any other is a glob (`prefect_sandbox.sandbox.paths.matching_files`).
+        Links may be listed (`download` refuses those that lead out), and, on backends that
+        read the folder from this machine, special files too (`download` refuses them). A name
+        that is not UTF-8 comes with surrogate escapes (as `os.fsdecode` gives it).
 
         Args:
             pattern: a glob relative to the working directory (``**`` crosses folders).

@@ -3,19 +3,32 @@ Pure functions, no I/O but `resolve`."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 
 __all__ = [
+    "DEFAULT_MAX_ARTIFACT_BYTES",
+    "check_size",
     "checked_relative_path",
     "checked_upload_source",
+    "glob_match",
+    "is_utf8",
+    "listing_code",
+    "matching_files",
     "path_segment",
     "resolve_inside",
     "run_folder_name",
+    "shown_path",
 ]
 
+DEFAULT_MAX_ARTIFACT_BYTES = 1 << 30
+"""The largest file collected as an artifact when setting ``max_artifact_bytes`` is not given:
+1 GiB."""
 SEGMENT_MAX_CHARS = 64
 _NOT_SEGMENT_CHARS = re.compile(r"[^\w.-]+")
 
@@ -74,6 +87,104 @@ def resolve_inside(root: Path, path: str) -> Path:
             f"path {path!r} resolves outside the working directory (through a symlink)", path=path
         )
     return resolved
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether a relative POSIX path matches a glob as `pathlib.Path.glob` matches it.
+
+    ``*``, ``?`` and ``[...]`` match within one name; ``**`` matches zero or more folders.
+    """
+
+    def match(parts: list[str], names: list[str]) -> bool:
+        if not parts:
+            return not names
+        if parts[0] == "**":
+            return any(match(parts[1:], names[i:]) for i in range(len(names) + 1))
+        return bool(names) and fnmatchcase(names[0], parts[0]) and match(parts[1:], names[1:])
+
+    return match(pattern.split("/"), path.split("/"))
+
+
+def matching_files(pattern: str, paths: Iterable[str]) -> list[str]:
+    """The paths an artifact pattern names: the one file it spells out, else its glob matches.
+
+    A pattern that is, character for character (after `checked_relative_path`'s
+    normalising), the path of an existing file names that file alone, even when it holds
+    ``*``, ``?`` or ``[``: ``data[1].csv`` is the file of that name, not ``data1.csv``. Any
+    other pattern is a glob (`glob_match`).
+
+    Args:
+        pattern: a relative glob, e.g. ``figures/*.png``.
+        paths: relative POSIX paths of the files there are.
+
+    Returns:
+        The matching paths, sorted.
+    """
+    literal = checked_relative_path(pattern).as_posix()
+    candidates = set(paths)
+    if literal in candidates:
+        return [literal]
+    return sorted(path for path in candidates if glob_match(literal, path))
+
+
+_LISTING_CODE = """
+import json, os
+found = []
+for folder, folders, files in os.walk({root!r}):
+    for name in files + [f for f in folders if os.path.islink(os.path.join(folder, f))]:
+        path = os.path.join(folder, name)
+        found.append([os.path.relpath(path, {root!r}), os.lstat(path).st_size])
+print(json.dumps(found))
+"""
+
+
+def listing_code(root: str) -> str:
+    """Python code that, run inside a remote sandbox, prints what is under ``root`` as JSON.
+
+    For backends whose own listing cannot give every name: it prints
+    ``[[path relative to root, lstat size in bytes], ...]`` for every entry but folders
+    (links to folders included, never entered). A name that is not UTF-8 travels as JSON's
+    ``\\udcXX`` escape of `os.fsdecode`'s surrogate, and `json.loads` gives it back as such.
+    """
+    return _LISTING_CODE.format(root=root)
+
+
+def is_utf8(path: str) -> bool:
+    """Whether a path's name is text: no surrogate escapes of bytes that are not UTF-8.
+
+    `os.fsdecode` gives a name such as ``b"r\\xe9sum\\xe9.csv"`` (Latin-1) as
+    ``"r\\udce9sum\\udce9.csv"``; such a ``str`` cannot be encoded as UTF-8 (JSON, S3
+    keys, HTTP).
+    """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_size(path: str, size_bytes: int, max_bytes: int | None) -> None:
+    """Refuse a file to collect that is larger than the cap.
+
+    Args:
+        path: the file, relative to the working directory.
+        size_bytes: its size, or the bytes received of it so far.
+        max_bytes: the cap (setting ``max_artifact_bytes``); None for none.
+
+    Raises:
+        FileTransferError: ``size_bytes`` is over ``max_bytes`` (names the file and the setting).
+    """
+    if max_bytes is not None and size_bytes > max_bytes:
+        raise FileTransferError(
+            f"{shown_path(path)!r} is not collected: it is over the cap of {max_bytes} bytes "
+            f"({size_bytes} bytes or more; setting max_artifact_bytes)",
+            path=path,
+        )
+
+
+def shown_path(path: str) -> str:
+    """A path as text to show people and logs: bytes that are not UTF-8 as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def path_segment(text: str) -> str:

@@ -25,6 +25,7 @@ from prefect_sandbox.sandbox.base import (
 from prefect_sandbox.sandbox.errors import (
     CellExecutionError,
     CellTimeoutError,
+    FileTransferError,
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
@@ -38,7 +39,8 @@ from prefect_sandbox.sandbox.outputs import (
     error_output,
     strip_ansi,
 )
-from prefect_sandbox.sandbox.paths import resolve_inside
+from prefect_sandbox.sandbox.paths import is_utf8, resolve_inside, shown_path
+from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
 __all__ = [
@@ -394,10 +396,15 @@ async def run_stage(
 async def download_artifacts(
     backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
 ) -> list[str]:
-    """Copy the sandbox's files that match glob patterns into a local staging folder.
+    """Copy the sandbox's files that match artifact patterns into a local staging folder.
 
-    Patterns or files that leave the working directory (``..``, absolute paths, symlinks that
-    point outside) are refused with a warning naming them; the rest are still downloaded.
+    A pattern that spells out an existing file's path names that file alone, glob characters
+    and all; any other is a glob (`prefect_sandbox.sandbox.paths.matching_files`). Patterns and
+    files that cannot be collected are skipped with a warning naming them, and the rest are
+    still downloaded: a pattern that leaves the working directory (``..``, an absolute path),
+    a link that leads out, a FIFO, a device, a socket, a sparse file, a file over setting
+    ``max_artifact_bytes`` (default 1 GiB), a file that went away meanwhile, and a file whose
+    name is not UTF-8 (no store, summary or S3 key can hold that name as it is).
 
     Args:
         backend: the backend block.
@@ -410,6 +417,7 @@ async def download_artifacts(
     """
     logger = get_run_logger()
     staging = Path(staging_dir)
+    max_bytes = PrefectSandboxSettings().max_artifact_bytes
     downloaded: list[str] = []
     sandbox = await backend.attach(handle)
     try:
@@ -424,9 +432,18 @@ async def download_artifacts(
             for remote in matches:
                 if remote.path in downloaded:
                     continue
+                if not is_utf8(remote.path):
+                    logger.warning(
+                        "Artifact %r skipped: its name is not UTF-8 text, so it cannot be "
+                        "stored under it; rename it in a cell to collect it",
+                        shown_path(remote.path),
+                    )
+                    continue
+                dest = resolve_inside(staging, remote.path)
                 try:
-                    await sandbox.download(remote.path, resolve_inside(staging, remote.path))
-                except UnsafePathError as exc:
+                    await sandbox.download(remote.path, dest, max_bytes=max_bytes)
+                except (UnsafePathError, FileTransferError) as exc:
+                    dest.unlink(missing_ok=True)
                     logger.warning("Artifact refused: %s", exc)
                     continue
                 downloaded.append(remote.path)

@@ -70,7 +70,13 @@ from prefect_sandbox.sandbox.errors import (
     portable_chain,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
-from prefect_sandbox.sandbox.paths import checked_relative_path, checked_upload_source
+from prefect_sandbox.sandbox.paths import (
+    check_size,
+    checked_relative_path,
+    checked_upload_source,
+    listing_code,
+    matching_files,
+)
 from prefect_sandbox.sandbox.retries import async_retrying
 
 if TYPE_CHECKING:
@@ -114,14 +120,6 @@ _RESOLVE_SCRIPT = """
 import json, os, sys
 real = [os.path.realpath(path) for path in sys.argv[1:]]
 print(json.dumps([real[0], [[path, os.path.isfile(path)] for path in real[1:]]]))
-"""
-# Globs under the working directory: prints [[relative path, size], ...] as JSON.
-_GLOB_SCRIPT = """
-import json, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-print(json.dumps([[p.relative_to(root).as_posix(), p.lstat().st_size]
-                  for p in root.glob(sys.argv[2]) if p.is_file()]))
 """
 
 
@@ -750,12 +748,13 @@ class DaytonaSandbox(Sandbox):
             "upload", dest, lambda: self._remote.fs.upload_files([upload]), idempotent=True
         )
 
-    async def download(self, src: str, dest: Path) -> int:
+    async def download(self, src: str, dest: Path, *, max_bytes: int | None = None) -> int:
         """Copy a file out of the working directory (see `Sandbox.download`).
 
         Raises:
             UnsafePathError: ``src`` leaves the working directory, through a symlink included.
-            FileTransferError: the file is missing or the download failed.
+            FileTransferError: the file is missing, the download failed, or the file is
+                larger than ``max_bytes`` (checked once it is here: it is left in ``dest``).
             SandboxNotFoundError: the sandbox is gone.
         """
         remote_path = posixpath.join(self._workdir, checked_relative_path(src).as_posix())
@@ -769,17 +768,22 @@ class DaytonaSandbox(Sandbox):
             lambda: self._remote.fs.download_file(remote_path, str(dest)),
             idempotent=True,
         )
-        return dest.stat().st_size
+        size = dest.stat().st_size
+        check_size(src, size, max_bytes)
+        return size
 
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
-        """List files matching a glob (see `Sandbox.list_files`).
+        """List files matching a pattern (see `Sandbox.list_files` and `matching_files`).
 
-        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        Listed by code in the sandbox (`listing_code`), so that a name that is not UTF-8 comes
+        too (with surrogate escapes). Symlinks are listed as found, even ones that point
+        outside; `download` refuses those.
         """
         checked_relative_path(pattern)
-        rows = json.loads(await self._python(_GLOB_SCRIPT, self._workdir, pattern))
-        files = [RemoteFile(path=path, size_bytes=size) for path, size in rows]
-        return sorted(files, key=lambda remote: remote.path)
+        sizes = dict(json.loads(await self._python(listing_code(self._workdir))))
+        return [
+            RemoteFile(path=path, size_bytes=sizes[path]) for path in matching_files(pattern, sizes)
+        ]
 
     async def interrupt(self) -> None:
         """Send SIGINT to the interpreter process, as Jupyter's stop button does.

@@ -15,9 +15,12 @@ reaped, signals reach the kernel, and a kernel killed by signal N exits the cont
 The host side keeps its own copy of the connection file (the same key, the sockets' paths
 through the mount) in the sandbox's private runtime folder (mode 0700), beside the kernel folder
 it mounts; the container can write only that kernel folder and ``/work``.
-Files go in and out through Docker's archive API (``put_archive``/``get_archive``), which
-resolves paths inside the container, so a symlink the sandbox made never leads the host to read
-or write a host file; paths that leave ``/work`` are refused before that.
+Files go in through Docker's archive API (``put_archive``), which resolves paths inside the
+container, so a symlink the sandbox made never leads the host to write a host file; paths that
+leave ``/work`` are refused before that. Files come out, and are listed, through the bind mount
+as a local kernel's are (`prefect_sandbox.sandbox.workdir`): opened from folder descriptors,
+never through a link by name, checked before they are read, while the kernel may be swapping
+them.
 
 Containers carry the sandbox's labels and their handle as Docker labels, so `list_handles`
 finds them (for the flow's hooks and reapers) and ``kill`` removes them. A container outlives
@@ -28,17 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import secrets
 import shutil
-import stat
 import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
@@ -52,13 +53,12 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     write_ipython_startup,
 )
 from prefect_sandbox.sandbox.backends.local import _new_workdir, _runtime_base
-from prefect_sandbox.sandbox.base import KernelInfo, RemoteFile, SandboxHandle
+from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxError,
     SandboxNotFoundError,
     SandboxUnavailableError,
-    UnsafePathError,
     portable_chain,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
@@ -89,7 +89,6 @@ _STOP_WAIT_S = 10
 # goes quiet, so one real check per this many seconds loses no death.
 _ALIVE_RECHECK_S = 0.25
 # Go's os.FileMode bits, as Docker's archive stat reports them.
-_GO_MODE_TYPE_BITS = 0xFFF00000  # dir, append, exclusive, temporary, symlink, device, ...
 
 logger = logging.getLogger(__name__)
 
@@ -377,55 +376,6 @@ class DockerSandbox(JupyterKernelSandbox):
             archive.seek(0)
             return self._container.put_archive(CONTAINER_WORKDIR, archive)
 
-    async def download(self, src: str, dest: Path) -> int:
-        """Copy a file out of the working directory (see `Sandbox.download`).
-
-        Symlinks are followed inside the container; one that leads out of ``/work`` is
-        refused with `UnsafePathError`.
-        """
-        relative = checked_relative_path(src)
-        path = str(PurePosixPath(CONTAINER_WORKDIR) / relative)
-        try:
-            return await asyncio.to_thread(self._download, src, path, dest)
-        except SandboxError:
-            raise
-        except Exception as exc:
-            with portable_chain():
-                raise self._file_error(exc, "download", src) from exc
-
-    def _download(self, src: str, path: str, dest: Path) -> int:
-        stream, info = self._container.get_archive(path)
-        # Docker resolves a symlink inside the container and names where it leads.
-        target = (info or {}).get("linkTarget") or ""
-        if target:
-            stream.close()  # type: ignore[attr-defined]
-            if not PurePosixPath(target).is_relative_to(CONTAINER_WORKDIR):
-                raise UnsafePathError(
-                    f"path {src!r} resolves outside the working directory (through a symlink)",
-                    path=src,
-                )
-            stream, info = self._container.get_archive(target)
-        if info is None or info["mode"] & _GO_MODE_TYPE_BITS:
-            raise FileTransferError(
-                f"{src!r} in sandbox {self._handle.sandbox_id} is not a regular file",
-                path=src,
-                sandbox_id=self._handle.sandbox_id,
-            )
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=_ChunkReader(stream), mode="r|") as archive:
-            for member in archive:
-                extracted = archive.extractfile(member) if member.isreg() else None
-                if extracted is None:
-                    break
-                with open(dest, "wb") as out:
-                    shutil.copyfileobj(extracted, out, 1 << 20)
-                return member.size
-        raise FileTransferError(
-            f"Docker sent no file for {src!r} of sandbox {self._handle.sandbox_id}",
-            path=src,
-            sandbox_id=self._handle.sandbox_id,
-        )
-
     def _file_error(self, exc: Exception, operation: str, path: str) -> SandboxError:
         import requests  # the docker SDK's transport, and so installed with it
 
@@ -460,29 +410,6 @@ class DockerSandbox(JupyterKernelSandbox):
         except sdk.errors.NotFound:
             return False
         return True
-
-    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
-        """List regular files matching a glob (see `Sandbox.list_files`).
-
-        Read on the host through the bind mount, without following any symlink: symlinks are
-        not listed, nor is anything under a symlinked folder.
-        """
-        checked_relative_path(pattern)
-        root = self._host_workdir.resolve()
-        files = []
-        for path in root.glob(pattern):
-            # A symlinked folder would lead the glob to host files; only real folders count.
-            if os.path.realpath(path.parent) != str(path.parent):
-                continue
-            try:
-                info = path.lstat()
-            except FileNotFoundError:  # the kernel removed it meanwhile
-                continue
-            if stat.S_ISREG(info.st_mode):
-                files.append(
-                    RemoteFile(path=path.relative_to(root).as_posix(), size_bytes=info.st_size)
-                )
-        return sorted(files, key=lambda remote: remote.path)
 
     async def interrupt(self) -> None:
         """Send SIGINT to the kernel (through the container's init), as Jupyter does."""
@@ -540,28 +467,6 @@ class DockerSandbox(JupyterKernelSandbox):
         if state.get("OOMKilled"):
             cause = f"out of memory (limit {self._config.memory_limit_bytes} bytes)"
         raise self._kernel_died(exit_code=exit_code, signal=signum, cause=cause, reason=reason)
-
-
-class _ChunkReader(io.RawIOBase):
-    """A file-like reader over the byte chunks Docker's archive API streams."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-        self._pending = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            try:
-                self._pending = next(self._chunks)
-            except StopIteration:
-                return 0
-        size = min(len(buffer), len(self._pending))
-        buffer[:size] = self._pending[:size]
-        self._pending = self._pending[size:]
-        return size
 
 
 def _write_tar(out: IO[bytes], src: Path, relative: PurePosixPath, uid: int, gid: int) -> None:

@@ -42,7 +42,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from functools import partial
 from pathlib import Path, PurePosixPath
 from types import ModuleType
@@ -74,7 +73,13 @@ from prefect_sandbox.sandbox.errors import (
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
-from prefect_sandbox.sandbox.paths import checked_relative_path, checked_upload_source
+from prefect_sandbox.sandbox.paths import (
+    check_size,
+    checked_relative_path,
+    checked_upload_source,
+    listing_code,
+    matching_files,
+)
 from prefect_sandbox.sandbox.retries import async_retrying
 
 __all__ = [
@@ -84,7 +89,6 @@ __all__ = [
     "TRACEBACK_MSG_TYPE",
     "E2BConfig",
     "E2BSandbox",
-    "glob_match",
     "import_sdk",
     "mime_bundle",
     "result_content",
@@ -157,6 +161,9 @@ with open(_path, "w") as _file:
     _file.write({_DISPLAY_HOOKS_CODE!r})
 """
 _LIST_DEPTH_ALL = 64
+# envd's Go server cannot marshal a name that is not UTF-8, so a ListDir that meets one fails
+# whole ("marshal message: proto: field filesystem.EntryInfo.name contains invalid UTF-8").
+_NOT_UTF8_LISTING = "invalid UTF-8"
 _MAX_SYMLINK_HOPS = 40
 _STATUS_PREFIX = re.compile(r"^(\d{3})\b")
 
@@ -285,22 +292,6 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
     if control.get("display_id"):
         content["transient"] = {"display_id": control["display_id"]}
     return ("update_display_data" if control.get("update") else "display_data"), content
-
-
-def glob_match(pattern: str, path: str) -> bool:
-    """Whether a relative POSIX path matches a glob as `pathlib.Path.glob` matches it.
-
-    ``*``, ``?`` and ``[...]`` match within one name; ``**`` matches zero or more folders.
-    """
-
-    def match(parts: list[str], names: list[str]) -> bool:
-        if not parts:
-            return not names
-        if parts[0] == "**":
-            return any(match(parts[1:], names[i:]) for i in range(len(names) + 1))
-        return bool(names) and fnmatchcase(names[0], parts[0]) and match(parts[1:], names[1:])
-
-    return match(pattern.split("/"), path.split("/"))
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -717,12 +708,13 @@ class E2BSandbox(Sandbox):
 
         await self._retrying("upload", write, path=dest)
 
-    async def download(self, src: str, dest: Path) -> int:
+    async def download(self, src: str, dest: Path, *, max_bytes: int | None = None) -> int:
         """Copy a file out of the working directory (see `Sandbox.download`).
 
         Raises:
             UnsafePathError: ``src`` leaves the working directory (a symlink included).
-            FileTransferError: the file is missing.
+            FileTransferError: the file is missing, or larger than ``max_bytes`` (the part
+                received is left in ``dest``).
             SandboxUnavailableError: E2B stayed unreachable through the retries.
         """
         relative = checked_relative_path(src)
@@ -736,16 +728,19 @@ class E2BSandbox(Sandbox):
             async with stream:
                 with dest.open("wb") as target:
                     async for chunk in stream:
-                        target.write(chunk)
                         size += len(chunk)
+                        check_size(src, size, max_bytes)
+                        target.write(chunk)
             return size
 
         return await self._retrying("download", read, path=src)
 
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
-        """List files matching a glob (see `Sandbox.list_files`).
+        """List files matching a pattern (see `Sandbox.list_files` and `matching_files`).
 
         Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        A name that is not UTF-8 fails envd's listing whole; the folder is then listed by code
+        in a code context of its own, and such a name comes with surrogate escapes.
         """
         sdk = import_sdk()
         checked = checked_relative_path(pattern)
@@ -758,14 +753,44 @@ class E2BSandbox(Sandbox):
         except FileTransferError:
             # The cells removed the working directory: nothing matches, as on other backends.
             return []
-        files = []
-        for entry in entries:
-            if entry.type not in (sdk.FileType.FILE, sdk.FileType.SYMLINK):
-                continue
-            relative = PurePosixPath(entry.path).relative_to(workdir).as_posix()
-            if glob_match(str(checked), relative):
-                files.append(RemoteFile(path=relative, size_bytes=entry.size))
-        return sorted(files, key=lambda remote: remote.path)
+        except SandboxError as exc:
+            if _NOT_UTF8_LISTING not in str(exc):
+                raise
+            sizes = await self._list_by_code()
+        else:
+            sizes = {
+                PurePosixPath(entry.path).relative_to(workdir).as_posix(): entry.size
+                for entry in entries
+                if entry.type in (sdk.FileType.FILE, sdk.FileType.SYMLINK)
+            }
+        return [
+            RemoteFile(path=path, size_bytes=sizes[path])
+            for path in matching_files(str(checked), sizes)
+        ]
+
+    async def _list_by_code(self) -> dict[str, int]:
+        """Every file and link under the working directory, listed by a code context made for
+        it (so the cells' context keeps its execution count and names) and removed after."""
+        with _translated("list_files", sandbox_id=self._id):
+            context = await self._sdk.create_code_context(
+                cwd=self._handle.workdir, language="python"
+            )
+            try:
+                # Relative: the context starts in the working directory.
+                execution = await self._sdk.run_code(
+                    listing_code("."),
+                    context=context,
+                    timeout=_HOOKS_TIMEOUT_S,
+                )
+            finally:
+                await self._sdk.remove_code_context(context)
+        if execution.error is not None:
+            raise SandboxError(
+                f"sandbox {self._id}: listing its files failed: {execution.error.name}: "
+                f"{execution.error.value}",
+                sandbox_id=self._id,
+            )
+        return {path: size for path, size in json.loads("".join(execution.logs.stdout))}
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from queue import Empty
 from typing import Any
 
@@ -38,11 +38,8 @@ from prefect_sandbox.sandbox.base import (
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.outputs import OUTPUT_MSG_TYPES, CellOutputs, OutputCollector
-from prefect_sandbox.sandbox.paths import (
-    checked_relative_path,
-    checked_upload_source,
-    resolve_inside,
-)
+from prefect_sandbox.sandbox.paths import checked_upload_source, resolve_inside
+from prefect_sandbox.sandbox.workdir import copy_out, list_workdir
 
 __all__ = [
     "STREAM_MESSAGE_CHARS",
@@ -422,27 +419,29 @@ class JupyterKernelSandbox(Sandbox):
         target.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(shutil.copyfile, src, target)
 
-    async def download(self, src: str, dest: Path) -> int:
-        """Copy a file out of the working directory (see `Sandbox.download`)."""
-        source = resolve_inside(self._workdir, src)
-        if not source.is_file():
-            raise self._missing_file(src)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(shutil.copyfile, source, dest)
-        return dest.stat().st_size
+    async def download(self, src: str, dest: Path, *, max_bytes: int | None = None) -> int:
+        """Copy a file out of the working directory (see `Sandbox.download`).
+
+        The kernel may be changing the folder meanwhile: no link is followed by name and what
+        is opened is checked before it is read (`prefect_sandbox.sandbox.workdir.copy_out`).
+        A link is resolved by hand, inside the working directory only.
+        """
+        return await asyncio.to_thread(
+            copy_out,
+            self._workdir,
+            src,
+            dest,
+            sandbox_root=PurePosixPath(self._handle.workdir),
+            max_bytes=max_bytes,
+        )
 
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
-        """List files matching a glob (see `Sandbox.list_files`).
+        """List what a pattern matches (see `Sandbox.list_files` and `matching_files`).
 
-        Symlinks are listed as found, even ones that point outside; `download` refuses those.
+        Links and special files are listed as found, so that `download` refuses them by name;
+        a folder that is a link is never entered.
         """
-        checked_relative_path(pattern)
-        files = []
-        for path in self._workdir.glob(pattern):
-            if path.is_file():
-                relative = path.relative_to(self._workdir).as_posix()
-                files.append(RemoteFile(path=relative, size_bytes=path.lstat().st_size))
-        return sorted(files, key=lambda remote: remote.path)
+        return await asyncio.to_thread(list_workdir, self._workdir, pattern)
 
 
 class _KernelCell(RunningCell):

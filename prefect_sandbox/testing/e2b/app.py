@@ -39,6 +39,7 @@ from starlette.routing import Match, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.sandbox.paths import is_utf8
 from prefect_sandbox.testing.e2b.state import (
     NOT_FOUND_MESSAGE,
     CellEvent,
@@ -54,6 +55,8 @@ from prefect_sandbox.testing.faults import FaultBook, serve_with_fault
 __all__ = ["build_app"]
 
 _KEEPALIVE_S = 5.0
+# What connect-go answers when protobuf-go refuses to marshal a string that is not UTF-8.
+_NOT_UTF8_MESSAGE = "marshal message: proto: field filesystem.EntryInfo.name contains invalid UTF-8"
 
 
 class _DroppedConnection(Exception):
@@ -486,6 +489,10 @@ class _FilesystemService(Filesystem):
         for folder, names, files in os.walk(top):
             level = len(Path(folder).relative_to(top).parts) + 1
             for name in sorted(names + files):
+                if not is_utf8(name):
+                    # envd (Go) puts the name's bytes in a proto3 string, which connect-go's
+                    # marshalling refuses: the whole listing fails.
+                    raise ConnectError(Code.INTERNAL, _NOT_UTF8_MESSAGE)
                 entries.append(self._entry(sandbox, Path(folder) / name))
             if level >= depth:
                 names.clear()
