@@ -108,6 +108,31 @@ def test_grid_files_in_json_and_yaml(tmp_path: Path) -> None:
         read_grid(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: &x [1, *x]\n",
+        "&x [*x]\n",
+        "a: &x {b: *x}\n",
+        "a: &x [[[[2, *x]]]]\n",
+        "a: &x [&y [1, *x], *y]\n",
+        "- {a: &x [1, {deeper: [*x]}]}\n",
+    ],
+)
+def test_a_yaml_value_that_contains_itself_is_a_grid_error(tmp_path: Path, text: str) -> None:
+    (tmp_path / "loop.yaml").write_text(text)
+    with pytest.raises(GridError, match=r"loop\.yaml: a value contains itself \(a YAML alias"):
+        read_grid(tmp_path / "loop.yaml")
+
+
+def test_yaml_aliases_that_share_a_value_are_kept(tmp_path: Path) -> None:
+    (tmp_path / "shared.yaml").write_text("- {a: &x [1, 2], b: *x}\n- {a: *x, b: [*x, *x]}\n")
+    assert read_grid(tmp_path / "shared.yaml") == [
+        {"a": [1, 2], "b": [1, 2]},
+        {"a": [1, 2], "b": [[1, 2], [1, 2]]},
+    ]
+
+
 def test_metrics_keep_top_level_scalars_only() -> None:
     assert metrics_of(b'{"mae": 0.5, "ok": true, "n": 3, "s": "hi", "d": {}, "l": [1]}') == (
         {"mae": 0.5, "ok": True, "n": 3, "s": "hi"},

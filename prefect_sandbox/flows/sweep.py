@@ -257,7 +257,8 @@ def read_grid(path: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         GridError: the file has another suffix, cannot be read, is not valid JSON or YAML
-            (with the line and column), or holds an invalid grid (names the file and entry).
+            (with the line and column), holds a value that contains itself (a YAML alias
+            inside its anchor), or holds an invalid grid (names the file and entry).
     """
     source = str(path)
     check = _GridCheck(source)
@@ -280,7 +281,36 @@ def read_grid(path: str | Path) -> list[dict[str, Any]]:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise check.error(where, f"not valid YAML: {problem}") from None
+    if _contains_itself(data):
+        raise check.error("", "a value contains itself (a YAML alias inside its own anchor)")
     return expand_grid(data, source)
+
+
+def _contains_itself(data: Any) -> bool:
+    """Whether a list or dict in ``data`` contains itself, as YAML's aliases can make one.
+
+    Walked without recursion, each container once, so a deep or alias-heavy file costs no
+    more than its distinct containers.
+    """
+    done: set[int] = set()
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        value, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(value))
+            done.add(id(value))
+            continue
+        if not isinstance(value, list | dict) or id(value) in done:
+            continue
+        if id(value) in on_path:
+            return True
+        on_path.add(id(value))
+        stack.append((value, True))
+        stack.extend(
+            (child, False) for child in (value.values() if isinstance(value, dict) else value)
+        )
+    return False
 
 
 def metrics_of(data: bytes) -> tuple[dict[str, Metric], str | None]:
