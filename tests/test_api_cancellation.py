@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
@@ -28,19 +28,9 @@ from tests.test_deployments import PrefectStack
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """`prefect server start` on 127.0.0.1, without a worker."""
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        stack.wait_until_healthy()
-        yield stack
-    finally:
-        stack.stop()
-
-
 @pytest.fixture
 async def client(server: PrefectStack) -> AsyncIterator[PrefectClient]:
+    """A client of the module's `prefect server`."""
     with temporary_settings({PREFECT_API_URL: server.url}):
         async with get_client() as prefect:
             yield prefect
