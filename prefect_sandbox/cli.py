@@ -10,8 +10,10 @@ the flow-run name's slug and 8 hex digits of its id):
 failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
 before any flow starts; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, which stop the run: its
 sandbox is killed, what it made is stored with ``summary.json``, the flow run ends Cancelled,
-and one line on stderr says where it stopped. ``s3://`` inputs are read with the ``--out``
-bucket's credentials, or else the standard AWS environment.
+and one line on stderr says where it stopped; 3 when the flow run was cancelled through the
+Prefect API or UI, which stops it the same way within ``PREFECT_SANDBOX_CANCEL_POLL_S``.
+``s3://`` inputs are read with the ``--out`` bucket's credentials, or else the standard AWS
+environment.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -66,7 +68,10 @@ if TYPE_CHECKING:
 
     from prefect_sandbox.blocks import BackendBlock
 
-__all__ = ["main"]
+__all__ = ["EXIT_CANCELLED", "main"]
+
+EXIT_CANCELLED = 3
+"""The exit status of a run cancelled through the Prefect API or UI."""
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 90
 """Seconds Prefect's temporary API server may take to start, unless the Prefect setting
@@ -193,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 success, 1 failed pipeline (or sweep branch), 2 bad usage, 130 / 143
         when SIGINT / SIGTERM stopped the run (it ends Cancelled, its sandboxes killed, what
-        it made stored).
+        it made stored), `EXIT_CANCELLED` when it was cancelled through the API or UI (the
+        same way).
     """
     args = _parser().parse_args(argv)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
@@ -284,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                 )
         except (CancelledRun, asyncio.CancelledError) as exc:
+            if stopper.signum is None and isinstance(exc, CancelledRun):
+                _say_last(f"cancelled through the Prefect API or UI: {exc}")
+                return EXIT_CANCELLED
             if stopper.signum is None:
                 raise
             what = str(exc) or "stopped before the flow run began"

@@ -130,6 +130,15 @@ class PrefectSandboxSettings(BaseSettings):
             "mount, PID and network namespaces) or none (a plain process of this user)."
         ),
     )
+    cancel_poll_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "Seconds between a pipeline's reads of its flow run's state: a Cancelling state "
+            "set through the API or UI stops the run (its cell cancelled, what it made stored, "
+            "the run Cancelled) within this, plus the kill and storing, wherever it runs."
+        ),
+    )
     warm_pool_size: int = Field(
         default=0,
         ge=0,

@@ -24,6 +24,7 @@ pytest_plugins = [
 
 if TYPE_CHECKING:
     from prefect_sandbox.testing.e2b import E2BEmulator
+    from tests.test_deployments import PrefectStack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,6 +75,19 @@ def moto() -> Iterator[MotoServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    """`prefect server start` on 127.0.0.1, without a worker, for one test module."""
+    from tests.test_deployments import PrefectStack
+
+    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        stack.wait_until_healthy()
+        yield stack
+    finally:
+        stack.stop()
 
 
 def kernel_processes() -> list[psutil.Process]:

@@ -1,12 +1,17 @@
-"""Runs stopped from outside, against a real `prefect server`: the crash and cancellation hooks
-of a CLI run on ``--backend e2b`` without a saved block still reach its sandbox."""
+"""Runs stopped from outside, against a real `prefect server`: a CLI run and a script run
+cancelled through the API mid-cell end Cancelled with what they made stored; the crash and
+cancellation hooks of a CLI run on ``--backend e2b`` without a saved block reach its sandbox."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,9 +20,11 @@ from uuid import UUID
 import nbformat
 import pytest
 from prefect.client.orchestration import PrefectClient, get_client
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from prefect.states import Crashed
+from prefect.states import Cancelling, Crashed
 
+from prefect_sandbox.cli import EXIT_CANCELLED
 from prefect_sandbox.flows import arun_notebook
 from prefect_sandbox.flows.hooks import MASKED_SECRET, kill_run_sandboxes
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
@@ -28,19 +35,9 @@ from tests.test_deployments import PrefectStack
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """`prefect server start` on 127.0.0.1, without a worker."""
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        stack.wait_until_healthy()
-        yield stack
-    finally:
-        stack.stop()
-
-
 @pytest.fixture
 async def client(server: PrefectStack) -> AsyncIterator[PrefectClient]:
+    """A client of the module's `prefect server`."""
     with temporary_settings({PREFECT_API_URL: server.url}):
         async with get_client() as prefect:
             yield prefect
@@ -119,3 +116,118 @@ async def test_the_crash_hook_of_a_cli_e2b_run_without_a_saved_block_kills_its_s
     await kill_run_sandboxes(arun_notebook, flow_run, Crashed())
     assert e2b_emulator.sandbox_ids({FLOW_RUN_ID_LABEL: str(UUID(str(flow_run.id)))}) == []
     assert sandbox_id not in e2b_emulator.sandbox_ids()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """An empty TMPDIR, short enough for local kernels' IPC socket paths."""
+    path = Path(tempfile.mkdtemp(prefix="can-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def _flow_run_of(client: PrefectClient, notebook: Path) -> FlowRun:
+    (found,) = [
+        run
+        for run in await client.read_flow_runs()
+        if run.parameters.get("notebook") == str(notebook)
+    ]
+    return found
+
+
+async def _cancel_through_the_api(client: PrefectClient, run: Started, notebook: Path) -> FlowRun:
+    """Set the run's flow run Cancelling, as the UI's Cancel button does; wait for its end."""
+    flow_run = await _flow_run_of(client, notebook)
+    await client.set_flow_run_state(flow_run.id, Cancelling())
+    try:
+        run.process.wait(timeout=180)
+    finally:
+        run.stop()
+    return await client.read_flow_run(flow_run.id)
+
+
+def _check_cancelled(flow_run: FlowRun, out: Path) -> dict[str, object]:
+    """The flow run ended Cancelled; its summary, notebook and artifact were stored."""
+    assert flow_run.state is not None and flow_run.state.type == StateType.CANCELLED
+    (run_dir,) = out.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled"
+    assert summary["flow_run_id"] == str(flow_run.id)
+    assert [(s["name"], s["status"]) for s in summary["stages"]] == [
+        ("work", "cancelled"),
+        ("never", "not_run"),
+    ]
+    assert summary["sandbox_killed_at"] is not None
+    assert (run_dir / "made.txt").read_text() == "made"
+    cells = nbformat.read(run_dir / "executed.ipynb", as_version=4).cells
+    assert cells[1].outputs[0]["text"] == "started\n"
+    assert cells[2].outputs[0]["text"] == "sleeping\n"
+    assert cells[2].outputs[-1]["ename"] == "RunCancelled"
+    assert cells[4].outputs == []
+    return summary
+
+
+async def test_a_cli_run_cancelled_through_the_api_mid_cell_ends_cancelled_with_its_results(
+    server: PrefectStack, client: PrefectClient, e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    env = {
+        **server.env,
+        **_e2b_env(e2b_emulator),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SANDBOX_CANCEL_POLL_S": "1",
+    }
+    notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "prefect_sandbox.cli", "run", str(notebook), "--backend", "e2b"]
+    run = Started([*args, "--artifact", "made.txt", "--out", str(out)], env, tmp_path)
+    flow_run = await _cancel_through_the_api(client, run, notebook)
+    stderr = run.stderr_path.read_text()
+    assert run.process.returncode == EXIT_CANCELLED, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: cancelled through the Prefect API or UI: "), last
+    assert "cancelled during stage 'work', cell 2" in last
+    summary = _check_cancelled(flow_run, out)
+    assert e2b_emulator.sandbox_ids({FLOW_RUN_ID_LABEL: str(flow_run.id)}) == []
+    # The cancellation hook, in the run's own process, had the real key.
+    assert "refused the credentials" not in stderr
+    assert summary["sandbox_id"] not in e2b_emulator.sandbox_ids()
+
+
+async def test_a_script_run_cancelled_through_the_api_mid_cell_ends_cancelled_with_its_results(
+    server: PrefectStack, client: PrefectClient, tmp_path: Path, short_tmp: Path
+) -> None:
+    env = {
+        **server.env,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SANDBOX_CANCEL_POLL_S": "1",
+        "TMPDIR": str(short_tmp),
+    }
+    notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
+    out = tmp_path / "out"
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+
+            from prefect.exceptions import CancelledRun
+
+            from prefect_sandbox.flows import run_notebook
+
+            try:
+                run_notebook({str(notebook)!r}, artifacts=["made.txt"], storage={str(out)!r})
+            except CancelledRun as exc:
+                print("CancelledRun:", exc, file=sys.stderr)
+            """
+        )
+    )
+    run = Started([sys.executable, str(script)], env, tmp_path)
+    flow_run = await _cancel_through_the_api(client, run, notebook)
+    stderr = run.stderr_path.read_text()
+    assert run.process.returncode == 0, stderr[-3000:]
+    assert "CancelledRun: flow run " in stderr
+    _check_cancelled(flow_run, out)
+    # The kernel and its folder went with the sandbox; nothing is left under TMPDIR.
+    assert [p.name for p in short_tmp.rglob("*") if not p.is_dir()] == []

@@ -39,17 +39,6 @@ def short_tmp() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """`prefect server start` on 127.0.0.1, without a worker."""
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        stack.wait_until_healthy()
-        yield stack
-    finally:
-        stack.stop()
-
-
 def _notebook(path: Path) -> Path:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [

@@ -9,12 +9,13 @@ and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell
 A sandbox that could not be made (its create killed what it started) fails the run the same
 way, ``summary.json`` stored; a kill that fails after its retries is a warning naming the
 sandbox, and the run keeps the status its cells gave it.
-Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM) stops it the same
-way: the sandbox is killed, what was made is stored with ``summary.json`` (status
-``"cancelled"``), and the flow run ends Cancelled. A backend block with ``max_live_sandboxes``
-makes the run hold a slot of its live-sandbox limit from before the sandbox is made until after
-it is killed (`prefect_sandbox.flows.limits`); ``summary.json`` records when the sandbox was
-asked for and when its kill returned.
+Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM, and the run itself
+when its flow run is set Cancelling through the API or UI: `cancelled_from_api`, within
+``PREFECT_SANDBOX_CANCEL_POLL_S``) stops it the same way: the sandbox is killed, what was made
+is stored with ``summary.json`` (status ``"cancelled"``), and the flow run ends Cancelled. A
+backend block with ``max_live_sandboxes`` makes the run hold a slot of its live-sandbox limit
+from before the sandbox is made until after it is killed (`prefect_sandbox.flows.limits`);
+``summary.json`` records when the sandbox was asked for and when its kill returned.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
 sync twins run them from plain Python.
@@ -50,6 +51,7 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import PipelineFailedError
 from prefect_sandbox.flows.hooks import (
     default_backend,
@@ -390,6 +392,7 @@ async def _run_pipeline(
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         try:
             async with (
+                cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
                 run.storing_on_exit(outputs),
                 run.flow_run_sandbox(str(flow_run.id), labels) as handle,
             ):
@@ -401,8 +404,9 @@ async def _run_pipeline(
                     cell_timeout_s=cell_timeout_s,
                 )
         except asyncio.CancelledError:
-            # Cancelled while waiting for a slot, while the sandbox was made or killed (it
-            # killed every sandbox of the run then), or while files were stored.
+            # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
+            # for a slot, while the sandbox was made or killed (it killed every sandbox of the
+            # run then), or while files were stored.
             run.take_cancellation()
         except SandboxError as exc:
             # The sandbox was never made (`flow_run_sandbox` recorded why): the summary is
