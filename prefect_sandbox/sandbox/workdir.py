@@ -247,7 +247,6 @@ def copy_out(
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
             raise _refusal(path, f"it is {kind}, not a regular file")
-        check_size(path, info.st_size, max_bytes)
         # Reopened through the descriptor itself: the same inode, whatever the name is now.
         reader = os.open(f"/proc/self/fd/{found}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
     finally:
@@ -257,6 +256,7 @@ def copy_out(
         if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
             raise _refusal(path, "it changed while it was opened")
         _check_not_sparse(reader, info.st_size, path)
+        check_size(path, info.st_size, max_bytes)
         dest.parent.mkdir(parents=True, exist_ok=True)
         return _copy(reader, dest, info.st_size)
     finally:
