@@ -188,8 +188,8 @@ class DockerSandbox(JupyterKernelSandbox):
 
     Make one with `create`, reach it again with `attach` (from any thread or process on this
     machine). Cells run over `JupyterKernelSandbox`'s transport, as a local kernel's do; this
-    class starts, checks, interrupts and removes the container, and moves files through
-    Docker's archive API.
+    class starts, checks, interrupts and removes the container, and puts files in through
+    Docker's archive API (they come out through the bind mount, as a local kernel's do).
     """
 
     _config: DockerSandboxConfig
