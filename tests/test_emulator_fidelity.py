@@ -194,3 +194,21 @@ async def test_e2b_refuses_a_language_it_has_no_kernel_for(
         with pytest.raises(SandboxException, match="500"):
             await e2b_sandbox.create_code_context(language=language)
     assert (await e2b_sandbox.run_code("print(1)", language="python")).logs.stdout == ["1\n"]
+
+
+async def test_e2b_listing_a_folder_with_a_name_that_is_not_utf8_fails_whole(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    # envd (Go) puts a file name's bytes in a proto3 string; connect-go's marshalling refuses
+    # one that is not UTF-8, so the whole ListDir fails with "internal", the good names too.
+    await e2b_sandbox.files.make_dir("/home/user/names")
+    await e2b_sandbox.files.write("/home/user/names/clean.csv", "a,b\n")
+    assert [e.name for e in await e2b_sandbox.files.list("/home/user/names")] == ["clean.csv"]
+    # The kernel's own paths are the emulator's folders: the name is made relative to its cwd.
+    context = await e2b_sandbox.create_code_context(cwd="/home/user/names")
+    made = await e2b_sandbox.run_code(
+        "import os\nopen(os.fsdecode(b'r\\xe9sum\\xe9.csv'), 'w').write('x')", context=context
+    )
+    assert made.error is None, made.error
+    with pytest.raises(SandboxException, match=r"EntryInfo\.name contains invalid UTF-8"):
+        await e2b_sandbox.files.list("/home/user/names")
