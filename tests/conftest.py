@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -88,6 +90,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """An empty TMPDIR for a CLI or script process, short enough for its kernels' IPC socket
+    paths."""
+    path = Path(tempfile.mkdtemp(prefix="sig-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def kernel_processes() -> list[psutil.Process]:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
@@ -118,14 +116,14 @@ async def test_the_crash_hook_of_a_cli_e2b_run_without_a_saved_block_kills_its_s
     assert sandbox_id not in e2b_emulator.sandbox_ids()
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """An empty TMPDIR, short enough for local kernels' IPC socket paths."""
-    path = Path(tempfile.mkdtemp(prefix="can-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def _polling_env(server: PrefectStack, **extra: str) -> dict[str, str]:
+    """The environment of a run against ``server`` that reads its state every second."""
+    return {
+        **server.env,
+        **extra,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SANDBOX_CANCEL_POLL_S": "1",
+    }
 
 
 async def _flow_run_of(client: PrefectClient, notebook: Path) -> FlowRun:
@@ -172,12 +170,7 @@ def _check_cancelled(flow_run: FlowRun, out: Path) -> dict[str, object]:
 async def test_a_cli_run_cancelled_through_the_api_mid_cell_ends_cancelled_with_its_results(
     server: PrefectStack, client: PrefectClient, e2b_emulator: E2BEmulator, tmp_path: Path
 ) -> None:
-    env = {
-        **server.env,
-        **_e2b_env(e2b_emulator),
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_SANDBOX_CANCEL_POLL_S": "1",
-    }
+    env = _polling_env(server, **_e2b_env(e2b_emulator))
     notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
     out = tmp_path / "out"
     args = [sys.executable, "-m", "prefect_sandbox.cli", "run", str(notebook), "--backend", "e2b"]
@@ -198,12 +191,7 @@ async def test_a_cli_run_cancelled_through_the_api_mid_cell_ends_cancelled_with_
 async def test_a_script_run_cancelled_through_the_api_mid_cell_ends_cancelled_with_its_results(
     server: PrefectStack, client: PrefectClient, tmp_path: Path, short_tmp: Path
 ) -> None:
-    env = {
-        **server.env,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_SANDBOX_CANCEL_POLL_S": "1",
-        "TMPDIR": str(short_tmp),
-    }
+    env = _polling_env(server, TMPDIR=str(short_tmp))
     notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
     out = tmp_path / "out"
     script = tmp_path / "script.py"

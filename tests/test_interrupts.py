@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -27,16 +24,6 @@ from tests.conftest import ROOT
 from tests.test_deployments import PrefectStack
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """An empty TMPDIR for the CLI, short enough for the kernels' IPC socket paths."""
-    path = Path(tempfile.mkdtemp(prefix="sig-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _notebook(path: Path) -> Path:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -61,6 +60,7 @@ from prefect_sandbox.flows.hooks import (
 from prefect_sandbox.flows.limits import live_sandbox_slot
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
+from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_dir
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
 from prefect_sandbox.sandbox.errors import (
@@ -384,10 +384,9 @@ async def _run_pipeline(
     )
     run = _PipelineRun(stages, backend, store, executed, progress_id)
     labels = flow_run_labels(str(flow_run.id), flow_run.name)
-    with tempfile.TemporaryDirectory(
-        prefix="prefect-sandbox-staging-", ignore_cleanup_errors=True
-    ) as staging_dir:
-        staging = Path(staging_dir)
+    # Those of SIGKILLed runs on this machine, which could not remove their own.
+    await asyncio.to_thread(remove_orphaned_staging_dirs)
+    with staging_dir() as staging:
         outputs = staging / "outputs"
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         try:

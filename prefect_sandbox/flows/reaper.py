@@ -33,11 +33,13 @@ lifetime, and a local kernel dies with the process that started it, leaving only
 which the reaper removes.
 
 Pooled local kernels (the warm pool) carry the marker but no flow-run-id label: the reaper
-leaves them to their pool.
+leaves them to their pool. It also removes this machine's pipeline staging folders whose owning
+process is gone (`prefect_sandbox.flows.staging`); a new run does too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.errors import ReapFailedError
 from prefect_sandbox.flows.pipeline import sync_twin
+from prefect_sandbox.flows.staging import orphaned_staging_dirs, remove_orphaned_staging_dirs
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.labels import API_LABEL, FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at
@@ -395,6 +398,12 @@ async def areap_sandboxes(
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number of seconds; got {value:g}")
     log = get_run_logger()
+    if dry_run:
+        for path in await asyncio.to_thread(orphaned_staging_dirs):
+            log.info("Would remove staging folder %s (its process is gone)", path)
+    else:
+        for path in await asyncio.to_thread(remove_orphaned_staging_dirs):
+            log.info("Removed staging folder %s (its process is gone)", path)
     swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
     found, reaped = await _labelled_sandboxes(swept, {**(labels or {}), MARKER_LABEL: "true"})
     runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found)
