@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
+from prefect_sandbox.sandbox.backends._daytona_runner import transform_magics
 from prefect_sandbox.sandbox.backends.daytona import (
     DaytonaSandboxConfig,
     MarkerSplitter,
@@ -275,6 +276,20 @@ def test_runner_gives_a_plain_worker_notebook_outputs() -> None:
     assert exited[1] == {"kind": "exit", "code": 0}
 
 
+def test_magics_become_shell_calls_without_ipython() -> None:
+    assert transform_magics("x = 1\nx") == "x = 1\nx"
+    assert transform_magics("%matplotlib inline\nif True:\n    !ls -l\n") == (
+        "get_ipython().run_line_magic('matplotlib', 'inline')\n"
+        "if True:\n"
+        "    get_ipython().system('ls -l')\n"
+    )
+    assert transform_magics("%%writefile -a out.txt\nline 1\nline 2") == (
+        "get_ipython().run_cell_magic('writefile', '-a out.txt', 'line 1\\nline 2\\n')\n"
+    )
+    # Not whole-line magics: left for Python to refuse.
+    assert transform_magics("x = !ls") == "x = !ls\n"
+
+
 def test_runner_traceback_shows_the_cell_not_the_runner() -> None:
     (_, cell) = _run_in_plain_worker(
         [
@@ -405,10 +420,21 @@ async def local_box() -> AsyncIterator[LocalKernelSandbox]:
         await box.kill()
 
 
-async def test_h10_figures_are_the_same_as_on_the_local_kernel(
-    local_box: LocalKernelSandbox, box: Sandbox
+# Where IPython formats values: a wide frame wraps (not cut with ...), a figure with no axes
+# shows as text, a figure that is the value has its PNG, SymPy's init_printing takes effect.
+_FORMATTED_CELLS = [
+    "import pandas as pd\npd.DataFrame({f'column_{i}': range(3) for i in range(30)})",
+    "import matplotlib.pyplot as plt\nplt.figure()",
+    "fig, ax = plt.subplots()\nax.plot([1, 2])\nfig",
+    "import sympy\nsympy.init_printing()\nx = sympy.Symbol('x')\nx**2 / 3",
+]
+
+
+@pytest.mark.parametrize("cells", [_FIGURE_CELLS, _FORMATTED_CELLS], ids=["h10", "formatted"])
+async def test_h10_figures_and_values_are_the_same_as_on_the_local_kernel(
+    local_box: LocalKernelSandbox, box: Sandbox, cells: list[str]
 ) -> None:
-    for code in _FIGURE_CELLS:
+    for code in cells:
         local = await local_box.run_cell(code)
         remote = await box.run_cell(code)
         assert remote.status == local.status == "ok"

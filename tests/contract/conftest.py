@@ -45,9 +45,6 @@ LIMITS: dict[str, frozenset[str]] = {
             "late_output",
             # Its interpreter speaks no Jupyter protocol, so a cell has no execute_request id.
             "msg_id",
-            # Its worker is plain Python, not IPython: magics, !commands and top-level await
-            # are errors there (NameError where IPython is installed, else SyntaxError).
-            "ipython_syntax",
             # It streams what goes through sys.stdout and sys.stderr only; what is written to
             # file descriptors 1 and 2 (os.write, C code, child processes) is dropped.
             "fd_output",

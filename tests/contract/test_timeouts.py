@@ -111,3 +111,14 @@ async def test_timeout_in_a_worker_thread(backend: SandboxBackend, sandbox: Sand
     status, elapsed = await asyncio.to_thread(in_thread)
     assert status == "timeout"
     assert 0.5 <= elapsed < 0.5 + GRACE_S
+
+
+async def test_an_awaiting_cell_stops_at_its_deadline_and_stays_stopped(sandbox: Sandbox) -> None:
+    """What a timed-out cell awaited never resumes in a later cell's turn (ipykernel cannot
+    interrupt an await, so local kernels restart; Daytona's runner cancels it)."""
+    result = await sandbox.run_cell(
+        "import asyncio\nawait asyncio.sleep(2.5)\nprint('late')", timeout_s=1.0
+    )
+    assert result.status == "timeout" and (result.interrupted or result.state_lost)
+    after = await sandbox.run_cell("import asyncio\nawait asyncio.sleep(3)\nprint('next')")
+    assert after.status == "ok" and stream_text(after.outputs) == "next\n"

@@ -20,25 +20,38 @@ record ends at the first ``MARKER_END`` after its start. Records (``kind`` and i
   been restarted behind our back, so its variables and this runner are gone.
 
 It also makes matplotlib figures into PNG ``display`` records as Jupyter's inline backend does
-(on ``plt.show()`` and for figures left open at the end of a cell). The interpreter's stdin is
-the daemon's command pipe: the runner refuses stdin reads and gives child processes /dev/null
-instead. The daemon reads the interpreter's output in lines under 1 MiB and reads no more after
-a longer one, so what a cell writes goes on in smaller pieces. Only the standard library is
-needed; IPython and matplotlib are used when present. Kept compatible with Python 3.9.
+(on ``plt.show()`` and for figures left open at the end of a cell), and formats values with
+IPython's formatters as a kernel does (pandas as in a kernel, SymPy's ``init_printing``).
+Cells take top-level ``await`` and the IPython syntax `PlainShell` honours.
+
+The runner's own channels are out of a cell's reach: records go to the streams the cell was
+started with, whatever it puts in ``sys.stdout``; the interpreter's stdin is the daemon's
+command pipe, so cells read an empty stdin, ``input()`` is refused and child processes get
+/dev/null; a process forked by a cell stops where its copy of the cell ends (it would end the
+cell and read the next commands). The daemon reads the interpreter's output in lines under
+1 MiB and reads no more after a longer one, so what a cell writes goes on in smaller pieces.
+Only the standard library is needed; IPython and matplotlib are used when present. Kept
+compatible with Python 3.9.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import base64
 import builtins
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import io
 import json
 import linecache
 import os
+import re
+import shlex
+import signal
+import subprocess
 import sys
 import tokenize
 import traceback
@@ -60,6 +73,7 @@ _EMIT_PIECE_CHARS = 256 * 1024
 # for the interpreter's own buffer; a character takes at most 12 bytes (an escaped surrogate pair).
 _MAX_PIECE_BYTES = 960 * 1024
 _SAFE_PIECE_CHARS = _MAX_PIECE_BYTES // 12
+_SYMPY_PRINTING = "sympy.interactive.printing"
 # IPython's display functions live here; each gets ours (display, update_display,
 # clear_output) once imported.
 _DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
@@ -186,29 +200,52 @@ class Runner:
     def __init__(self, namespace: dict[str, Any]) -> None:
         self.namespace = namespace
         self.count = 0
+        self.pid = os.getpid()
+        # While a cell runs: the streams records go to, whatever the cell does to sys.stdout.
+        self._channels: tuple[_Pieces, _Pieces] | None = None
+        # The streams cells put in sys.stdout and sys.stderr, kept for the next cells.
+        self._cells_streams: tuple[Any, Any] = (None, None)
+        # What cells read as stdin, when the real one is the daemon's command pipe.
+        self.cell_stdin: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._formatter: Any = None
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Write one marker record, after whatever the cell printed so far."""
-        sys.stdout.flush()
-        sys.stderr.flush()
+        out, err = self._channels or (sys.stdout, sys.stderr)
+        out.flush()
+        err.flush()
         record = MARKER_START + json.dumps({"kind": kind, **fields}, default=_json_default)
         record += MARKER_END
         # In pieces: the daemon reads its worker's output in lines of at most 1 MiB.
         for start in range(0, len(record), _EMIT_PIECE_CHARS):
-            sys.stdout.write(record[start : start + _EMIT_PIECE_CHARS])
-            sys.stdout.flush()
+            out.write(record[start : start + _EMIT_PIECE_CHARS])
+            out.flush()
 
     def run(self, encoded_source: str) -> None:
         """Run one cell, given as base64 of its UTF-8 source. Never raises.
 
-        What the cell writes to stdout and stderr goes on in pieces (see `_Pieces`).
+        What the cell writes to stdout and stderr goes on in pieces (see `_Pieces`). The
+        runner's records go to the streams it was given, whatever the cell makes of
+        ``sys.stdout``; ``sys.stdin`` reads nothing (the command pipe is not the cell's). All
+        three are put back when the cell ends; a stream that a cell put in ``sys.stdout`` or
+        ``sys.stderr`` is there again for the next cells, as in a kernel.
         """
-        streams = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Pieces(streams[0]), _Pieces(streams[1])
+        streams = sys.stdout, sys.stderr, sys.stdin
+        channels = self._channels = _Pieces(streams[0]), _Pieces(streams[1])
+        sys.stdout = self._cells_streams[0] or channels[0]
+        sys.stderr = self._cells_streams[1] or channels[1]
+        if self.cell_stdin is not None:
+            sys.stdin = self.cell_stdin
         try:
             self._run(encoded_source)
         finally:
-            sys.stdout, sys.stderr = streams
+            self._cells_streams = (
+                None if sys.stdout is channels[0] else sys.stdout,
+                None if sys.stderr is channels[1] else sys.stderr,
+            )
+            self._channels = None
+            sys.stdout, sys.stderr, sys.stdin = streams
 
     def _run(self, encoded_source: str) -> None:
         self.count += 1
@@ -217,11 +254,28 @@ class Runner:
         try:
             self._execute(base64.b64decode(encoded_source).decode("utf-8"), count)
         except _ExitRequested as exc:
+            self._stop_if_forked()
             self.emit("exit", code=exc.code if isinstance(exc.code, int) else 0)
             return
         except BaseException as exc:  # user code's exceptions are data, interrupts included
+            self._stop_if_forked()
             self.emit("error", **error_fields(exc))
+        self._stop_if_forked()
         self.show_figures()
+
+    def _stop_if_forked(self) -> None:
+        """In a process forked by the cell, which has reached the cell's end: stop it.
+
+        It is a copy of this interpreter holding the daemon's pipes: going on, it would end
+        the cell as if it were the interpreter and read the next cells' commands. What it
+        printed is sent; then it stops (no CPU) until it is killed with the interpreter, as a
+        forked kernel does on the Jupyter backends.
+        """
+        if os.getpid() == self.pid:
+            return
+        for stream in self._channels or (sys.stdout, sys.stderr):
+            stream.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def _execute(self, source: str, count: int) -> None:
         filename = f"<cell-{count}>"
@@ -232,41 +286,90 @@ class Runner:
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr) and not ends_quietly(source):
             last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
-        exec(compile(tree, filename, "exec"), self.namespace)
+        self._evaluate(compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT))
         if last is None:
             return
-        value = eval(compile(last, filename, "eval"), self.namespace)
+        value = self._evaluate(
+            compile(last, filename, "eval", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        )
         if value is not None:
             self.namespace["_"] = value
-            data, metadata = self.format(value)
+            data, metadata = self.format(value, strict=True)
             self.emit("result", count=count, data=data, metadata=metadata)
 
+    def _evaluate(self, code: types.CodeType) -> Any:
+        """Run compiled cell code in the namespace; code with a top-level ``await`` runs to its
+        end on the runner's event loop (one for the interpreter's life, as a kernel's)."""
+        if not code.co_flags & inspect.CO_COROUTINE:
+            return eval(code, self.namespace)
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        task = self._loop.create_task(eval(code, self.namespace))
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            task.cancel()  # interrupted: it must not go on in the next cell's turn
+            raise
+
     def _transform(self, source: str) -> str:
-        """Apply IPython's input transformations (magics, dedent) when IPython is installed."""
+        """Apply IPython's input transformations (magics, ``!`` commands, dedent): IPython's
+        own when it is installed, else `transform_magics`'s for whole-line ones."""
         shell = _shell()
         if shell is not None:
             return str(shell.transform_cell(source))
         try:
             from IPython.core.inputtransformer2 import TransformerManager
         except ImportError:
-            return source
+            return transform_magics(source)
         return str(TransformerManager().transform_cell(source))  # type: ignore[no-untyped-call]
 
     def format(
-        self, value: object, include: Any = None, exclude: Any = None
+        self, value: object, include: Any = None, exclude: Any = None, *, strict: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The MIME bundle and metadata of a value, as IPython's display formatter makes them."""
+        """The MIME bundle and metadata of a value, as IPython's display formatter makes them.
+
+        With ``strict`` (a cell's value), a formatter that raises makes this raise, as the
+        cell's error (IPython's kernel fails the cell); otherwise IPython prints its traceback
+        to stderr and leaves that format out.
+        """
         shell = _shell()
         if shell is not None:
             data, metadata = shell.display_formatter.format(value, include, exclude)
             return dict(data), dict(metadata)
+        formatter = self.display_formatter()
+        if formatter is None:
+            return _plain_bundle(value), {}
+        from IPython.core import formatters
+
+        if not strict:
+            data, metadata = formatter.format(value, include, exclude)
+            return dict(data), dict(metadata)
+        # IPython's formatters hand a failure to the shell's showtraceback, when one runs.
+        failure = _FormatFailure()
+        names = vars(formatters)
+        shown_to = names["get_ipython"]
+        names["get_ipython"] = lambda: failure
         try:
-            from IPython.core.formatters import DisplayFormatter
-        except ImportError:
-            return {"text/plain": repr(value)}, {}
-        formatter = DisplayFormatter()
-        data, metadata = formatter.format(value, include, exclude)  # type: ignore[no-untyped-call]
+            data, metadata = formatter.format(value, include, exclude)
+        finally:
+            names["get_ipython"] = shown_to
+        failure.reraise()
         return dict(data), dict(metadata)
+
+    def display_formatter(self) -> Any:
+        """IPython's ``DisplayFormatter`` for this interpreter, made once (so what a library
+        registers in it stays, as in a shell), with a PNG for matplotlib figures as Jupyter's
+        inline backend registers; None without IPython."""
+        if self._formatter is None:
+            try:
+                from IPython.core.formatters import DisplayFormatter
+            except ImportError:
+                return None
+            self._formatter = DisplayFormatter()
+            self._formatter.formatters["image/png"].for_type_by_name(
+                "matplotlib.figure", "Figure", figure_png
+            )
+        return self._formatter
 
     def display(
         self,
@@ -327,23 +430,219 @@ class Runner:
 
         try:
             for manager in Gcf.get_all_fig_managers():
-                figure = manager.canvas.figure
-                if not figure.axes and not figure.lines:
-                    continue
-                png = io.BytesIO()
-                figure.canvas.print_figure(
-                    png,
-                    format="png",
-                    facecolor=figure.get_facecolor(),
-                    edgecolor=figure.get_edgecolor(),
-                    dpi=figure.dpi,
-                    bbox_inches="tight",
-                )
-                data = {"image/png": png.getvalue(), "text/plain": repr(figure)}
-                self.emit("display", data=data, metadata={})
+                self.emit("display", data=_plain_bundle(manager.canvas.figure), metadata={})
         finally:
             if Gcf.get_all_fig_managers():
                 pyplot.close("all")
+
+
+class _FormatFailure:
+    """Stands in for IPython's shell while a cell's value is formatted: keeps the first
+    exception a formatter hands to ``showtraceback``."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def showtraceback(self, exc_info: Any = None, *args: object, **kwargs: object) -> None:
+        if self.error is None:
+            self.error = (exc_info or sys.exc_info())[1]
+
+    def reraise(self) -> None:
+        """Raise the kept exception, its traceback from the first frame outside IPython."""
+        if self.error is None:
+            return
+        tb = self.error.__traceback__
+        ipython_dir = os.path.dirname(_ipython_file()) + os.sep
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith(ipython_dir):
+            tb = tb.tb_next
+        raise self.error.with_traceback(tb)
+
+
+def _ipython_file() -> str:
+    import IPython
+
+    return str(IPython.__file__)
+
+
+def figure_png(figure: Any) -> bytes | None:
+    """A matplotlib figure as PNG bytes, as Jupyter's inline backend draws it; None for a
+    figure with nothing drawn (no axes, no lines), which shows as its text only."""
+    if not figure.axes and not figure.lines:
+        return None
+    png = io.BytesIO()
+    figure.canvas.print_figure(
+        png,
+        format="png",
+        facecolor=figure.get_facecolor(),
+        edgecolor=figure.get_edgecolor(),
+        dpi=figure.dpi,
+        bbox_inches="tight",
+    )
+    return png.getvalue()
+
+
+def _plain_bundle(value: object) -> dict[str, Any]:
+    """A value's MIME bundle without IPython: its ``repr``, and a figure's PNG."""
+    data: dict[str, Any] = {"text/plain": repr(value)}
+    figure_type = getattr(sys.modules.get("matplotlib.figure"), "Figure", None)
+    if figure_type is not None and isinstance(value, figure_type):
+        png = figure_png(value)
+        if png is not None:
+            data["image/png"] = png
+    return data
+
+
+class UsageError(Exception):
+    """A magic that cannot run here: unknown, or asked for what only IPython can do (the name
+    and message IPython gives an unknown magic)."""
+
+
+class PlainShell:
+    """What ``get_ipython()`` gives cells (and SymPy's ``init_printing``) in a plain
+    interpreter: the display formatter results are made with, and the calls IPython's input
+    transformations make of magics and ``!`` commands, for those the runner can honour.
+
+    Honoured: ``%matplotlib`` (inline figures only), ``%env``, ``%pip``, ``!cmd``, ``x = !cmd``,
+    ``%%bash``/``%%sh`` and ``%%writefile [-a]``; any other magic raises `UsageError`.
+    """
+
+    colors = "neutral"  # IPython's default scheme, which SymPy reads to pick its ink
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.namespace = runner.namespace
+
+    @property
+    def display_formatter(self) -> Any:
+        """The IPython ``DisplayFormatter`` that cells' values and displays go through."""
+        return self.runner.display_formatter()
+
+    def run_line_magic(self, name: str, line: str, _stack_depth: int = 1) -> Any:
+        """Run line magic ``%name line``."""
+        method = getattr(self, f"line_{name}", None)
+        if method is None:
+            raise UsageError(f"Line magic function `%{name}` not found.")
+        return method(line)
+
+    def run_cell_magic(self, name: str, line: str, cell: str) -> Any:
+        """Run cell magic ``%%name line`` on the rest of the cell."""
+        method = getattr(self, f"cell_{name}", None)
+        if method is None:
+            raise UsageError(f"Cell magic `%%{name}` not found.")
+        return method(line, cell)
+
+    def system(self, command: str) -> None:
+        """``!command``: run it in a shell, its stdout and stderr printed as they come; its
+        status in ``_exit_code``, as IPython keeps it."""
+        self._shell_run(command, None, print_lines=True)
+
+    def getoutput(self, command: str, split: bool = True, depth: int = 0) -> list[str]:
+        """``x = !command``: the lines it printed (stdout and stderr)."""
+        return self._shell_run(command, None, print_lines=False)
+
+    def _shell_run(self, command: str, script: str | None, *, print_lines: bool) -> list[str]:
+        process = subprocess.Popen(
+            command if script is None else shlex.split(command),
+            shell=script is None,
+            stdin=subprocess.DEVNULL if script is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        if script is not None:
+            assert process.stdin is not None
+            process.stdin.write(script)
+            process.stdin.close()
+        lines = []
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            if print_lines:
+                print(line, end="", flush=True)
+        self.namespace["_exit_code"] = process.wait()
+        return lines
+
+    def line_matplotlib(self, line: str) -> None:
+        """``%matplotlib [inline]``: figures show inline, as they do here anyway."""
+        gui = line.strip() or "inline"
+        if gui != "inline":
+            raise UsageError(f"%matplotlib {gui}: only inline figures can be shown here")
+        import matplotlib
+
+        _use_figure_backend(matplotlib)
+
+    def line_env(self, line: str) -> Any:
+        """``%env``: all variables; ``%env NAME``: one; ``%env NAME=VALUE`` (or ``NAME
+        VALUE``): set it, saying so as IPython does."""
+        line = line.strip()
+        if not line:
+            return dict(os.environ)
+        name, equals, value = line.partition("=")
+        if not equals:
+            name, _, value = line.partition(" ")
+            if not value.strip():
+                return os.environ[name]
+        name, value = name.strip(), value.strip()
+        os.environ[name] = value
+        print(f"env: {name}={value}")
+        return None
+
+    def line_pip(self, line: str) -> None:
+        """``%pip ARGS``: pip of this interpreter."""
+        self.system(f"{shlex.quote(sys.executable)} -m pip {line}")
+
+    def cell_bash(self, line: str, cell: str) -> None:
+        """``%%bash``: the cell is a bash script."""
+        self._shell_run(f"bash {line}", cell, print_lines=True)
+
+    def cell_sh(self, line: str, cell: str) -> None:
+        """``%%sh``: the cell is a sh script."""
+        self._shell_run(f"sh {line}", cell, print_lines=True)
+
+    def cell_writefile(self, line: str, cell: str) -> None:
+        """``%%writefile [-a] PATH``: write (or append) the cell to a file."""
+        args = shlex.split(line)
+        append = bool(args) and args[0] in ("-a", "--append")
+        paths = args[1:] if append else args
+        if len(paths) != 1:
+            raise UsageError(f"%%writefile takes one file name, not {line!r}")
+        path = os.path.expanduser(paths[0])
+        verb = "Appending to" if append else "Overwriting" if os.path.exists(path) else "Writing"
+        print(f"{verb} {paths[0]}")
+        with open(path, "a" if append else "w", encoding="utf-8") as file:
+            file.write(cell)
+
+
+_MAGIC_LINE = re.compile(r"^([ \t]*)(%%|%|!)(.*)$")
+
+
+def transform_magics(source: str) -> str:
+    """A cell's whole-line magics and ``!`` commands as the calls IPython makes of them, for
+    an interpreter without IPython. Only when the cell is not already Python: a cell magic
+    (``%%``) on its first line takes the cell; ``%name args`` and ``!cmd`` lines become
+    ``get_ipython()`` calls. Anything else stays as it is."""
+    try:
+        ast.parse(source)
+        return source
+    except SyntaxError:
+        pass
+    lines = source.splitlines()
+    first = _MAGIC_LINE.match(lines[0]) if lines else None
+    if first and first.group(2) == "%%":
+        name, _, line = first.group(3).partition(" ")
+        cell = "".join(part + "\n" for part in lines[1:])
+        return f"get_ipython().run_cell_magic({name!r}, {line!r}, {cell!r})\n"
+    changed = []
+    for text in lines:
+        match = _MAGIC_LINE.match(text)
+        if match and match.group(2) == "%":
+            name, _, line = match.group(3).partition(" ")
+            text = f"{match.group(1)}get_ipython().run_line_magic({name!r}, {line!r})"
+        elif match and match.group(2) == "!":
+            text = f"{match.group(1)}get_ipython().system({match.group(3)!r})"
+        changed.append(text)
+    return "".join(text + "\n" for text in changed)
 
 
 class DisplayHandle:
@@ -410,23 +709,27 @@ class _Pieces(io.TextIOBase):
         return str(getattr(self._stream, "encoding", None) or "utf-8")
 
 
-def _give_children_no_stdin() -> None:
+def _give_children_no_stdin() -> bool:
     """Keep the command pipe (fd 0) for this interpreter only: children get /dev/null.
 
     A child process inherits fd 0, so one that reads stdin (``cat``, a prompt) would block on
     the daemon's command pipe, or swallow the next cells. The interpreter reads its commands
     through ``sys.stdin``, which moves to a copy of the pipe; the original object stays in
     ``sys.__stdin__``, so it is never collected (closing fd 0).
+
+    Returns:
+        Whether it did: fd 0, and so ``sys.__stdin__``, now reads /dev/null.
     """
     try:
         if sys.stdin is None or sys.stdin.fileno() != 0:
-            return
+            return False
     except (OSError, ValueError):
-        return
+        return False
     sys.stdin = os.fdopen(os.dup(0), "r", encoding=sys.stdin.encoding or "utf-8")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    return True
 
 
 def _shell() -> Any:
@@ -441,6 +744,17 @@ def _patch_display(runner: Runner, module: types.ModuleType) -> None:
             setattr(module, name, getattr(runner, name))
 
 
+def _give_shell(module: types.ModuleType, shell: PlainShell) -> None:
+    module.get_ipython = lambda: shell  # type: ignore[attr-defined]
+
+
+def _pandas_as_in_a_kernel(pandas: types.ModuleType) -> None:
+    """pandas takes a plain interpreter for a terminal and cuts wide frames to fit it with
+    ``...``; in a kernel it shows up to 20 columns, wrapped at ``display.width``."""
+    if pandas.get_option("display.max_columns") == 0:
+        pandas.set_option("display.max_columns", 20)
+
+
 def _use_figure_backend(matplotlib: types.ModuleType) -> None:
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].switch_backend(FIGURE_BACKEND)
@@ -451,24 +765,36 @@ def _use_figure_backend(matplotlib: types.ModuleType) -> None:
 def install(namespace: dict[str, Any]) -> Runner:
     """Set the runner up in an interpreter whose globals are ``namespace``; send ``ready``."""
     runner = Runner(namespace)
-    hooks: dict[str, Callable[[types.ModuleType], None]] = {"matplotlib": _use_figure_backend}
+    hooks: dict[str, Callable[[types.ModuleType], None]] = {
+        "matplotlib": _use_figure_backend,
+        "pandas": _pandas_as_in_a_kernel,
+    }
     for name in _DISPLAY_MODULES:
         if name in sys.modules:
             _patch_display(runner, sys.modules[name])
         else:
             hooks[name] = lambda module: _patch_display(runner, module)
-    if "matplotlib" in sys.modules:
-        _use_figure_backend(sys.modules["matplotlib"])
-        del hooks["matplotlib"]
+    for name in ("matplotlib", "pandas"):
+        if name in sys.modules:
+            hooks.pop(name)(sys.modules[name])
     sys.meta_path.insert(0, _AfterImport(hooks, runner))
     builtins.display = runner.display  # type: ignore[attr-defined]
     namespace["exit"] = namespace["quit"] = _ExitCommand()
     if _shell() is None:
+        shell = PlainShell(runner)
+        namespace["get_ipython"] = lambda: shell
+        if importlib.util.find_spec("IPython") is not None:
+            # SymPy's init_printing looks for get_ipython() to print as in a notebook.
+            hooks[_SYMPY_PRINTING] = lambda module: _give_shell(module, shell)
+            if _SYMPY_PRINTING in sys.modules:
+                _give_shell(sys.modules[_SYMPY_PRINTING], shell)
         # A plain interpreter's stdin is the daemon's command pipe: reading it would eat cells.
         import getpass
 
         builtins.input = _no_stdin
         getpass.getpass = _no_stdin
-        _give_children_no_stdin()
+        if _give_children_no_stdin():
+            # As a kernel's stdin (jupyter_client gives it none to read): reads find its end.
+            runner.cell_stdin = sys.__stdin__
     runner.emit("ready", pid=os.getpid())
     return runner
