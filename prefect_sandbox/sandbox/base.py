@@ -152,9 +152,9 @@ class SandboxHandle(BaseModel):
 
 class CellError(BaseModel):
     """The exception user code raised in a cell, as people read it wherever it is copied (errors,
-    logs, ``summary.json``): ANSI codes removed, ``evalue`` capped at `ERROR_TEXT_CHARS` and
-    ``traceback`` at `TRACEBACK_CHARS` (joined), with a marker where text was left out. The
-    cell's ``error`` output keeps the full text.
+    logs, ``summary.json``): terminal controls removed (`strip_ansi`), ``ename`` and ``evalue``
+    capped at `ERROR_TEXT_CHARS` and ``traceback`` at `TRACEBACK_CHARS` (joined), with a marker
+    where text was left out. The cell's ``error`` output keeps the full text.
 
     Attributes:
         ename: the exception's class name.
@@ -166,10 +166,11 @@ class CellError(BaseModel):
     evalue: str
     traceback: list[str] = Field(default_factory=list)
 
-    @field_validator("evalue")
+    @field_validator("ename", "evalue")
     @classmethod
-    def _capped_message(cls, evalue: str) -> str:
-        return cap_text(strip_ansi(evalue))
+    def _capped_text(cls, text: str) -> str:
+        # A class name is the cell's to choose too (type("\x1b]52;...", (Exception,), {})).
+        return cap_text(strip_ansi(text))
 
     @field_validator("traceback")
     @classmethod

@@ -46,12 +46,26 @@ TRACEBACK_CHARS = 8192
 _HAND_OVER_OUTPUTS = 1000
 _HAND_OVER_CHARS = 1 << 20
 
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# ECMA-48 as terminals read it: control strings (OSC, DCS, SOS, PM, APC: a title, a clipboard
+# write) up to their terminator, or the line's end when there is none; CSI sequences; other
+# escape sequences; each in its 7-bit (ESC-led) and 8-bit (C1) form; then any other control
+# character but tab, newline and carriage return. The lookahead lets `re` skip plain text
+# fast (about 3x), since every match starts with a control character.
+_TERMINAL_CONTROL = re.compile(
+    r"(?=[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f])(?:"
+    r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c\n]*(?:\x07|\x9c|\x1b\\)?"
+    r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+    r"|\x1b[ -/]*[0-~]?"
+    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f])"
+)
 
 
 def strip_ansi(text: str) -> str:
-    """Remove ANSI escape sequences (colours, cursor moves) from ``text``."""
-    return _ANSI_ESCAPE.sub("", text)
+    """Remove what a terminal would act on rather than show from ``text``: ANSI escape
+    sequences (colours, cursor moves, a screen clear or reset, a title or clipboard write), in
+    their ESC-led and 8-bit C1 forms, and every other control character but tab, newline and
+    carriage return. For every text that reaches a terminal or a log."""
+    return _TERMINAL_CONTROL.sub("", text)
 
 
 def cap_text(text: str, max_chars: int = ERROR_TEXT_CHARS) -> str:
