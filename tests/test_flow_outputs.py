@@ -128,6 +128,19 @@ def _api_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
 
 
+async def _cli_run(source: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``prefect-sandbox run SOURCE OPTIONS`` against the session's API, from its folder."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), *options],
+        env=_api_env(),
+        cwd=source.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_notebook(
     tmp_path: Path,
 ) -> None:
@@ -140,16 +153,7 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
         "print('L' * 2_000_000)\nprint('after the long line')",
         raising,
     )
-    options = ["--artifact", "partial.txt", "--out", str(tmp_path / "out")]
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), *options],
-        env=_api_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = await _cli_run(source, "--artifact", "partial.txt", "--out", str(tmp_path / "out"))
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("prefect-sandbox: pipeline failed: stage 'setup', cell 1: ValueError")
@@ -194,15 +198,7 @@ async def test_terminal_controls_a_cell_chose_reach_no_terminal_nor_log(tmp_path
         f"print('out' + {attack} + 'put')",
         f"raise type('Evil' + {attack} + 'Error', (Exception,), {{}})('msg' + {attack} + 'end')",
     )
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), "--out", "out"],
-        env=_api_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = await _cli_run(source, "--out", str(tmp_path / "out"))
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert "cell 1: EvilError: msgend (partial results in" in last, last
