@@ -1,5 +1,7 @@
 """H05 benchmark: a cell printing 100 MB to stdout, through `LocalKernelSandbox.run_cell`
-(capped at 1 MiB) against a raw jupyter_client read of the same cell (everything kept).
+(capped at 1 MiB) against a raw jupyter_client read of the same cell (everything kept); then,
+through ours only, a cell that publishes 10 raw display messages of 50 MiB each (issue 18: the
+CLI grew to 829 MB), whose peak RSS growth should stay near one message, not ten.
 
 Reports throughput (MB/s) and the client process's peak RSS growth for each, side by side in
 one process. Targets: ours >= 0.8x raw throughput; our RSS growth bounded by the cap plus a
@@ -24,6 +26,11 @@ from jupyter_client.manager import AsyncKernelManager
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 
 CELL = "import sys\nfor _ in range(100): sys.stdout.write('x' * 2**20 + '\\n')\nprint('END')"
+RAW_DISPLAYS_CELL = (
+    "from IPython.display import publish_display_data\n"
+    "for _ in range(10): publish_display_data({'text/plain': 'x' * (50 << 20)})\n"
+    "print('END')"
+)
 MB = 1e6
 RESULTS = Path(__file__).parent / "results"
 
@@ -101,6 +108,10 @@ async def main() -> None:
                     "mb_per_s": size / MB / seconds,
                     "rss_growth_mib": rss.growth_mib,
                 }
+        with PeakRss() as rss:
+            result = await box.run_cell(RAW_DISPLAYS_CELL, timeout_s=300)
+            assert result.status == "ok" and "END" in str(result.outputs)
+        displays_growth_mib = rss.growth_mib
     finally:
         await box.kill()
         client.stop_channels()
@@ -112,8 +123,10 @@ async def main() -> None:
         row = rows[name]
         print(f"| {name} | {row['mb_per_s']:.1f} | {row['rss_growth_mib']:.1f} |")
     print(f"throughput ratio ours/raw: {ratio:.2f} (target >= 0.8)")
+    print(f"10 raw 50 MiB display messages, ours: peak RSS growth {displays_growth_mib:.1f} MiB")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "output.json").write_text(json.dumps({"rows": rows, "ratio": ratio}, indent=2))
+    summary = {"rows": rows, "ratio": ratio, "raw_displays_rss_growth_mib": displays_growth_mib}
+    (RESULTS / "output.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
 import psutil
@@ -294,6 +295,55 @@ async def test_a_flood_of_stdout_reaches_the_client_in_bounded_messages() -> Non
     assert sum(sizes) == 256 * 65536
     assert len(sizes) >= 256 * 65536 // (STREAM_MESSAGE_CHARS + 65536)
     assert max(sizes) <= STREAM_MESSAGE_CHARS + 65536
+
+
+async def test_raw_oversized_messages_are_counted_not_read_into_host_memory() -> None:
+    # A cell bypasses print's bounded stream messages: raw display, update and stream messages
+    # of 4 MiB each straight onto iopub, also from a thread after the cell ends. With a cap of
+    # 10,000 characters, none of them is decoded on the host: each is counted and named.
+    box = await LocalKernelSandbox.create(LocalKernelConfig(max_output_chars=10_000))
+    big = 4 << 20
+    code = textwrap.dedent(f"""
+        import threading
+        from IPython.display import publish_display_data
+        kernel = get_ipython().kernel
+        parent = kernel.get_parent()
+        def raw(msg_type, content):
+            kernel.session.send(kernel.iopub_socket, msg_type, content, parent=parent)
+        for i in range(8):
+            publish_display_data({{'text/plain': 'D' * {big}}})
+        raw('update_display_data', {{'data': {{'text/plain': 'U' * {big}}}, 'metadata': {{}},
+            'transient': {{'display_id': 'x'}}}})
+        raw('stream', {{'name': 'stdout', 'text': 'S' * {big}}})
+        publish_display_data({{'text/plain': 'small one'}})
+        late = threading.Timer(0.5, raw, ('display_data', {{'data': {{'text/plain': 'L' * {big}}},
+            'metadata': {{}}}}))
+        late.start()
+        print('after the flood')
+    """)
+    try:
+        tracemalloc.start()
+        result = await box.run_cell(code)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        await box.run_cell("late.join()")
+        late = await box.take_late_outputs()
+    finally:
+        await box.kill()
+    assert result.status == "ok", result.error
+    texts = [o.get("text", "") for o in result.outputs] + [
+        str(o.get("data", {}).get("text/plain", "")) for o in result.outputs
+    ]
+    assert "after the flood\n" in "".join(texts) and "small one" in texts
+    marker = next(text for text in texts if "output truncated" in text)
+    assert "8 display_data (too large to read)" in marker
+    assert "1 update_display_data (too large to read)" in marker
+    assert "1 stream (too large to read)" in marker
+    assert result.omitted_chars > 10 * big
+    # No message was ever whole in Python: the old reader held all 8 displays decoded (64 MiB).
+    assert peak_bytes < big, peak_bytes
+    [late_outputs] = late.values()
+    assert "1 display_data (too large to read)" in late_outputs[0]["text"]
 
 
 async def test_a_slow_output_callback_keeps_up_with_thousands_of_flushed_writes() -> None:

@@ -320,6 +320,21 @@ class OutputCollector:
             self._keep_in_tail(kept)
         return output
 
+    def omit_unread(self, msg_type: str, size_bytes: int) -> None:
+        """Count a message its reader left undecoded as too large to keep (it names it in the
+        omission marker), as if its output had been dropped by the cap.
+
+        Args:
+            msg_type: the Jupyter message type; types that show no output are ignored.
+            size_bytes: the message's size as received, in bytes.
+        """
+        if msg_type not in OUTPUT_MSG_TYPES | _DISPLAY_MSG_TYPES:
+            return
+        kind = f"{msg_type} (too large to read)"
+        self._omitted_outputs[kind] = self._omitted_outputs.get(kind, 0) + 1
+        self.total_chars += size_bytes
+        self.omitted_chars += size_bytes
+
     def _keep_overwriting_text(self, output: dict[str, Any]) -> None:
         """Stream text with ``\\r``: what counts is its size once overwritten, so a progress
         bar's thousands of updates stay one short line; only what is left past the head's half
@@ -460,13 +475,18 @@ class CellOutputs:
         if output is None or self._on_output is None:
             return
         self._held.append(output)
-        self._held_chars += len(output.get("text", ""))
+        # Rich outputs count too: a cell's raw 50 MiB displays are not held back by the dozen.
+        self._held_chars += _size(output)
         if (
             not hold
             or self._held_chars >= _HAND_OVER_CHARS
             or len(self._held) >= _HAND_OVER_OUTPUTS
         ):
             self.flush()
+
+    def omit_unread(self, msg_type: str, size_bytes: int) -> None:
+        """Count a message left undecoded as too large (see `OutputCollector.omit_unread`)."""
+        self.collector.omit_unread(msg_type, size_bytes)
 
     def flush(self) -> None:
         """Hand the held outputs to ``on_output``, back-to-back stream text merged."""

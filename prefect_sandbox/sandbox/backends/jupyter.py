@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hmac
 import logging
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from queue import Empty
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
 
 from prefect_sandbox.sandbox.base import (
     CellError,
@@ -53,6 +55,12 @@ _EXIT_WAIT_S = 5.0
 _HANDSHAKE_POLL_S = 0.2
 _REPLY_WAIT_S = 5.0
 _IDLE_LOST_S = 2.0
+# JSON writes a character in at most 6 bytes ("\uXXXX"): an iopub message of more than 6 bytes
+# a character of the output cap (or of a stream message, whichever is more) holds more output
+# than a cell keeps, so it is counted, never decoded.
+_JSON_BYTES_PER_CHAR = 6
+_HEADER_BYTES = 64 * 1024
+"""Bytes of a header (or parent header) at most that an over-large message is read for."""
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +240,10 @@ class JupyterKernelSandbox(Sandbox):
         self._client = _new_client(connection_file)
         self._ready = False
         self._late: dict[str, OutputCollector] = {}
+        cap = config.max_output_chars
+        self._iopub_bytes_bound = (
+            None if cap is None else _JSON_BYTES_PER_CHAR * max(cap, STREAM_MESSAGE_CHARS)
+        )
 
     @property
     def handle(self) -> SandboxHandle:
@@ -297,15 +309,60 @@ class JupyterKernelSandbox(Sandbox):
         )
         return _KernelCell(self, msg_id, outputs)
 
+    async def _next_iopub(self, timeout_s: float) -> dict[str, Any]:
+        """The next iopub message, as jupyter_client's ``get_iopub_msg`` gives it, but with
+        host memory bounded: a message whose header, metadata, content and buffers pass 6
+        bytes a character of the output cap (`_JSON_BYTES_PER_CHAR`) is not decoded; it comes
+        with ``content`` None and its size in ``unread_bytes``, for the cell to count as
+        omitted. An ``error`` is decoded whatever its size (errors are never dropped).
+
+        Raises:
+            Empty: none arrived within ``timeout_s`` seconds.
+            ValueError: the message's signature is wrong (as jupyter_client).
+        """
+        channel = self._client.iopub_channel
+        socket = channel.socket
+        assert socket is not None
+        if not await socket.poll(int(timeout_s * 1000)):
+            raise Empty
+        session: Session = channel.session
+        # Frames stay zmq's: nothing of an over-large message is copied but its headers.
+        _, received = session.feed_identities(await socket.recv_multipart(copy=False), copy=False)
+        frames = cast(list[zmq.Frame], received)
+        size = sum(len(frame) for frame in frames[1:])
+        bound = self._iopub_bytes_bound
+        if bound is None or size <= bound or len(frames) < 5:
+            return session.deserialize(frames, copy=False)
+        header, parent = (
+            session.unpack(frame.bytes) if len(frame) <= _HEADER_BYTES else {}
+            for frame in frames[1:3]
+        )
+        if header.get("msg_type") == "error":
+            return session.deserialize(frames, copy=False)
+        if session.auth is not None and not hmac.compare_digest(
+            frames[0].bytes, session.sign([frame.buffer for frame in frames[1:5]])
+        ):
+            raise ValueError("Invalid Signature on an iopub message")
+        return {
+            "header": header,
+            "parent_header": parent,
+            "msg_type": header.get("msg_type"),
+            "content": None,
+            "unread_bytes": size,
+        }
+
     def _keep_late_output(self, msg: dict[str, Any]) -> None:
         """Keep output that an earlier cell's background thread printed after that cell ended."""
         parent_id = msg["parent_header"].get("msg_id")
-        msg_type = msg["header"]["msg_type"]
+        msg_type = msg["header"].get("msg_type", "")
         if parent_id and msg_type in OUTPUT_MSG_TYPES:
             collector = self._late.setdefault(
                 parent_id, OutputCollector(self._config.max_output_chars)
             )
-            collector.add(msg_type, msg["content"])
+            if msg["content"] is None:
+                collector.omit_unread(msg_type, msg["unread_bytes"])
+            else:
+                collector.add(msg_type, msg["content"])
 
     async def take_late_outputs(self) -> dict[str, list[dict[str, Any]]]:
         """Output printed by earlier cells' background threads after those cells ended.
@@ -318,7 +375,7 @@ class JupyterKernelSandbox(Sandbox):
         """
         while True:
             try:
-                msg = await self._client.get_iopub_msg(timeout=0)
+                msg = await self._next_iopub(0)
             except Empty:
                 break
             self._keep_late_output(msg)
@@ -386,7 +443,7 @@ class JupyterKernelSandbox(Sandbox):
             msg_id = self._client.kernel_info()
             try:
                 while True:
-                    msg = await self._client.get_iopub_msg(timeout=_HANDSHAKE_POLL_S)
+                    msg = await self._next_iopub(_HANDSHAKE_POLL_S)
                     if msg["parent_header"].get("msg_id") == msg_id:
                         self._ready = True
                         return
@@ -471,7 +528,7 @@ class _KernelCell(RunningCell):
             try:
                 # Outputs held for a slow callback are handed over whenever the queue is empty.
                 timeout_s = 0 if self._outputs.held else wait_s
-                msg = await sandbox._client.get_iopub_msg(timeout=timeout_s)
+                msg = await sandbox._next_iopub(timeout_s)
             except Empty:
                 if self._outputs.held:
                     self._outputs.flush()
@@ -493,8 +550,11 @@ class _KernelCell(RunningCell):
             if msg["parent_header"].get("msg_id") != self._msg_id:
                 sandbox._keep_late_output(msg)
                 continue
-            msg_type = msg["header"]["msg_type"]
+            msg_type = msg["header"].get("msg_type", "")
             content = msg["content"]
+            if content is None:
+                self._outputs.omit_unread(msg_type, msg["unread_bytes"])
+                continue
             if msg_type == "status" and content["execution_state"] == "idle":
                 # A process that holds the kernel's sockets (a forked copy of it) can send the
                 # cell's idle while the kernel still runs it: the cell ends with its reply.
