@@ -46,6 +46,7 @@ from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.sandbox.retries import retry_delay_s
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from tests.conftest import stream_text
+from tests.contract.test_forks import forked_child
 
 START, END = "\x1e\x1fprefect-sandbox:", "\x1e"
 
@@ -448,3 +449,13 @@ async def test_h10_figures_and_values_are_the_same_as_on_the_local_kernel(
             assert {k: v for k, v in ours.items() if k != "execution_count"} == {
                 k: v for k, v in theirs.items() if k != "execution_count"
             }
+
+
+async def test_a_forked_child_stopped_at_its_cells_end_ends_with_the_interpreter(
+    box: Sandbox,
+) -> None:
+    child = await forked_child(box)
+    await box.kill()
+    # Killed with the interpreter, not left stopped and reparented for good.
+    child.wait(timeout=30)
+    assert not child.is_running()

@@ -30,6 +30,7 @@ from prefect_sandbox.sandbox.backends.local import (
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.isolation import Isolation
 from tests.conftest import kernel_processes, stream_text
+from tests.contract.test_forks import forked_child
 
 GIB = 1 << 30
 
@@ -424,5 +425,16 @@ async def test_an_idle_sent_by_another_holder_of_the_sockets_does_not_end_the_ce
         )
         assert result.status == "ok"
         assert stream_text(result.outputs) == "after the stray idle\n"
+    finally:
+        await box.kill()
+
+
+async def test_a_forked_child_stopped_at_its_cells_end_ends_with_a_restart() -> None:
+    box = await LocalKernelSandbox.create(LocalKernelConfig(isolation="none"))
+    try:
+        child = await forked_child(box)
+        await box.restart()
+        child.wait(timeout=30)
+        assert not child.is_running()
     finally:
         await box.kill()

@@ -3,6 +3,8 @@ what it printed, nor the run its outputs (found case C09)."""
 
 from __future__ import annotations
 
+import psutil
+
 from prefect_sandbox.sandbox.base import Sandbox
 from tests.conftest import stream_text
 
@@ -27,6 +29,15 @@ EXITING_FORK_CELL = (
     "_, status = os.waitpid(child, 0)\n"
     'print("parent saw child exit", status)'
 )
+
+
+async def forked_child(sandbox: Sandbox) -> psutil.Process:
+    """Run `FORK_CELL` into its timeout; the child it left, for a sandbox on this machine
+    whose processes share our process IDs."""
+    result = await sandbox.run_cell(FORK_CELL, timeout_s=2.0)
+    assert result.status == "timeout" and not result.state_lost
+    pid = await sandbox.run_cell("print(child)")
+    return psutil.Process(int(stream_text(pid.outputs)))
 
 
 async def _ends_as_the_kernels_cell(sandbox: Sandbox, code: str, printed: str) -> None:

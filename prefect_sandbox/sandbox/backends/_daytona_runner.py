@@ -74,6 +74,7 @@ _EMIT_PIECE_CHARS = 256 * 1024
 _MAX_PIECE_BYTES = 960 * 1024
 _SAFE_PIECE_CHARS = _MAX_PIECE_BYTES // 12
 _SYMPY_PRINTING = "sympy.interactive.printing"
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 # IPython's display functions live here; each gets ours (display, update_display,
 # clear_output) once imported.
 _DISPLAY_MODULES = ("IPython.core.display_functions", "IPython.display", "IPython.core.display")
@@ -268,14 +269,14 @@ class Runner:
 
         It is a copy of this interpreter holding the daemon's pipes: going on, it would end
         the cell as if it were the interpreter and read the next cells' commands. What it
-        printed is sent; then it stops (no CPU) until it is killed with the interpreter, as a
-        forked kernel does on the Jupyter backends.
+        printed is sent; then it stops (no CPU) until the interpreter ends, which kills it, as
+        a forked kernel does on the Jupyter backends.
         """
         if os.getpid() == self.pid:
             return
         for stream in self._channels or (sys.stdout, sys.stderr):
             stream.flush()
-        os.kill(os.getpid(), signal.SIGSTOP)
+        _stop_until_parent_ends()
 
     def _execute(self, source: str, count: int) -> None:
         filename = f"<cell-{count}>"
@@ -742,6 +743,21 @@ def _patch_display(runner: Runner, module: types.ModuleType) -> None:
     for name in ("display", "update_display", "clear_output"):
         if hasattr(module, name):
             setattr(module, name, getattr(runner, name))
+
+
+def _stop_until_parent_ends() -> None:
+    """Stop this (forked) process until its parent ends; then it is killed (Linux's parent
+    death signal: a stopped process is no one's to reap or end otherwise)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: it ends when its process group or sandbox is killed
+    if os.getppid() != parent:
+        os._exit(1)  # the parent ended before the signal was asked for
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _give_shell(module: types.ModuleType, shell: PlainShell) -> None:

@@ -122,10 +122,21 @@ def _prefect_sandbox_quiet_forked_children():
         return send(stream, msg_or_type, *args, **kwargs)
 
     def stop_forked_child(result):
-        if os.getpid() != kernel_pid:
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if os.getpid() == kernel_pid:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        parent = os.getppid()
+        try:
+            import ctypes
+
+            # Killed when its parent ends (PR_SET_PDEATHSIG): a restart, not only a kill.
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     session.send = send_from_kernel
     shell.events.register("post_run_cell", stop_forked_child)
