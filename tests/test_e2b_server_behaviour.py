@@ -5,6 +5,7 @@ tests/contract/test_server_edges.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -75,3 +76,26 @@ async def test_the_templates_json_part_of_a_dict_or_list_reaches_the_outputs(
     assert value["data"] == {"text/plain": "{'a': 1}", "application/json": {"a": 1}}
     assert value["metadata"] == {"application/json": {"expanded": True}}
     assert value["execution_count"] == result.execution_count == 1
+
+
+async def test_the_cell_after_an_interrupt_from_outside_is_not_aborted(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    sandbox = await _backend(e2b_emulator).create(LABELS)
+    try:
+        started = asyncio.Event()
+        cell = asyncio.create_task(
+            sandbox.run_cell(
+                "x = 1\nimport time\nprint('started', flush=True)\nwhile True: time.sleep(0.1)",
+                on_output=lambda _: started.set(),
+            )
+        )
+        await asyncio.wait_for(started.wait(), 30)
+        await sandbox.interrupt()
+        stopped = await cell
+        assert stopped.error is not None and stopped.error.ename == "KeyboardInterrupt"
+        # Sent at once, it would reach the kernel before the server's interrupt and be aborted.
+        after = await asyncio.wait_for(sandbox.run_cell("print(x)"), 30)
+        assert (after.status, stream_text(after.outputs)) == ("ok", "1\n")
+    finally:
+        await sandbox.kill()

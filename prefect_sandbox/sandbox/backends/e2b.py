@@ -549,6 +549,7 @@ class E2BSandbox(Sandbox):
         self._dead = False
         self._last_count: int | None = None
         self._running: asyncio.Task[Any] | None = None
+        self._interrupted_at: float | None = None
 
     @property
     def handle(self) -> SandboxHandle:
@@ -738,6 +739,11 @@ class E2BSandbox(Sandbox):
 
     async def _prepare_cell(self) -> None:
         self._check_alive()
+        if self._interrupted_at is not None:
+            # E2B interrupts late: a cell sent before it lands would be aborted, never answered.
+            settled_at = self._interrupted_at + self._config.interrupt_settle_s
+            self._interrupted_at = None
+            await asyncio.sleep(max(settled_at - time.monotonic(), 0.0))
         await self._extend_lifetime(in_cell=True)
 
     async def _start_cell(
@@ -923,11 +929,13 @@ class E2BSandbox(Sandbox):
     async def interrupt(self) -> None:
         """Interrupt the cell this object is running, by closing its execute stream.
 
-        E2B has no interrupt call: the code interpreter interrupts a cell whose client left.
-        A cell run through another attachment is not reached.
+        E2B has no interrupt call: the code interpreter interrupts a cell whose client left,
+        late; the next cell is sent ``interrupt_settle_s`` after this call. A cell run through
+        another attachment is not reached.
         """
         if self._running is not None:
             self._running.cancel()
+            self._interrupted_at = time.monotonic()
 
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
