@@ -50,6 +50,8 @@ LIMITS: dict[str, frozenset[str]] = {
             # It streams what goes through sys.stdout and sys.stderr only; what is written to
             # file descriptors 1 and 2 (os.write, C code, child processes) is dropped.
             "fd_output",
+            # Its runner takes a few magics, not IPython's shell: no %%capture, In or _i.
+            "ipython_shell",
         }
     ),
 }
