@@ -45,7 +45,7 @@ def e2b_emulator() -> Iterator[E2BEmulator]:
     """One offline E2B emulator for the session; stopping it kills what tests left alive."""
     from prefect_sandbox.testing.e2b import E2BEmulator
 
-    with E2BEmulator(interrupt_grace_s=2.0) as emulator:
+    with E2BEmulator() as emulator:
         yield emulator
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -24,7 +23,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.sandbox.paths import glob_match
-from prefect_sandbox.testing.e2b.wire import execute_lines, operation_of, result_fields
+from prefect_sandbox.testing.e2b.wire import operation_of, result_fields
 
 
 def test_mime_bundle_maps_every_field_and_keeps_extra() -> None:
@@ -149,15 +148,7 @@ def test_operation_of_names_each_route() -> None:
     assert operation_of("GET", "/nowhere") is None
 
 
-def test_execute_lines_follow_the_real_server() -> None:
-    now = datetime(2026, 1, 1, tzinfo=UTC)
-    assert execute_lines({"output_type": "stream", "name": "stdout", "text": "hi\n"}, now) == [
-        {"type": "stdout", "text": "hi\n", "timestamp": now.isoformat()}
-    ]
-    error = {"output_type": "error", "ename": "E", "evalue": "v", "traceback": ["a", "b"]}
-    assert execute_lines(error) == [
-        {"type": "error", "name": "E", "value": "v", "traceback": "a\nb"}
-    ]
+def test_result_lines_follow_the_real_server() -> None:
     assert result_fields(
         {"text/plain": "'abc'", "image/png": "x", "x/y": 1}, is_main_result=True
     ) == {

@@ -9,9 +9,11 @@ its working directory, and has no JavaScript kernel in the emulator, so it refus
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from daytona import AsyncDaytona, AsyncSandbox, DaytonaConfig, DaytonaError
 from e2b_code_interpreter import AsyncSandbox as E2BAsyncSandbox
@@ -212,3 +214,106 @@ async def test_e2b_listing_a_folder_with_a_name_that_is_not_utf8_fails_whole(
     assert made.error is None, made.error
     with pytest.raises(SandboxException, match=r"EntryInfo\.name contains invalid UTF-8"):
         await e2b_sandbox.files.list("/home/user/names")
+
+
+async def test_e2b_first_execution_on_each_connection_gets_envds_variables(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    sandbox = await E2BAsyncSandbox.create(
+        api_key=e2b_emulator.api_key,
+        api_url=e2b_emulator.url,
+        sandbox_url=e2b_emulator.url,
+        envs={"PREFECT_SANDBOX_GIVEN": "at create"},
+    )
+    try:
+        # envd serves them; the kernel's own environment does not have them.
+        async with httpx.AsyncClient() as client:
+            served = await client.get(
+                f"{e2b_emulator.url}/envs",
+                headers={
+                    "E2b-Sandbox-Id": sandbox.sandbox_id,
+                    "X-Access-Token": sandbox._envd_access_token or "",
+                },
+            )
+        assert served.json()["PREFECT_SANDBOX_GIVEN"] == "at create"
+        assert served.json()["E2B_SANDBOX"] == "true"
+        context = await sandbox.create_code_context()
+        # The lines before the first execution move a cell magic off the first line...
+        first = await sandbox.run_code("%%capture cap\nprint(1)", context=context)
+        assert first.error is not None and first.error.name == "UsageError"
+        await sandbox.restart_code_context(context)
+        # ... and the user's line 1 down, again after each restart.
+        first = await sandbox.run_code("raise ValueError('line 1')", context=context)
+        assert first.error is not None and first.error.name == "ValueError"
+        # Four variables and a blank line: line 6 (as seen on the real server).
+        assert "----> 6 raise ValueError" in first.error.traceback
+        second = await sandbox.run_code(
+            "import os\nprint(os.environ['PREFECT_SANDBOX_GIVEN'])", context=context
+        )
+        assert (second.logs.stdout, second.execution_count) == (["at create\n"], 2)
+    finally:
+        await sandbox.kill()
+
+
+async def test_e2b_an_aborted_request_never_ends_its_stream(e2b_sandbox: E2BAsyncSandbox) -> None:
+    started = asyncio.Event()
+    cell = asyncio.create_task(
+        e2b_sandbox.run_code(
+            "x = 1\nimport time\nprint('started', flush=True)\nwhile True: time.sleep(0.1)",
+            on_stdout=lambda _: started.set(),
+            timeout=0,
+        )
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    cell.cancel()
+    await asyncio.wait({cell})
+    # Sent at once, it reaches the kernel before the interrupt does: ipykernel aborts it, and
+    # the server, which knows only "abort", never ends its stream (keepalives only).
+    probe = asyncio.create_task(e2b_sandbox.run_code("print('probe')", timeout=0))
+    done, _ = await asyncio.wait({probe}, timeout=6)
+    assert not done
+    probe.cancel()
+    await asyncio.wait({probe})
+    await asyncio.sleep(1.0)
+    # The interrupt stopped the cell, not the kernel: its state is there.
+    after = await e2b_sandbox.run_code("print(x)")
+    assert (after.logs.stdout, after.error) == (["1\n"], None)
+
+
+async def test_e2b_exit_is_passed_on_as_nothing_and_the_kernel_comes_back(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    assert (await e2b_sandbox.run_code("x = 1")).error is None
+    ended = await e2b_sandbox.run_code("print('bye')\nexit()")
+    assert (ended.logs.stdout, ended.error, ended.results) == (["bye\n"], None, [])
+    # Jupyter's restarter brings a fresh kernel within seconds (a cell meanwhile may still run
+    # in the dying one, or end with ContextRestarting).
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        probe = await e2b_sandbox.run_code("print('x' in globals())")
+        if probe.logs.stdout == ["False\n"]:
+            break
+        assert asyncio.get_running_loop().time() < deadline, probe
+        await asyncio.sleep(0.5)
+
+
+async def test_e2b_errors_and_displays_as_the_template_makes_them(
+    e2b_sandbox: E2BAsyncSandbox,
+) -> None:
+    failed = await e2b_sandbox.run_code("def f():\n    1 / 0\nf()")
+    assert failed.error is not None
+    traceback = failed.error.traceback
+    # NoColor, and the lines joined with nothing between them.
+    assert "\x1b" not in traceback
+    assert "-" * 75 + "ZeroDivisionError" in traceback
+    shown = await e2b_sandbox.run_code(
+        "from PIL import Image\n"
+        "Image.new('RGB', (2, 2)).save('tiny.png')\n"
+        "display([1, 2])\n"
+        "{'a': [1, 2]}"
+    )
+    image, listed, value = shown.results
+    assert image.png and not image.is_main_result
+    assert (listed.json, listed.is_main_result) == ([1, 2], False)
+    assert (value.json, value.text, value.is_main_result) == ({"a": [1, 2]}, "{'a': [1, 2]}", True)
+    assert await e2b_sandbox.files.exists("/home/user/tiny.png")

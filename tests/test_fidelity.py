@@ -42,6 +42,10 @@ SKIPPED_FEATURES: dict[str, set[str]] = {
 PYTHON_TRACEBACKS = {"daytona"}
 """Backends whose tracebacks are Python's own format, not IPython's (a SyntaxError's evalue
 names ``<cell-N>`` where IPython names a hashed file)."""
+TEMPLATE_PARTS = {"e2b"}
+"""Backends whose sandbox template adds parts to displays and turns colours off: E2B's adds
+``application/json`` (metadata ``{"expanded": true}``) to every dict or list, and ``e2b/data``
+to DataFrames; its tracebacks have no ANSI codes (compared without either)."""
 LINE_STREAMS = {"daytona"}
 """Backends that send each line of stdout as it is written, where a Jupyter kernel holds
 unflushed stdout back (up to 0.2 s): stdout and stderr may interleave otherwise (then compared
@@ -167,18 +171,39 @@ def _masked(value: Any) -> Any:
     return value
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _without_template_parts(output: dict[str, Any]) -> None:
+    data, metadata = output.get("data", {}), output.get("metadata", {})
+    if metadata.get("application/json") == {"expanded": True}:
+        data.pop("application/json", None)
+        del metadata["application/json"]
+    data.pop("e2b/data", None)
+
+
 def normalized(
-    outputs: list[dict[str, Any]], *, python_tracebacks: bool = False, by_stream: bool = False
+    outputs: list[dict[str, Any]],
+    *,
+    python_tracebacks: bool = False,
+    by_stream: bool = False,
+    template_parts: bool = False,
 ) -> list[dict[str, Any]]:
     """Outputs as a front end shows them: back-to-back text of one stream joined and ``\\r``
     applied, tracebacks as one text, addresses and times masked. With ``python_tracebacks``,
     errors keep only their ename and evalue, a SyntaxError's file name masked. With
-    ``by_stream``, back-to-back stream outputs are put stdout first, then stderr."""
+    ``by_stream``, back-to-back stream outputs are put stdout first, then stderr. With
+    ``template_parts``, the parts E2B's template adds to displays are dropped, and tracebacks
+    compared without colours."""
     shown: list[dict[str, Any]] = []
     copied = copy.deepcopy([dict(o) for o in outputs])
     for output in _by_stream(copied) if by_stream else copied:
+        if template_parts:
+            _without_template_parts(output)
         if output["output_type"] == "error":
             output["traceback"] = "\n".join(output["traceback"])
+            if template_parts:
+                output["traceback"] = _ANSI.sub("", output["traceback"])
             if python_tracebacks:
                 del output["traceback"]
                 output["evalue"] = _SYNTAX_FILE.sub("(<cell>, line", output["evalue"])
@@ -254,6 +279,7 @@ def _compared(
     options = {
         "python_tracebacks": backend in PYTHON_TRACEBACKS,
         "by_stream": backend in LINE_STREAMS,
+        "template_parts": backend in TEMPLATE_PARTS,
     }
     for index, (ours, theirs) in enumerate(zip(product.cells, reference.cells, strict=True)):
         if features(theirs) & SKIPPED_FEATURES[backend]:

@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends.e2b import (
     BACKEND_SLUG,
+    DEFAULT_INTERRUPT_SETTLE_S,
     DEFAULT_WORKDIR,
     E2BConfig,
     E2BSandbox,
@@ -167,6 +168,16 @@ class E2BBackend(SandboxBackend):
         title="File call retries",
         description="Retries of a file transfer or listing that met a transient error.",
     )
+    interrupt_settle_s: float = Field(
+        default=DEFAULT_INTERRUPT_SETTLE_S,
+        gt=0,
+        title="Interrupt settle time",
+        description=(
+            "Seconds between closing a timed-out cell and the probe that checks the kernel is "
+            "idle (E2B interrupts the kernel that long after); doubled after each probe that "
+            "gets no answer, until interrupt_grace_s runs out."
+        ),
+    )
 
     def _config(self) -> E2BConfig:
         return E2BConfig(
@@ -179,4 +190,5 @@ class E2BBackend(SandboxBackend):
             allow_internet_access=self.allow_internet_access,
             workdir=self.workdir,
             file_retries=self.file_retries,
+            interrupt_settle_s=self.interrupt_settle_s,
         )

@@ -23,10 +23,9 @@ CONTRACT_LABELS = {"prefect-sandbox": "true", "suite": "contract"}
 LIMITS: dict[str, frozenset[str]] = {
     "e2b": frozenset(
         {
-            # E2B's code interpreter says a kernel restarted, not its exit code or signal,
-            # not even after exit().
+            # E2B's code interpreter says a kernel restarted, not its exit code or signal;
+            # exit() is still seen, as our display hooks in the kernel report it.
             "exit_status",
-            "exit_call_status",
             # Its server drops output that no running cell owns.
             "late_output",
             # It speaks no Jupyter protocol to us, so a cell has no execute_request id.
@@ -34,6 +33,9 @@ LIMITS: dict[str, frozenset[str]] = {
             # A deadline closes the execute stream, so the kernel's KeyboardInterrupt never
             # arrives; the cell ends with our CellTimeoutError output instead.
             "interrupt_output",
+            # Its template shows every image saved to a path (PIL's Image.save, which
+            # matplotlib's savefig uses for PNG) as a display_data.
+            "quiet_image_save",
         }
     ),
     "daytona": frozenset(
@@ -48,6 +50,8 @@ LIMITS: dict[str, frozenset[str]] = {
             # It streams what goes through sys.stdout and sys.stderr only; what is written to
             # file descriptors 1 and 2 (os.write, C code, child processes) is dropped.
             "fd_output",
+            # Its runner takes a few magics, not IPython's shell: no %%capture, In or _i.
+            "ipython_shell",
         }
     ),
 }

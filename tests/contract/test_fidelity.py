@@ -75,27 +75,29 @@ async def _one_stage(
 
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.parametrize(
-    ("code", "how"),
+    ("code", "how", "last"),
     [
-        ("import os, time\nprint('bye', flush=True)\ntime.sleep(0.5)\nos._exit(3)", "exit code 3"),
-        ("print('bye')\nexit()", "exit()"),
+        (
+            "import os, time\nprint('bye', flush=True)\ntime.sleep(0.5)\nos._exit(3)",
+            "exit code 3",
+            False,
+        ),
+        ("print('bye')\nexit()", "exit()", False),
+        # E2B's server passes nothing on of exit(): no later cell may be the one to notice.
+        ("print('bye')\nexit()", "exit()", True),
     ],
-    ids=["os._exit", "exit()"],
+    ids=["os._exit", "exit()", "exit()-as-the-last-cell"],
 )
 async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
-    backend: SandboxBackend, code: str, how: str
+    backend: SandboxBackend, code: str, how: str, last: bool
 ) -> None:
     sandbox = await backend.create(CONTRACT_LABELS)
     handle = sandbox.handle
     await sandbox.close()
-    stage = StageSpec(
-        name="s",
-        cells=[
-            CellSpec(index=0, source="x = 1"),
-            CellSpec(index=1, source=code),
-            CellSpec(index=2, source="print(x)"),
-        ],
-    )
+    cells = [CellSpec(index=0, source="x = 1"), CellSpec(index=1, source=code)]
+    if not last:
+        cells.append(CellSpec(index=2, source="print(x)"))
+    stage = StageSpec(name="s", cells=cells)
     try:
         with pytest.raises(SandboxDiedError) as info:
             await _one_stage(backend, handle, stage)
@@ -113,8 +115,6 @@ async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
     assert printed == {"output_type": "stream", "name": "stdout", "text": "bye\n"}
     assert (output["output_type"], output["ename"]) == ("error", "SandboxDiedError")
     assert "state is lost" in output["evalue"] and handle.sandbox_id in output["evalue"]
-    if not cannot(sandbox, "exit_status") or (
-        code == "exit()" and not cannot(sandbox, "exit_call_status")
-    ):
+    if not cannot(sandbox, "exit_status") or how == "exit()":
         assert how in output["evalue"]
     assert result.error is not None and result.error.ename == "SandboxDiedError"

@@ -6,9 +6,22 @@ imported only when used; without the extra, `BackendNotInstalledError` says what
 
 Timeouts: the SDK's own ``run_code`` deadline fires at about twice the value asked (its
 transport adds two phases), so we keep our own. On the deadline we close the ``/execute``
-stream, which makes the code interpreter server interrupt the cell (E2B has no interrupt call);
-a tiny probe cell then tells whether the kernel went idle within ``interrupt_grace_s``. If it
-did, state is intact; if not, the context is restarted and the result says ``state_lost``.
+stream, which makes the code interpreter server interrupt the cell (E2B has no interrupt call).
+The server lets the context go before its interrupt reaches the kernel (e2b-dev/code-interpreter
+``template/server/messaging.py``), so a cell sent at once would be queued behind the running
+one and then aborted by ipykernel, and an aborted request's stream never ends. So a probe cell
+is sent ``interrupt_settle_s`` after the close; a probe that gets no answer within as long again
+is closed and sent again after twice the wait, until ``interrupt_grace_s`` has passed: only then
+(every probe unanswered: the kernel is still busy) is the context restarted, and the result
+says ``state_lost``. A probe that runs makes itself invisible (`_FORGET_THIS_CELL_CODE`), so the
+timed-out cell keeps its execution count (the probe's, less one) and the next cell follows it.
+
+First cells: the server puts ``import os; os.environ[...] = ...`` lines, from envd's ``/envs``,
+before the first execution on each connection to a kernel, made at creation and at every context
+restart (``messaging.py``). So after each of those we run a priming cell that takes them, and
+leaves no trace in the history or the execution count: the user's first cell is theirs, and is
+``In[1]``. A restarted kernel starts in Jupyter's root folder (``/home/user``), so the priming
+cell also goes back to the working directory.
 
 Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
 ``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
@@ -18,12 +31,13 @@ the response headers of those. An execute that may have reached the kernel is ne
 A create whose set-up fails kills the sandbox it made (`kill_after_failed_setup`).
 
 Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
-quotes stripped), drops ``update_display_data`` and ``clear_output``, and joins a traceback's
-lines without a separator. So each context's
-kernel gets display hooks as an IPython startup file (installed once, then the context is
-restarted so that no execution count is spent): they carry display ids, updates,
-``clear_output``, metadata, the exact ``text/plain`` and traceback lines inside a bundle, under
-`DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages.
+quotes stripped), drops ``update_display_data``, ``clear_output`` and the reply's payloads
+(``exit()``'s ``ask_exit`` among them), and joins a traceback's lines without a separator. So
+each context's kernel gets display hooks, applied by the first priming cell and kept as an
+IPython startup file for restarts: they carry display ids, updates, ``clear_output``, metadata,
+the exact ``text/plain``, traceback lines and an ``exit()`` inside a bundle, under
+`DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages; a cell that
+called ``exit()`` raises `SandboxDiedError` itself (the kernel ends 0.1 s after its reply).
 
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
 and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
@@ -84,8 +98,10 @@ from prefect_sandbox.sandbox.retries import async_retrying
 
 __all__ = [
     "BACKEND_SLUG",
+    "DEFAULT_INTERRUPT_SETTLE_S",
     "DEFAULT_WORKDIR",
     "DISPLAY_CONTROL_MIME",
+    "EXIT_MSG_TYPE",
     "TRACEBACK_MSG_TYPE",
     "E2BConfig",
     "E2BSandbox",
@@ -97,6 +113,9 @@ __all__ = [
 
 BACKEND_SLUG = "e2b"
 DEFAULT_WORKDIR = "/home/user/work"
+DEFAULT_INTERRUPT_SETTLE_S = 0.5
+"""Seconds from closing a timed-out cell's stream to the probe (E2B's interrupt lands in
+between: measured 0.05 s too soon, 0.5 s late enough)."""
 EXTRA_HINT = "pip install 'prefect-sandbox[e2b]'"
 
 # Error names the code interpreter server reports when it lost the cell, not user code.
@@ -104,13 +123,16 @@ _KERNEL_RESTARTED = "ContextRestarting"
 _SERVER_LOST_CELL = frozenset({"UnexpectedEndOfExecution", "WebSocketError", "ExecutionAborted"})
 # How the SDK words a sandbox that is gone, in exceptions with no better type.
 _GONE_PHRASES = ("was not found", "sandbox was killed")
-_PROBE_CODE = "pass"
-_HOOKS_TIMEOUT_S = 60
+_OWN_CELL_TIMEOUT_S = 60  # our own cells: priming, listing files
+# Where E2B's Jupyter server starts (and restarts) kernels: its root folder.
+_JUPYTER_ROOT = "/home/user"
 
 DISPLAY_CONTROL_MIME = "application/vnd.prefect-sandbox.display+json"
 """The key our kernel hooks add to a display's bundle: what E2B would otherwise lose of it."""
 TRACEBACK_MSG_TYPE = "prefect_sandbox_traceback"
 """What `result_content` calls the traceback lines our hooks send ahead of an error."""
+EXIT_MSG_TYPE = "prefect_sandbox_exit"
+"""What `result_content` calls our hooks' word that the cell called ``exit()``."""
 _DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
 # Runs at kernel start, in the user's namespace, which it leaves as it found it.
 _DISPLAY_HOOKS_CODE = f"""
@@ -143,23 +165,109 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
         publish({{key: {{"traceback": list(stb)}}}})
         return showtraceback(etype, evalue, stb)
 
+    def hooked_ask_exit():
+        if not shell.keepkernel_on_exit:
+            publish({{key: {{"exit": True}}}})
+        return ask_exit()
+
+    ask_exit = shell.ask_exit
     publisher.publish = hooked_publish
     publisher.clear_output = hooked_clear_output
     displayhook.write_format_data = hooked_write_format_data
     shell._showtraceback = hooked_showtraceback
+    shell.ask_exit = hooked_ask_exit
 
 
 _prefect_sandbox_display_hooks()
 del _prefect_sandbox_display_hooks
 """
-# Writes the hooks into the kernel's own IPython startup folder, wherever its profile lives.
-_INSTALL_DISPLAY_HOOKS_CODE = f"""
-import os as _os
-_path = _os.path.join(get_ipython().profile_dir.startup_dir, {_DISPLAY_HOOKS_FILE!r})
-_os.makedirs(_os.path.dirname(_path), exist_ok=True)
-with open(_path, "w") as _file:
-    _file.write({_DISPLAY_HOOKS_CODE!r})
+# Makes the cell running it leave no trace: its input leaves the history (memory and
+# database), and the execution counters go back one, so the next cell gets this one's number.
+# Relative steps, since IPython 8 counts a cell up as it ends and IPython 9 as it starts.
+_FORGET_THIS_CELL_CODE = """
+def _prefect_sandbox_forget_this_cell():
+    import sqlite3
+
+    shell = get_ipython()
+    history = shell.history_manager
+    line = len(history.input_hist_parsed) - 1  # In[n] is cell n's input: this cell's is last
+    # Under the lock the saving thread writes under: the line is in its cache or written.
+    with history.db_input_cache_lock:
+        history.db_input_cache[:] = [e for e in history.db_input_cache if e[0] != line]
+        try:
+            with history.db:
+                history.db.execute(
+                    "DELETE FROM history WHERE session = ? AND line = ?",
+                    (history.session_number, line),
+                )
+        except sqlite3.Error:
+            pass
+    del history.input_hist_parsed[line:], history.input_hist_raw[line:]
+    raw = history.input_hist_raw
+    last = [raw[k] if k >= 0 else "" for k in range(line - 1, line - 5, -1)]
+    history._i00, history._i, history._ii, history._iii = last
+    shell.user_ns.update(_i=last[1], _ii=last[2], _iii=last[3])
+    shell.user_ns.pop(f"_i{line}", None)
+    shell.execution_count -= 1
+    shell.kernel.execution_count -= 1
+
+
+_prefect_sandbox_forget_this_cell()
+del _prefect_sandbox_forget_this_cell
 """
+# Runs after the lines E2B put before the first execution on a connection: drops the `os` they
+# imported into the user's namespace (the variables they set stay).
+_DROP_ENV_PREFIX_CODE = """
+if getattr(globals().get("os"), "__name__", None) == "os":
+    del os
+"""
+
+
+_HOOKS_FAILED = "prefect-sandbox: display hooks not installed:"
+
+
+def _install_hooks_code() -> str:
+    """A priming cell's part that writes the display hooks into the kernel's IPython startup
+    folder (for later restarts) and applies them now; a failure is printed to stderr."""
+    return f"""
+def _prefect_sandbox_install_hooks():
+    import os
+    path = os.path.join(get_ipython().profile_dir.startup_dir, {_DISPLAY_HOOKS_FILE!r})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as file:
+        file.write({_DISPLAY_HOOKS_CODE!r})
+
+
+try:
+    _prefect_sandbox_install_hooks()
+    exec({_DISPLAY_HOOKS_CODE!r})
+except Exception as _prefect_sandbox_error:
+    import sys as _prefect_sandbox_sys
+    print({_HOOKS_FAILED!r}, repr(_prefect_sandbox_error), file=_prefect_sandbox_sys.stderr)
+    del _prefect_sandbox_sys, _prefect_sandbox_error
+del _prefect_sandbox_install_hooks
+"""
+
+
+def _back_to_workdir_code(workdir: str) -> str:
+    """A priming cell's part that returns a restarted kernel to the working directory (by its
+    path from Jupyter's root where it is not found as is: an emulator's folders are elsewhere)."""
+    from_root = posixpath.relpath(workdir, _JUPYTER_ROOT)
+    return f"""
+def _prefect_sandbox_chdir():
+    import os
+    target = {workdir!r} if os.path.isdir({workdir!r}) else {from_root!r}
+    try:
+        os.chdir(target)
+    except OSError:
+        pass
+
+
+_prefect_sandbox_chdir()
+del _prefect_sandbox_chdir
+"""
+
+
 _LIST_DEPTH_ALL = 64
 # envd's Go server cannot marshal a name that is not UTF-8, so a ListDir that meets one fails
 # whole ("marshal message: proto: field filesystem.EntryInfo.name contains invalid UTF-8").
@@ -212,6 +320,9 @@ class E2BConfig(SandboxConfig):
         file_retries: retries of an idempotent file or context call that met a transient error.
         retry_backoff_s: the first wait between those retries, doubled each time (see
             `prefect_sandbox.sandbox.retries`).
+        interrupt_settle_s: seconds from closing a timed-out cell's stream to the probe that
+            checks the kernel is idle; a probe unanswered that long again is closed and sent
+            again after twice the wait (see the module's docstring).
     """
 
     client_factory: Callable[[], Any] | None = None
@@ -223,10 +334,11 @@ class E2BConfig(SandboxConfig):
     workdir: str = DEFAULT_WORKDIR
     file_retries: int = 3
     retry_backoff_s: float = 0.5
+    interrupt_settle_s: float = DEFAULT_INTERRUPT_SETTLE_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_positive("lifetime_s", "retry_backoff_s")
+        self._check_positive("lifetime_s", "retry_backoff_s", "interrupt_settle_s")
         if self.file_retries < 0:
             raise ValueError(f"file_retries must be zero or more, not {self.file_retries}")
         if not PurePosixPath(self.workdir).is_absolute():
@@ -267,7 +379,8 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
     A bundle that our display hooks marked (`DISPLAY_CONTROL_MIME`) gets back what E2B drops:
     its display id, metadata and exact ``text/plain``; an update is ``update_display_data``
     and a ``clear_output`` call is ``clear_output``. The lines of the traceback of the error
-    that follows come as `TRACEBACK_MSG_TYPE`, since E2B joins them without a separator.
+    that follows come as `TRACEBACK_MSG_TYPE`, since E2B joins them without a separator, and
+    an ``exit()`` call as `EXIT_MSG_TYPE`.
 
     Args:
         bundle: the result's MIME bundle (`mime_bundle`).
@@ -282,6 +395,8 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
         control = {}
     if control.get("clear"):
         return "clear_output", {"wait": bool(control.get("wait"))}
+    if control.get("exit"):
+        return EXIT_MSG_TYPE, {}
     if "traceback" in control:
         return TRACEBACK_MSG_TYPE, {"traceback": list(control["traceback"])}
     if "text/plain" in control:
@@ -434,6 +549,7 @@ class E2BSandbox(Sandbox):
         self._dead = False
         self._last_count: int | None = None
         self._running: asyncio.Task[Any] | None = None
+        self._interrupted_at: float | None = None
 
     @property
     def handle(self) -> SandboxHandle:
@@ -496,36 +612,47 @@ class E2BSandbox(Sandbox):
         return sandbox
 
     async def _make_context(self) -> None:
-        await self._retrying("create", lambda: self._sdk.files.make_dir(self._config.workdir))
-        # Not retried: a context made by a try whose answer was lost would be a second one.
-        with _translated("create", sandbox_id=self._id):
-            self._context = await self._sdk.create_code_context(
-                cwd=self._config.workdir, language="python"
+        # Starting a kernel can take a short lifetime's worth: keep it extended meanwhile.
+        keep_alive = asyncio.create_task(self._keep_alive())
+        try:
+            await self._retrying("create", lambda: self._sdk.files.make_dir(self._config.workdir))
+            # Not retried: a context made by a try whose answer was lost would be a second one.
+            with _translated("create", sandbox_id=self._id):
+                self._context = await self._sdk.create_code_context(
+                    cwd=self._config.workdir, language="python"
+                )
+            self._handle = self._handle.model_copy(
+                update={"connection": {"context_id": self._context.id}}
             )
-        self._handle = self._handle.model_copy(
-            update={"connection": {"context_id": self._context.id}}
-        )
-        await self._install_display_hooks()
+            await self._prime(_install_hooks_code(), operation="create")
+        finally:
+            await cancel_and_wait(keep_alive)
 
-    async def _install_display_hooks(self) -> None:
-        """Put our display hooks in the kernel's startup folder, and restart the context to
-        load them (a cell that installed them directly would spend execution count 1)."""
-        with _translated("create", sandbox_id=self._id):
+    async def _prime(self, code: str, *, operation: str) -> None:
+        """Run the first execution on a new connection to the kernel (at creation, after each
+        restart): it takes the lines E2B puts before that execution, then ``code``, and leaves
+        no trace in the history or the execution count.
+
+        Raises:
+            SandboxDiedError: the kernel ended or restarted during it.
+            SandboxNotFoundError, SandboxUnavailableError: as for the SDK call.
+        """
+        with _translated(operation, sandbox_id=self._id):
             execution = await self._sdk.run_code(
-                _INSTALL_DISPLAY_HOOKS_CODE, context=self._context, timeout=_HOOKS_TIMEOUT_S
+                f"{_DROP_ENV_PREFIX_CODE}\n{code}\n{_FORGET_THIS_CELL_CODE}",
+                context=self._context,
+                timeout=_OWN_CELL_TIMEOUT_S,
+            )
+        failed = [line for line in execution.logs.stderr if line.startswith(_HOOKS_FAILED)]
+        if failed:
+            logger.warning(
+                "Sandbox %s: %s; display ids, updates, clear_output and exit() are not seen",
+                self._id,
+                failed[0].strip(),
             )
         if execution.error is not None:
-            logger.warning(
-                "Sandbox %s: display hooks not installed (%s: %s); display ids, updates and "
-                "clear_output are lost",
-                self._id,
-                execution.error.name,
-                execution.error.value,
-            )
-            return
-        # Making the context took part of the lifetime; a short one must outlive the restart.
-        await self._extend_lifetime(in_cell=False)
-        await self._retrying("restart", lambda: self._sdk.restart_code_context(self._context))
+            self._dead = True
+            raise self._died(f"priming its kernel failed: {execution.error.name}")
 
     @classmethod
     async def attach(cls, handle: SandboxHandle, config: E2BConfig) -> E2BSandbox:
@@ -612,6 +739,11 @@ class E2BSandbox(Sandbox):
 
     async def _prepare_cell(self) -> None:
         self._check_alive()
+        if self._interrupted_at is not None:
+            # E2B interrupts late: a cell sent before it lands would be aborted, never answered.
+            settled_at = self._interrupted_at + self._config.interrupt_settle_s
+            self._interrupted_at = None
+            await asyncio.sleep(max(settled_at - time.monotonic(), 0.0))
         await self._extend_lifetime(in_cell=True)
 
     async def _start_cell(
@@ -780,7 +912,7 @@ class E2BSandbox(Sandbox):
                 execution = await self._sdk.run_code(
                     listing_code("."),
                     context=context,
-                    timeout=_HOOKS_TIMEOUT_S,
+                    timeout=_OWN_CELL_TIMEOUT_S,
                 )
             finally:
                 await self._sdk.remove_code_context(context)
@@ -797,11 +929,13 @@ class E2BSandbox(Sandbox):
     async def interrupt(self) -> None:
         """Interrupt the cell this object is running, by closing its execute stream.
 
-        E2B has no interrupt call: the code interpreter interrupts a cell whose client left.
-        A cell run through another attachment is not reached.
+        E2B has no interrupt call: the code interpreter interrupts a cell whose client left,
+        late; the next cell is sent ``interrupt_settle_s`` after this call. A cell run through
+        another attachment is not reached.
         """
         if self._running is not None:
             self._running.cancel()
+            self._interrupted_at = time.monotonic()
 
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
@@ -814,6 +948,7 @@ class E2BSandbox(Sandbox):
         await self._retrying("restart", lambda: self._sdk.restart_code_context(context))
         self._dead = False
         self._last_count = None
+        await self._prime(_back_to_workdir_code(self._handle.workdir), operation="restart")
 
     async def kill(self) -> bool:
         """Kill the sandbox. Idempotent; transient failures are retried as file calls are.
@@ -838,15 +973,16 @@ class E2BSandbox(Sandbox):
 class _E2BCell(RunningCell):
     """A cell as one ``/execute`` stream of the code interpreter.
 
-    Interrupting it closes the stream, which makes the server interrupt the cell; a tiny probe
-    cell then tells whether the kernel went idle within the grace period. The lifetime is kept
-    extended while the cell runs.
+    Interrupting it closes the stream, which makes the server interrupt the cell; probe cells
+    then tell whether the kernel went idle within the grace period (see the module's
+    docstring). The lifetime is kept extended while the cell runs.
     """
 
     def __init__(self, sandbox: E2BSandbox, context: Any, code: str, outputs: CellOutputs) -> None:
         self._sandbox = sandbox
         self._context = context
         self._restarted: list[str] = []
+        self._exited = False
         self._probe: asyncio.Task[Any] | None = None
 
         tracebacks: list[list[str]] = []
@@ -866,6 +1002,8 @@ class _E2BCell(RunningCell):
             )
             if msg_type == TRACEBACK_MSG_TYPE:
                 tracebacks.append(content["traceback"])
+            elif msg_type == EXIT_MSG_TYPE:
+                self._exited = True
             else:
                 outputs.add(msg_type, content)
 
@@ -887,17 +1025,40 @@ class _E2BCell(RunningCell):
         task = self._probe or self._execution
         timeout_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if self._probe is None or not done:
-            return bool(done)
-        # The kernel took the probe: it is idle again, its state intact.
-        return self._probe.exception() is None and self._probe.result().error is None
+        return bool(done)
 
     async def interrupt(self, attempt: int) -> None:
         self._execution.cancel()
         await asyncio.wait({self._execution})
-        self._probe = asyncio.create_task(
-            self._sandbox._sdk.run_code(_PROBE_CODE, context=self._context, timeout=0)
-        )
+        self._probe = asyncio.create_task(self._probe_until_idle())
+
+    async def _probe_until_idle(self) -> Any:
+        """Send probes until one runs; returns its ``Execution``.
+
+        Each waits for the interrupt of the last closed stream to have landed. One unanswered
+        for as long as that wait was aborted by ipykernel (it came before the interrupt) or
+        queued behind a cell still running: it is closed, which interrupts again, and the next
+        waits twice as long. One that a late interrupt hit (``KeyboardInterrupt``) found the
+        kernel idle; another follows it. Runs until cancelled (`abandon`, at the grace's end).
+        """
+        settle_s = self._sandbox._config.interrupt_settle_s
+        while True:
+            await asyncio.sleep(settle_s)
+            probe = asyncio.create_task(
+                self._sandbox._sdk.run_code(
+                    _FORGET_THIS_CELL_CODE, context=self._context, timeout=0
+                )
+            )
+            try:
+                done, _ = await asyncio.wait({probe}, timeout=settle_s)
+            finally:
+                if not probe.done():
+                    await cancel_and_wait(probe)
+            if done:
+                execution = probe.result()
+                if execution.error is None or execution.error.name != "KeyboardInterrupt":
+                    return execution
+            settle_s *= 2
 
     async def abandon(self) -> None:
         self._sandbox._running = None
@@ -915,6 +1076,18 @@ class _E2BCell(RunningCell):
         if not self._execution.cancelled():
             with _translated("run_cell", sandbox_id=sandbox._id, in_cell=True):
                 execution = self._execution.result()
+        if self._exited:
+            sandbox._dead = True
+            raise SandboxDiedError(
+                f"kernel of sandbox {sandbox._id} died (the cell called exit()); its state is lost",
+                exit_code=0,
+                sandbox_id=sandbox._id,
+            )
+        if self._probe is not None:
+            with _translated("run_cell", sandbox_id=sandbox._id, in_cell=True):
+                probe = self._probe.result()
+            if probe.error is not None:
+                self._restarted.append(probe.error.name)
         if self._restarted:
             sandbox._dead = True
             raise sandbox._died(
@@ -923,9 +1096,11 @@ class _E2BCell(RunningCell):
                 else f"the code interpreter lost the cell ({self._restarted[0]})"
             )
         if self._probe is not None:
-            # Interrupted at the deadline: the probe ran after the cell, and counted.
-            sandbox._check_count(self._probe.result().execution_count)
-            return CellReply()
+            # Interrupted at the deadline: the probe took the cell's next number, and gave it back.
+            count = self._probe.result().execution_count
+            execution_count = None if count is None else count - 1
+            sandbox._check_count(execution_count)
+            return CellReply(execution_count=execution_count)
         execution_count = execution.execution_count if execution is not None else None
         sandbox._check_count(execution_count)
         if execution is None:

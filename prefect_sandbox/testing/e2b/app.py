@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import urllib.parse
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,23 +39,21 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefect_sandbox.sandbox.base import CellResult
 from prefect_sandbox.sandbox.paths import is_utf8
 from prefect_sandbox.testing.e2b.state import (
     NOT_FOUND_MESSAGE,
-    CellEvent,
     ContextNotFoundError,
     EmulatedContext,
     EmulatedSandbox,
+    RestartRefusedError,
     UnsupportedLanguageError,
     World,
 )
-from prefect_sandbox.testing.e2b.wire import ROUTES, execute_lines
+from prefect_sandbox.testing.e2b.wire import ROUTES
 from prefect_sandbox.testing.faults import FaultBook, serve_with_fault
 
 __all__ = ["build_app"]
 
-_KEEPALIVE_S = 5.0
 # What connect-go answers when protobuf-go refuses to marshal a string that is not UTF-8.
 _NOT_UTF8_MESSAGE = "marshal message: proto: field filesystem.EntryInfo.name contains invalid UTF-8"
 
@@ -172,6 +171,10 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         sandbox = _sandbox_of(world, request, needs_token=False)
         return sandbox if isinstance(sandbox, Response) else Response(status_code=204)
 
+    async def envs(request: Request) -> Response:
+        sandbox = _sandbox_of(world, request, needs_token=True)
+        return sandbox if isinstance(sandbox, Response) else JSONResponse(sandbox.envd_envs())
+
     async def download(request: Request) -> Response:
         sandbox = _sandbox_of(world, request, needs_token=True)
         if isinstance(sandbox, Response):
@@ -248,7 +251,10 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         found = await context_call(request)
         if isinstance(found, Response):
             return found
-        await world.restart_context(*found)
+        try:
+            await world.restart_context(*found)
+        except RestartRefusedError as exc:
+            return PlainTextResponse(str(exc), status_code=500)
         return JSONResponse(None)
 
     async def delete_context(request: Request) -> Response:
@@ -266,6 +272,7 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         "set_timeout": set_timeout,
         "connect": connect,
         "health": health,
+        "envs": envs,
         "download": download,
         "upload": upload,
         "stat": filesystem,
@@ -330,12 +337,11 @@ class _FilesystemCalls:
 
 
 class _Execute:
-    """``POST /execute``: runs a cell and streams its outputs as NDJSON lines.
+    """``POST /execute``: runs a cell on its context's connection and streams its lines.
 
-    Cells of one context run one at a time; a client that leaves while its cell waits is
-    forgotten, and one that leaves while its cell runs gets it interrupted, as the real server
-    does. ``keepalive`` lines go out every 5 s of silence; a sandbox killed mid-cell drops the
-    connection.
+    The lines are the connection's (`KernelChannel.execute`), then ``end_of_execution``. A client
+    that leaves closes the execution (the connection then interrupts the kernel, late); a
+    sandbox killed mid-cell drops the connection.
     """
 
     def __init__(self, world: World) -> None:
@@ -352,22 +358,40 @@ class _Execute:
         if isinstance(context, Response):
             await context(scope, receive, send)
             return
-        disconnected = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected.set()
-
-        watcher = asyncio.create_task(watch())
+        if context.channel is None:
+            await PlainTextResponse("Context is restarting", status_code=500)(scope, receive, send)
+            return
+        lines = context.channel.execute(body["code"], body.get("env_vars") or {})
+        streaming = asyncio.create_task(self._stream(lines, send))
+        left = asyncio.create_task(self._disconnected(receive))
+        killed = asyncio.create_task(sandbox.killed.wait())
         try:
-            if not await self.world.claim(context, disconnected):
-                return
-            env_vars = body.get("env_vars") or {}
-            events = self.world.start_cell(sandbox, context, body["code"], env_vars)
-            await self._stream(sandbox, context, events, send, disconnected)
+            done, _ = await asyncio.wait(
+                {streaming, left, killed}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
-            watcher.cancel()
+            for task in (streaming, left, killed):
+                task.cancel()
+            await asyncio.wait({streaming, left, killed})
+            await lines.aclose()
+        if streaming in done:
+            streaming.result()
+        elif killed in done:
+            raise _DroppedConnection("sandbox killed mid-execute")
+
+    @staticmethod
+    async def _disconnected(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    @staticmethod
+    async def _stream(lines: AsyncGenerator[dict[str, Any]], send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        async for line in lines:
+            body = json.dumps(line).encode() + b"\n"
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        end = b'{"type": "end_of_execution"}\n'
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
     async def _context(
         self, sandbox: EmulatedSandbox, body: dict[str, Any]
@@ -385,75 +409,6 @@ class _Execute:
             return PlainTextResponse(str(exc), status_code=404)
         except UnsupportedLanguageError as exc:
             return PlainTextResponse(str(exc), status_code=500)
-
-    async def _stream(
-        self,
-        sandbox: EmulatedSandbox,
-        context: EmulatedContext,
-        events: asyncio.Queue[CellEvent],
-        send: Send,
-        disconnected: asyncio.Event,
-    ) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-
-        async def send_line(line: dict[str, Any]) -> None:
-            body = json.dumps(line).encode() + b"\n"
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-
-        streamed_error = False
-        while True:
-            getter = asyncio.create_task(events.get())
-            waiters: set[asyncio.Future[Any]] = {
-                getter,
-                asyncio.create_task(disconnected.wait()),
-                asyncio.create_task(sandbox.killed.wait()),
-            }
-            done, pending = await asyncio.wait(
-                waiters, timeout=_KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in pending:
-                task.cancel()
-            if getter not in done:
-                if sandbox.killed.is_set():
-                    raise _DroppedConnection("sandbox killed mid-execute")
-                if disconnected.is_set():
-                    await self.world.interrupt(context)
-                    return
-                await send_line({"type": "keepalive"})
-                continue
-            event = getter.result()
-            if event.kind == "output":
-                streamed_error = streamed_error or event.value["output_type"] == "error"
-                for line in execute_lines(event.value):
-                    await send_line(line)
-                continue
-            if event.kind == "done":
-                result: CellResult = event.value
-                if result.status == "error" and not streamed_error and result.error:
-                    await send_line(
-                        {
-                            "type": "error",
-                            "name": result.error.ename,
-                            "value": result.error.evalue,
-                            "traceback": "\n".join(result.error.traceback),
-                        }
-                    )
-                if result.execution_count is not None:
-                    await send_line(
-                        {"type": "number_of_executions", "execution_count": result.execution_count}
-                    )
-            else:  # died
-                await send_line(
-                    {
-                        "type": "error",
-                        "name": "ContextRestarting",
-                        "value": "Context was restarted",
-                        "traceback": "",
-                    }
-                )
-            await send_line({"type": "end_of_execution"})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
 
 
 class _FilesystemService(Filesystem):

@@ -37,7 +37,10 @@ class E2BEmulator(EmulatorServer):
         root: folder holding the sandboxes' files; a fresh temporary folder when None
             (removed by `stop`).
         port: TCP port on 127.0.0.1; 0 for a free one.
-        interrupt_grace_s: how long the emulated kernels wait between interrupt attempts.
+        interrupt_delay_s: seconds from a client leaving an execution to the kernel's interrupt
+            (the real server's call to Jupyter, made after it let the context go).
+        dead_kernel_poll_s: how often a dead kernel is looked for and restarted (Jupyter's
+            restarter looks every 3 s).
         log_level: uvicorn's log level.
     """
 
@@ -47,7 +50,8 @@ class E2BEmulator(EmulatorServer):
         api_key: str | None = None,
         root: Path | None = None,
         port: int = 0,
-        interrupt_grace_s: float = 5.0,
+        interrupt_delay_s: float = 0.1,
+        dead_kernel_poll_s: float = 3.0,
         log_level: str = "warning",
     ) -> None:
         super().__init__(
@@ -56,7 +60,8 @@ class E2BEmulator(EmulatorServer):
         self.api_key = api_key or f"e2b_emulator_{secrets.token_hex(16)}"
         self._owns_root = root is None
         self.root = root or Path(tempfile.mkdtemp(prefix="prefect-sandbox-e2b-"))
-        self._interrupt_grace_s = interrupt_grace_s
+        self._interrupt_delay_s = interrupt_delay_s
+        self._dead_kernel_poll_s = dead_kernel_poll_s
         self._world: World | None = None
 
     @property
@@ -103,7 +108,11 @@ class E2BEmulator(EmulatorServer):
         return self._world
 
     async def _open(self) -> ASGIApp:
-        self._world = World(self.root, self._interrupt_grace_s)
+        self._world = World(
+            self.root,
+            interrupt_delay_s=self._interrupt_delay_s,
+            dead_kernel_poll_s=self._dead_kernel_poll_s,
+        )
         self._world.start_clock()
         return build_app(self._world, api_key=self.api_key, faults=self.faults)
 

@@ -1,12 +1,15 @@
 """The emulated E2B world: sandboxes, their files and code contexts, and their lifetimes.
 
 Each sandbox's filesystem is a folder on this machine (``/home/user`` inside is
-``<root>/<sandbox id>/home/user``); each code context is a real local ipykernel, a
-`LocalKernelSandbox`, moved to the context's working directory. As the real code interpreter
-server does, per-execution environment variables are set by lines put before the cell's code
-and removed by a silent execution after it, and the working directory is changed by a silent
-execution, so neither counts as an execution. Everything here runs on the emulator's event loop;
-nothing here knows HTTP.
+``<root>/<sandbox id>/home/user``); each code context is a real local ipykernel (a
+`LocalKernelSandbox` used only as a process: the emulator talks to it over Jupyter's channels,
+`prefect_sandbox.testing.e2b.channel`, as the real server does). Its kernels run with the
+template's IPython profile (`prefect_sandbox.testing.e2b.profile`) and without envd's
+variables in their environment: they get those only from the lines the server puts before the
+first execution on each connection. Jupyter's restarter is played too: a kernel that died is
+found within ``dead_kernel_poll_s``, its running executions end with ``ContextRestarting`` and it
+is started again, at home (Jupyter's root folder), as is a kernel a context restart brings back.
+Everything here runs on the emulator's event loop; nothing here knows HTTP.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import uuid
@@ -24,20 +26,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from jupyter_client.asynchronous.client import AsyncKernelClient
-
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
-from prefect_sandbox.sandbox.base import CellResult
 from prefect_sandbox.sandbox.errors import SandboxDiedError
+from prefect_sandbox.testing.e2b.channel import KernelChannel
+from prefect_sandbox.testing.e2b.profile import write_template_profile
 
 __all__ = [
     "ENVD_VERSION",
     "HOME",
     "NOT_FOUND_MESSAGE",
-    "CellEvent",
     "ContextNotFoundError",
     "EmulatedContext",
     "EmulatedSandbox",
+    "RestartRefusedError",
     "UnsupportedLanguageError",
     "World",
 ]
@@ -51,7 +52,6 @@ NOT_FOUND_MESSAGE = "The sandbox was not found"
 LANGUAGES = frozenset({"python"})
 """Languages the emulator has kernels for (the real server also runs javascript, r, java...)."""
 _REAP_EVERY_S = 0.2
-_SILENT_TIMEOUT_S = 30.0
 # Folders every sandbox has from the start, as in E2B's images.
 _SANDBOX_FOLDERS = (HOME, "/tmp")
 
@@ -64,37 +64,17 @@ class UnsupportedLanguageError(ValueError):
     """A context of a language the emulator has no kernel for was asked for."""
 
 
+class RestartRefusedError(RuntimeError):
+    """A context restart that came while Jupyter was restarting a dead kernel (the real
+    server answers 500 once then)."""
+
+
 def normalize_language(language: str | None) -> str:
     """The language as the real server names it: lower case, ``js`` is javascript, None python."""
     if not language:
         return "python"
     language = language.lower().strip()
     return {"js": "javascript", "ts": "typescript"}.get(language, language)
-
-
-def env_code(env_vars: Mapping[str, str], indent: str) -> str:
-    """The lines the real server puts before a cell's code to set its environment variables.
-
-    Quoted as the real server quotes them (with no escaping), indented like the cell's first line.
-    """
-    return "\n".join(f"{indent}import os; os.environ['{k}'] = '{v}'" for k, v in env_vars.items())
-
-
-def first_indent(code: str) -> str:
-    """The indentation of the first non-blank line of ``code``."""
-    for line in code.split("\n"):
-        if line.strip():
-            return line[: len(line) - len(line.lstrip())]
-    return ""
-
-
-@dataclass(frozen=True)
-class CellEvent:
-    """What a running cell produced: ``output`` (an nbformat output), ``done`` (its
-    `CellResult`) or ``died`` (its kernel died; the context was restarted)."""
-
-    kind: str
-    value: Any = None
 
 
 @dataclass
@@ -105,19 +85,25 @@ class EmulatedContext:
     language: str
     cwd: str
     kernel: LocalKernelSandbox | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    cell: asyncio.Task[None] | None = None
+    channel: KernelChannel | None = None
+    restarter: asyncio.Task[None] | None = None
+    auto_restart: asyncio.Task[None] | None = None
+    refused_restart: bool = False
+    restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def model(self) -> dict[str, Any]:
         """The context as the server's JSON."""
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     async def stop(self) -> None:
-        """End the running cell and the kernel."""
-        if self.cell is not None:
-            self.cell.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.cell
+        """End the connection, the restarter and the kernel."""
+        for task in (self.restarter, self.auto_restart):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self.channel is not None:
+            await self.channel.close()
         if self.kernel is not None:
             await self.kernel.kill()
 
@@ -149,6 +135,15 @@ class EmulatedSandbox:
             "envdAccessToken": self.access_token,
             "trafficAccessToken": None,
             "domain": None,
+        }
+
+    def envd_envs(self) -> dict[str, str]:
+        """envd's ``GET /envs``: E2B's own variables and those given at creation."""
+        return {
+            "E2B_SANDBOX": "true",
+            "E2B_SANDBOX_ID": self.sandbox_id,
+            "E2B_TEMPLATE_ID": self.template_id,
+            **self.envs,
         }
 
     def detail_json(self) -> dict[str, Any]:
@@ -197,12 +192,14 @@ class World:
 
     Args:
         root: the folder under which each sandbox gets its own.
-        interrupt_grace_s: how long the kernels wait between interrupt attempts.
+        interrupt_delay_s: seconds from a client leaving an execution to the kernel's interrupt.
+        dead_kernel_poll_s: how often Jupyter's restarter looks for a dead kernel (seconds).
     """
 
-    def __init__(self, root: Path, interrupt_grace_s: float) -> None:
+    def __init__(self, root: Path, *, interrupt_delay_s: float, dead_kernel_poll_s: float) -> None:
         self.root = root
-        self.interrupt_grace_s = interrupt_grace_s
+        self.interrupt_delay_s = interrupt_delay_s
+        self.dead_kernel_poll_s = dead_kernel_poll_s
         self.sandboxes: dict[str, EmulatedSandbox] = {}
         self._reaper: asyncio.Task[None] | None = None
 
@@ -336,15 +333,26 @@ class World:
         return found
 
     async def restart_context(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
-        """Restart a context's kernel (state lost), after ending its running cell."""
-        if context.cell is not None:
-            context.cell.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await context.cell
-        async with context.lock:
-            assert context.kernel is not None
+        """Restart a context as the server does: close its connection (running executions end
+        with ``UnexpectedEndOfExecution``), restart the kernel (state lost, at home), open a new
+        connection (whose first execution gets envd's variables again).
+
+        Raises:
+            RestartRefusedError: Jupyter was restarting the dead kernel; refused once per
+                such restart, later calls wait for it.
+        """
+        if context.auto_restart is not None and not context.auto_restart.done():
+            if not context.refused_restart:
+                context.refused_restart = True
+                raise RestartRefusedError(f"Failed to restart context {context.id}")
+            await asyncio.shield(context.auto_restart)
+        async with context.restart_lock:
+            assert context.kernel is not None and context.channel is not None
+            await context.channel.close()
+            context.channel = None
             await context.kernel.restart()
-            await self._change_directory(sandbox, context)
+            self._connect(sandbox, context)
+            await self._change_directory(sandbox, context, HOME)
 
     @staticmethod
     async def remove_context(sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
@@ -362,10 +370,12 @@ class World:
         return normalized
 
     async def _start_kernel(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
+        ipython_dir = sandbox.root / "root" / ".ipython"
+        write_template_profile(ipython_dir)
         config = LocalKernelConfig(
             workdir_root=self.root / "_kernels",
-            env=sandbox.envs,
-            interrupt_grace_s=self.interrupt_grace_s,
+            # No envd variables: the kernel is Jupyter's child, not envd's.
+            env={"IPYTHONDIR": str(ipython_dir)},
             max_output_chars=None,
             # The kernel works in the emulated sandbox's folder on this machine, outside its
             # own working directory: a test double, not a boundary (see the README).
@@ -374,122 +384,60 @@ class World:
         kernel = await LocalKernelSandbox.create(config)
         try:
             context.kernel = kernel
-            await self._change_directory(sandbox, context)
+            self._connect(sandbox, context)
+            await self._change_directory(sandbox, context, context.cwd)
+            context.restarter = asyncio.create_task(self._restart_when_dead(sandbox, context))
         except BaseException:
-            context.kernel = None
+            if context.channel is not None:
+                await context.channel.close()
+            context.kernel = context.channel = None
             await kernel.kill()
             raise
 
-    async def _change_directory(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
-        # Home first: the kernel starts in a folder of the emulator, the real one at home.
+    def _connect(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
         assert context.kernel is not None
-        home, target = sandbox.local_path(HOME), sandbox.local_path(context.cwd)
-        await _run_silently(
-            context.kernel,
-            f"import os as _os\n_os.chdir({str(home)!r})\n"
-            f"try:\n    _os.chdir({str(target)!r})\nexcept OSError:\n    pass\ndel _os",
+        kernel = context.kernel
+        context.channel = KernelChannel(
+            Path(kernel.handle.connection["runtime_dir"]) / "connection.json",
+            interrupt=kernel.interrupt,
+            envd_envs=sandbox.envd_envs,
+            interrupt_delay_s=self.interrupt_delay_s,
         )
-
-    # --- cells ---------------------------------------------------------------------------
 
     @staticmethod
-    async def claim(context: EmulatedContext, abandoned: asyncio.Event) -> bool:
-        """Take the context's lock, cells running one at a time; False (and no lock) if
-        ``abandoned`` is set first."""
-        acquire = asyncio.create_task(context.lock.acquire())
-        left = asyncio.create_task(abandoned.wait())
-        await asyncio.wait({acquire, left}, return_when=asyncio.FIRST_COMPLETED)
-        left.cancel()
-        if not acquire.done():
-            acquire.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acquire
-            if not acquire.cancelled():
-                context.lock.release()
-            return False
-        if abandoned.is_set():
-            context.lock.release()
-            return False
-        return True
-
-    def start_cell(
-        self,
-        sandbox: EmulatedSandbox,
-        context: EmulatedContext,
-        code: str,
-        env_vars: Mapping[str, str],
-    ) -> asyncio.Queue[CellEvent]:
-        """Run a cell in a context whose lock the caller holds (`claim`); the lock is released
-        when the cell ends.
-
-        Returns:
-            The cell's events, in order (`CellEvent`); ``done`` or ``died`` comes last.
-        """
-        events: asyncio.Queue[CellEvent] = asyncio.Queue()
-        if env_vars:
-            code = f"{env_code(env_vars, first_indent(code))}\n{code}"
-        context.cell = asyncio.create_task(
-            self._run_cell(sandbox, context, code, dict(env_vars), events)
-        )
-        return events
-
-    async def _run_cell(
-        self,
-        sandbox: EmulatedSandbox,
-        context: EmulatedContext,
-        code: str,
-        env_vars: dict[str, str],
-        events: asyncio.Queue[CellEvent],
+    async def _change_directory(
+        sandbox: EmulatedSandbox, context: EmulatedContext, cwd: str
     ) -> None:
-        assert context.kernel is not None
-        try:
-            result: CellResult = await context.kernel.run_cell(
-                code, on_output=lambda output: events.put_nowait(CellEvent("output", output))
-            )
-            events.put_nowait(CellEvent("done", result))
-            if env_vars:
-                lines = "\n".join(f"import os; del os.environ['{k}']" for k in env_vars)
-                with contextlib.suppress(Exception):
-                    await _run_silently(context.kernel, lines)
-        except SandboxDiedError:
-            events.put_nowait(CellEvent("died"))
-            # Jupyter's restarter brings a dead kernel back, with its state lost.
-            await context.kernel.restart()
-            await self._change_directory(sandbox, context)
-        finally:
-            context.cell = None
-            context.lock.release()
-
-    @staticmethod
-    async def interrupt(context: EmulatedContext) -> None:
-        """Interrupt the context's running cell, as the server does when its client leaves."""
-        if context.kernel is not None and context.cell is not None and not context.cell.done():
-            await context.kernel.interrupt()
-
-
-async def _run_silently(kernel: LocalKernelSandbox, code: str) -> None:
-    """Run code as the real server runs its own (``silent``, out of the history): no
-    execution count, no output.
-
-    Raises:
-        SandboxDiedError: the kernel did not run it.
-    """
-    connection_file = Path(kernel.handle.connection["runtime_dir"]) / "connection.json"
-    client = AsyncKernelClient(connection_file=os.fspath(connection_file))
-    client.load_connection_file()
-    client.start_channels(stdin=False, hb=False)
-    try:
-        reply = await client.execute_interactive(
-            code,
-            silent=True,
-            store_history=False,
-            allow_stdin=False,
-            timeout=_SILENT_TIMEOUT_S,
-            output_hook=lambda msg: None,
+        """The server's silent ``%cd`` (or, after a restart, the kernel starting in Jupyter's
+        root folder, which is home); a folder that is not there leaves the kernel at home."""
+        assert context.channel is not None
+        home, target = sandbox.local_path(HOME), sandbox.local_path(cwd)
+        lines = await context.channel.run_background(
+            f"import os as _os\n_os.chdir({str(home)!r})\n"
+            f"try:\n    _os.chdir({str(target)!r})\nexcept OSError:\n    pass\ndel _os"
         )
-    except TimeoutError as exc:
-        raise SandboxDiedError(f"kernel did not answer: {exc}") from exc
-    finally:
-        client.stop_channels()
-    if reply["content"]["status"] != "ok":
-        raise SandboxDiedError(f"kernel refused {code!r}: {reply['content'].get('evalue')}")
+        errors = [line for line in lines if line["type"] == "error"]
+        if errors:
+            raise SandboxDiedError(f"kernel refused to change directory: {errors[0]['value']}")
+
+    async def _restart_when_dead(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
+        """Jupyter's restarter: a kernel found dead is started again (at home, state lost)."""
+        while True:
+            await asyncio.sleep(self.dead_kernel_poll_s)
+            async with context.restart_lock:
+                assert context.kernel is not None
+                try:
+                    context.kernel._check_alive()
+                    continue
+                except SandboxDiedError:
+                    logger.info("Context %s: kernel died; restarting it", context.id)
+                context.refused_restart = False
+                context.auto_restart = asyncio.create_task(self._auto_restart(sandbox, context))
+                await asyncio.shield(context.auto_restart)
+
+    async def _auto_restart(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
+        assert context.kernel is not None and context.channel is not None
+        await context.kernel.restart()
+        # Jupyter tells the connection once the new kernel is up; the connection stays.
+        context.channel.kernel_restarting()
+        await self._change_directory(sandbox, context, HOME)

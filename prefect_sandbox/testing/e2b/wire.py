@@ -1,15 +1,14 @@
-"""Pure pieces of the E2B emulator: its routes and which call a request is, and nbformat
-outputs as the code interpreter's NDJSON lines. No I/O."""
+"""Pure pieces of the E2B emulator: its routes and which call a request is, and MIME bundles
+as the code interpreter's ``result`` lines. No I/O."""
 
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
 from typing import Any
 
 from starlette.routing import compile_path
 
-__all__ = ["MIME_FIELDS", "ROUTES", "execute_lines", "operation_of", "result_fields"]
+__all__ = ["MIME_FIELDS", "ROUTES", "operation_of", "result_fields"]
 
 MIME_FIELDS = {
     "text/plain": "text",
@@ -40,6 +39,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/sandboxes/{sid}/connect", "connect"),
     # envd
     ("GET", "/health", "health"),
+    ("GET", "/envs", "envs"),
     ("GET", "/files", "download"),
     ("POST", "/files", "upload"),
     ("POST", "/filesystem.Filesystem/Stat", "stat"),
@@ -103,31 +103,3 @@ def result_fields(data: dict[str, Any], *, is_main_result: bool) -> dict[str, An
         else:
             line[field] = value
     return line
-
-
-def execute_lines(output: dict[str, Any], now: datetime | None = None) -> list[dict[str, Any]]:
-    """One nbformat output as the ``/execute`` NDJSON lines the real server sends for it.
-
-    Args:
-        output: an nbformat v4 output dict.
-        now: the timestamp for stream lines; the current time when None.
-
-    Returns:
-        The lines, as dicts to encode one per line.
-    """
-    kind = output["output_type"]
-    if kind == "stream":
-        timestamp = (now or datetime.now(UTC)).isoformat()
-        return [{"type": output["name"], "text": output["text"], "timestamp": timestamp}]
-    if kind in ("display_data", "execute_result"):
-        return [result_fields(output.get("data", {}), is_main_result=kind == "execute_result")]
-    if kind == "error":
-        return [
-            {
-                "type": "error",
-                "name": output["ename"],
-                "value": output["evalue"],
-                "traceback": "\n".join(output["traceback"]),
-            }
-        ]
-    return []
