@@ -9,6 +9,7 @@ isolates by other means (a container) is one more entry in `ISOLATING`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -17,23 +18,31 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox import isolation
+from prefect_sandbox.sandbox.backends.local import (
+    KERNEL_LOG_BYTES,
+    LocalKernelConfig,
+    LocalKernelSandbox,
+)
 from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
-from prefect_sandbox.sandbox.errors import SandboxUnavailableError
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxUnavailableError
 from prefect_sandbox.sandbox.isolation import (
     SANDBOX_HOME,
+    SANDBOX_USER,
     SandboxView,
     bwrap_command,
     limited_command,
     sandbox_view,
+    staged_command,
 )
 from tests.conftest import ROOT, stream_text
 
@@ -71,14 +80,20 @@ def isolated_backend(request: pytest.FixtureRequest) -> SandboxBackend:
     return _backend(request)
 
 
-@pytest.fixture
-async def sandbox(escape_backend: SandboxBackend) -> AsyncIterator[Sandbox]:
-    """A sandbox to escape from, made after the test's host set-up, killed afterwards."""
-    box = await escape_backend.create(LABELS)
+@contextlib.asynccontextmanager
+async def _created(backend: SandboxBackend) -> AsyncIterator[Sandbox]:
+    box = await backend.create(LABELS)
     try:
         yield box
     finally:
         await box.kill()
+
+
+@pytest.fixture
+async def sandbox(escape_backend: SandboxBackend) -> AsyncIterator[Sandbox]:
+    """A sandbox to escape from, made after the test's host set-up, killed afterwards."""
+    async with _created(escape_backend) as box:
+        yield box
 
 
 @pytest.fixture
@@ -172,11 +187,9 @@ async def test_a_canary_in_the_host_home_is_unreadable(host_home: Path, sandbox:
     assert not any(secret in json.dumps(found) for secret in SECRETS)
 
 
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A TCP server on the host's 127.0.0.1 (as Prefect's API is); yields its port."""
-    server = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
+@contextlib.contextmanager
+def _serving(server: socket.socket, handle: Callable[[socket.socket], None]) -> Iterator[None]:
+    """Accept connections on ``server`` in a thread, each given to ``handle``; close it after."""
 
     def accept() -> None:
         while True:
@@ -184,16 +197,31 @@ def host_listener() -> Iterator[int]:
                 connection, _ = server.accept()
             except OSError:
                 return
-            connection.sendall(b"host-listener-banner")
-            accepted.append(connection)
+            handle(connection)
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
-        yield server.getsockname()[1]
+        yield
     finally:
         server.close()
         thread.join(timeout=5)
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP server on the host's 127.0.0.1 (as Prefect's API is); yields its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def greet(connection: socket.socket) -> None:
+        connection.sendall(b"host-listener-banner")
+        accepted.append(connection)
+
+    try:
+        with _serving(server, greet):
+            yield server.getsockname()[1]
+    finally:
         for connection in accepted:
             connection.close()
 
@@ -355,6 +383,287 @@ async def test_writes_outside_the_working_directory_never_reach_the_host(
     assert [file.path for file in await sandbox.list_files("inside.txt")] == ["inside.txt"]
 
 
+def _host_workdir(sandbox: Sandbox) -> Path:
+    """The sandbox's working directory as a host path (a container's is a bind mount)."""
+    return Path(sandbox.handle.connection.get("host_workdir", sandbox.handle.workdir))
+
+
+_PRIVILEGE_CELL = """
+import json, os
+def host_uid(uid, uid_map):
+    for line in uid_map.splitlines():
+        inside, outside, count = map(int, line.split())
+        if inside <= uid < inside + count:
+            return outside + uid - inside
+    return None
+uid_map = open("/proc/self/uid_map").read()
+writable = []
+for root, dirs, files in os.walk("/proc/sys"):
+    for name in files:
+        path = os.path.join(root, name)
+        try:
+            os.close(os.open(path, os.O_WRONLY))
+        except OSError:
+            continue
+        writable.append(path)
+for path in ("/proc/sysrq-trigger", "/proc/sys/kernel/core_pattern"):
+    try:
+        with open(path, "w") as f:
+            f.write(open(path).read() if path.endswith("pattern") else "h")
+    except OSError:
+        continue
+    writable.append(path + " (written)")
+print(json.dumps({
+    "uid_map": uid_map,
+    "host_uid": host_uid(os.geteuid(), uid_map),
+    "maps_host_root": any(
+        int(outside) <= 0 < int(outside) + int(count)
+        for _, outside, count in (line.split() for line in uid_map.splitlines())
+    ),
+    "writable": writable,
+}))
+"""
+
+
+async def test_the_kernel_is_not_host_root_and_proc_sys_is_read_only(sandbox: Sandbox) -> None:
+    result = await sandbox.run_cell(_PRIVILEGE_CELL, timeout_s=120)
+    assert result.status == "ok", result.error
+    seen = json.loads(stream_text(result.outputs))
+    assert seen["host_uid"] not in (0, None), seen["uid_map"]
+    assert seen["writable"] == [], seen["writable"][:20]
+    if sandbox.handle.backend == "local":
+        # Not even a uid the kernel cannot take: no line of its map reaches host uid 0.
+        assert not seen["maps_host_root"], seen["uid_map"]
+
+
+async def test_the_local_kernels_processes_are_not_host_root_seen_from_the_host() -> None:
+    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        pid = int((Path(box.handle.connection["runtime_dir"]) / "kernel.pid").read_text())
+        spawned = await box.run_cell(
+            "import subprocess\nchild = subprocess.Popen(['sleep', '60'])", timeout_s=60
+        )
+        assert spawned.status == "ok", spawned.error
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        owners = {process.pid: process.uids() for process in tree}
+    finally:
+        await box.kill()
+    # bwrap, its init, the kernel and the cell's own child: four processes at least.
+    assert len(owners) >= 4, owners
+    if os.geteuid() == 0:
+        assert all(set(uids) == {65534} for uids in owners.values()), owners
+    else:
+        assert all(set(uids) == {os.getuid()} for uids in owners.values()), owners
+
+
+async def test_a_root_only_file_in_a_mounted_folder_is_unreadable(sandbox: Sandbox) -> None:
+    secret = f"root-only-secret-{uuid.uuid4().hex}"
+    folders = [_host_workdir(sandbox)]
+    if sandbox.handle.backend.startswith("local"):
+        folders.append(Path(sys.prefix))  # the kernel's Python environment, mounted
+    planted = [folder / f"root-only-{uuid.uuid4().hex}.key" for folder in folders]
+    for path in planted:
+        path.write_text(secret)
+        path.chmod(0o600)
+    try:
+        found = await _try_to_read(
+            sandbox, [*map(str, planted), "/etc/shadow", "/etc/ssl/private", "/etc/ssh"]
+        )
+    finally:
+        for path in planted:
+            path.unlink()
+    assert all(value.startswith("refused") for value in found.values()), found
+    assert secret not in json.dumps(found)
+
+
+async def test_memory_folders_hold_no_more_than_the_memory_limit() -> None:
+    limit = 1 << 30
+    box = await LocalKernelSandbox.create(LocalKernelConfig(memory_limit_bytes=limit))
+    try:
+        result = await box.run_cell(
+            "import json, os\n"
+            "sizes = {}\n"
+            "for path in ('/tmp', os.environ['HOME'], '/dev/shm'):\n"
+            "    st = os.statvfs(path)\n"
+            "    sizes[path] = st.f_blocks * st.f_frsize\n"
+            "try:\n"
+            "    open('/dev/planted', 'w')\n"
+            "    sizes['/dev'] = 'written'\n"
+            "except OSError as exc:\n"
+            "    sizes['/dev'] = type(exc).__name__\n"
+            "print(json.dumps(sizes))",
+            timeout_s=60,
+        )
+    finally:
+        await box.kill()
+    sizes = json.loads(stream_text(result.outputs))
+    assert sizes.pop("/dev") != "written"
+    assert sizes == {"/tmp": limit, SANDBOX_HOME: limit, "/dev/shm": limit}
+
+
+_NEW_NAMESPACE_CELL = """
+import ctypes, json, os, shutil, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+tried = {}
+for name, flags in (("user", 0x10000000), ("user+mount", 0x10020000)):
+    tried[name] = "made" if libc.unshare(flags) == 0 else os.strerror(ctypes.get_errno())
+if shutil.which("unshare"):
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "id", "-u"],
+                          capture_output=True, text=True)
+    tried["unshare(1)"] = done.stdout.strip() or done.stderr.strip()[-80:]
+# What a notebook needs still works: threads, and processes (glibc's clone3, then clone).
+thread = threading.Thread(target=lambda: tried.update(thread="ran"))
+thread.start()
+thread.join()
+tried["process"] = subprocess.run(["echo", "ran"], capture_output=True, text=True).stdout.strip()
+print(json.dumps(tried))
+"""
+
+
+async def test_a_cell_cannot_make_a_user_namespace(sandbox: Sandbox) -> None:
+    result = await sandbox.run_cell(_NEW_NAMESPACE_CELL, timeout_s=60)
+    assert result.status == "ok", result.error
+    tried = json.loads(stream_text(result.outputs))
+    assert tried.pop("thread") == "ran" and tried.pop("process") == "ran"
+    assert tried.pop("user") != "made" and tried.pop("user+mount") != "made"
+    # unshare(1) prints the uid it became; refused, it prints why.
+    assert tried.get("unshare(1)", "refused") != "0", tried
+
+
+@pytest.fixture
+async def isolated_sandbox(isolated_backend: SandboxBackend) -> AsyncIterator[Sandbox]:
+    """A sandbox of each isolating backend, killed afterwards."""
+    async with _created(isolated_backend) as box:
+        yield box
+
+
+_IGNORE_SIGINT_FOREVER = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "while True: time.sleep(0.01)"
+)
+
+_PLANT_IPYTHON_LINKS_CELL = """
+import os, shutil
+profile = os.path.join(os.environ["IPYTHONDIR"], "profile_default")
+config = os.path.join(profile, "ipython_kernel_config.py")
+startup = os.path.join(profile, "startup")
+os.remove(config)
+os.symlink(%r, config)
+shutil.rmtree(startup)
+os.symlink(%r, startup)
+print(os.readlink(config), os.readlink(startup))
+"""
+
+
+async def test_a_restart_after_links_planted_in_the_ipython_folder_touches_no_host_file(
+    tmp_path: Path, isolated_sandbox: Sandbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    host_file = tmp_path / "host-config.py"
+    host_file.write_text("host-original")
+    before = host_file.stat()
+    host_folder = tmp_path / "host-folder"
+    host_folder.mkdir()
+    planted = await isolated_sandbox.run_cell(
+        _PLANT_IPYTHON_LINKS_CELL % (str(host_file), str(host_folder)), timeout_s=60
+    )
+    assert planted.status == "ok", planted.error
+    assert stream_text(planted.outputs) == f"{host_file} {host_folder}\n"
+    # Ignores SIGINT: the timeout ends in a restart, which writes the kernel's IPython files.
+    stuck = await isolated_sandbox.run_cell(_IGNORE_SIGINT_FOREVER, timeout_s=0.5)
+    assert stuck.status == "timeout" and stuck.state_lost
+    after = await isolated_sandbox.run_cell("print('restarted')", timeout_s=60)
+    assert stream_text(after.outputs) == "restarted\n"
+    assert host_file.read_text() == "host-original"
+    assert host_file.stat().st_mtime_ns == before.st_mtime_ns
+    assert list(host_folder.iterdir()) == []
+    if isolated_sandbox.handle.backend == "local":
+        # Local kernels rewrite their IPython files at a restart: each link is named.
+        warned = [record.getMessage() for record in caplog.records]
+        profile = (
+            Path(isolated_sandbox.handle.connection["runtime_dir"]) / "ipython/profile_default"
+        )
+        for path in (profile / "ipython_kernel_config.py", profile / "startup"):
+            assert any(f"{path} was replaced from inside the sandbox" in line for line in warned)
+
+
+async def test_the_kernel_writes_the_files_and_folders_uploaded_for_it(
+    tmp_path: Path, isolated_sandbox: Sandbox
+) -> None:
+    source = tmp_path / "in.csv"
+    source.write_text("a\n")
+    await isolated_sandbox.upload(source, "data/deep/in.csv")
+    result = await isolated_sandbox.run_cell(
+        "open('data/deep/in.csv', 'a').write('b\\n')\n"
+        "open('data/deep/out.txt', 'w').write('out')\n"
+        "open('data/beside.txt', 'w').write('beside')\n"
+        "print(open('data/deep/in.csv').read(), end='')",
+        timeout_s=60,
+    )
+    assert result.status == "ok", result.error
+    assert stream_text(result.outputs) == "a\nb\n"
+
+
+@pytest.fixture
+def host_unix_listener(tmp_path: Path) -> Iterator[tuple[Path, list[bytes]]]:
+    """A Unix socket server on the host, as a daemon's; yields its path and what it got."""
+    path = tmp_path / "host.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+    received: list[bytes] = []
+
+    def record(connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(2)
+            try:
+                received.append(connection.recv(1000) or b"(connected)")
+            except OSError:
+                received.append(b"(connected)")
+
+    with _serving(server, record):
+        yield path, received
+
+
+_SWAP_SOCKETS_CELL = """
+import glob, os
+from ipykernel.kernelapp import IPKernelApp
+swapped = []
+for path in glob.glob(IPKernelApp.instance().ip + "-*"):
+    os.remove(path)
+    os.symlink(%r, path)
+    swapped.append(os.path.basename(path))
+print(len(swapped))
+"""
+
+
+async def test_sockets_swapped_for_links_never_lead_the_host_to_another_socket(
+    host_unix_listener: tuple[Path, list[bytes]],
+    isolated_backend: SandboxBackend,
+    isolated_sandbox: Sandbox,
+) -> None:
+    host_socket, received = host_unix_listener
+    swapped = await isolated_sandbox.run_cell(_SWAP_SOCKETS_CELL % str(host_socket), timeout_s=60)
+    assert swapped.status == "ok", swapped.error
+    assert int(stream_text(swapped.outputs)) >= 2  # shell and iopub at least
+    # Each task of a run attaches anew: a new client, connecting by name.
+    for _ in range(3):
+        again = await isolated_backend.attach(isolated_sandbox.handle)
+        try:
+            result = await again.run_cell("print('still mine')", timeout_s=60)
+        finally:
+            await again.close()
+        assert stream_text(result.outputs) == "still mine\n"
+    # A forced restart starts a kernel on the same names, and connects again.
+    swapped = await isolated_sandbox.run_cell(_SWAP_SOCKETS_CELL % str(host_socket), timeout_s=60)
+    assert swapped.status == "ok", swapped.error
+    stuck = await isolated_sandbox.run_cell(_IGNORE_SIGINT_FOREVER, timeout_s=0.5)
+    assert stuck.status == "timeout" and stuck.state_lost
+    after = await isolated_sandbox.run_cell("print('restarted')", timeout_s=60)
+    assert stream_text(after.outputs) == "restarted\n"
+    assert received == []
+
+
 @pytest.mark.usefixtures("prefect_api")
 async def test_the_co2_main_job_passes_isolated(
     isolated_backend: SandboxBackend, tmp_path: Path
@@ -392,6 +701,10 @@ async def test_without_bwrap_create_says_how_to_install_it_and_starts_nothing() 
 
 async def test_a_bwrap_that_cannot_make_namespaces_is_reported(tmp_path: Path) -> None:
     # What bwrap prints where user namespaces are off (a locked-down container, a sysctl).
+    # It runs as nobody when we are root: its folders must let nobody in.
+    for folder in [tmp_path, *tmp_path.parents]:
+        if folder.stat().st_uid == os.getuid():
+            folder.chmod(folder.stat().st_mode | 0o011)
     fake = tmp_path / "bwrap"
     fake.write_text(
         "#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n"
@@ -446,6 +759,7 @@ async def test_runtime_folder_is_private_holds_only_its_own_and_goes_at_kill() -
                     str(runtime_dir.parent),
                     str(runtime_dir / "kernel.pid"),
                     str(runtime_dir / "handle.json"),
+                    str(runtime_dir / "connection.json"),
                 ],
             )
         )
@@ -460,12 +774,14 @@ async def test_runtime_folder_is_private_holds_only_its_own_and_goes_at_kill() -
         after = [(runtime_dir / name).read_text() for name in ("kernel.pid", "handle.json")]
     finally:
         await box.kill()
-    # It sees of its runtime folder only what it needs: the connection file (read-only), the
-    # sockets' folder and its IPython folder; never the pid and handle files this side trusts.
-    assert found[str(runtime_dir)] == "listed: connection.json ipc ipython"
+    # It sees of its runtime folder only what it needs: its connection file (read-only), the
+    # sockets' folder and its IPython folder; never the pid and handle files this side trusts,
+    # nor the host's connection file (naming the sockets pinned where only the host writes).
+    assert found[str(runtime_dir)] == "listed: ipc ipython kernel.json"
     assert found[str(runtime_dir.parent)] == f"listed: {runtime_dir.name}"
     assert found[str(runtime_dir / "kernel.pid")].startswith("refused")
     assert found[str(runtime_dir / "handle.json")].startswith("refused")
+    assert found[str(runtime_dir / "connection.json")].startswith("refused")
     assert after[0] == pid and after[1].startswith("{")
     assert not runtime_dir.exists()
 
@@ -483,6 +799,58 @@ async def test_the_kernel_sees_an_empty_home_and_tmp_and_only_loopback() -> None
     home, listing, interfaces, pid = json.loads(stream_text(result.outputs))
     assert (home, listing, interfaces) == (SANDBOX_HOME, [], ["lo"])
     assert pid < 10  # its own PID namespace
+
+
+async def test_a_memory_limit_too_small_to_start_a_kernel_says_so() -> None:
+    config = LocalKernelConfig(memory_limit_bytes=16 << 20)
+    labels = {**LABELS, "test": uuid.uuid4().hex}
+    with pytest.raises(SandboxDiedError) as info:
+        await LocalKernelSandbox.create(config, labels)
+    assert "at start-up" in str(info.value)
+    assert f"memory_limit_bytes={16 << 20} may be too little" in str(info.value)
+    assert await LocalKernelSandbox.list_handles(config, labels) == []
+
+
+_ALLOCATE = "import sys; hog = bytearray(int(sys.argv[1]) << 20); print('allocated')"
+
+
+async def test_half_a_gib_starts_a_kernel_and_bounds_each_of_its_processes() -> None:
+    box = await LocalKernelSandbox.create(LocalKernelConfig(memory_limit_bytes=512 << 20))
+    try:
+        bomb = await box.run_cell("hog = bytearray(1 << 30)", timeout_s=60)
+        children = await box.run_cell(
+            "import subprocess, sys\n"
+            f"run = lambda mib: subprocess.run([sys.executable, '-c', {_ALLOCATE!r}, str(mib)],"
+            " capture_output=True, text=True)\n"
+            "print([run(mib).stdout.strip() or run(mib).stderr.strip().splitlines()[-1]"
+            " for mib in (300, 300, 1024)])",
+            timeout_s=120,
+        )
+    finally:
+        await box.kill()
+    assert bomb.error is not None and bomb.error.ename == "MemoryError"
+    # The limit is each process's, not a total: two children of 300 MiB each fit, 1 GiB not.
+    assert stream_text(children.outputs) == "['allocated', 'allocated', 'MemoryError']\n"
+
+
+async def test_the_kernel_log_keeps_at_most_its_cap_of_what_a_cell_writes_to_fd_1() -> None:
+    box = await LocalKernelSandbox.create(LocalKernelConfig())
+    log = Path(box.handle.connection["runtime_dir"]) / "kernel.log"
+    try:
+        result = await box.run_cell(
+            "import os\nchunk = b'x' * (1 << 20)\n"
+            "for _ in range(96):\n    os.write(1, chunk)\n    os.write(2, chunk)\n"
+            "print('done')",
+            timeout_s=300,
+        )
+        assert result.status == "ok", result.error
+        assert "done" in stream_text(result.outputs)
+        size = log.stat().st_size
+        tail = log.read_bytes()[-200:]
+    finally:
+        await box.kill()
+    assert KERNEL_LOG_BYTES <= size <= KERNEL_LOG_BYTES + 200
+    assert tail.endswith(b"kernel.log is full; the rest is not kept]\n")
 
 
 # --- pure parts ---
@@ -503,6 +871,8 @@ def test_bwrap_command_mounts_in_order_and_shares_the_network_only_if_asked() ->
     mounts = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1) if argv[i].startswith("--")]
     order = [(flag, path) for flag, path in mounts if flag in {"--tmpfs", "--ro-bind", "--bind"}]
     assert order == [
+        ("--ro-bind", "/proc/sys"),
+        ("--tmpfs", "/dev/shm"),
         ("--tmpfs", "/tmp"),
         ("--tmpfs", SANDBOX_HOME),
         ("--ro-bind", "/usr"),
@@ -512,6 +882,41 @@ def test_bwrap_command_mounts_in_order_and_shares_the_network_only_if_asked() ->
         ("--bind", "/run/k/ipc"),
     ]
     assert ("--cap-drop", "ALL") in mounts and ("--remount-ro", "/") in mounts
+    assert ("--uid", "0") in mounts and ("--remount-ro", "/dev") in mounts
+    assert "--size" not in argv
+    sized = bwrap_command("bwrap", SandboxView((), (), (), tmpfs_size_bytes=4096), ["x"])
+    assert [sized[i + 1 : i + 4] for i, arg in enumerate(sized) if arg == "--size"] == [
+        ["4096", "--tmpfs", folder] for folder in ("/dev/shm", "/tmp", SANDBOX_HOME)
+    ]
+
+
+def test_staged_command_mounts_every_bound_path_at_the_stage_and_drops_root() -> None:
+    view = SandboxView(links=(), read_only=("/usr", "/root/venv"), writable=("/run/k/ipc",))
+    argv = bwrap_command("/usr/bin/bwrap", view, ["python", "--bind", "/x"], seccomp_fd=9)
+    assert argv[argv.index("--seccomp") + 1] == "9"
+    staged = staged_command(argv, python="/py")
+    if os.geteuid() != 0:
+        assert staged == argv
+        return
+    assert staged[:4] == [
+        "/py",
+        "-I",
+        "-S",
+        str(Path(isolation.__file__).with_name("_drop_root.py")),
+    ]
+    spec = json.loads(staged[4])
+    assert spec["sources"] == ["/proc/sys", "/usr", "/root/venv", "/run/k/ipc"]
+    assert (spec["uid"], spec["gid"]) == SANDBOX_USER
+    stage = spec["stage"]
+    # The same argv, each bound path replaced by its staged name; the command left alone.
+    expected = [
+        f"{stage}/{spec['sources'].index(arg)}"
+        if arg in spec["sources"] and argv[index - 1] in {"--bind", "--ro-bind"}
+        else arg
+        for index, arg in enumerate(argv)
+    ]
+    assert spec["argv"] == expected
+    assert spec["argv"][-3:] == ["python", "--bind", "/x"]
 
 
 def test_sandbox_view_holds_the_python_environment_and_nothing_twice(tmp_path: Path) -> None:
@@ -526,7 +931,7 @@ def test_sandbox_view_holds_the_python_environment_and_nothing_twice(tmp_path: P
 
 
 def test_limited_command_sets_limits_before_the_command_starts() -> None:
-    probe = "ulimit -v; ulimit -S -t; ulimit -H -t; grep SigIgn /proc/self/status"
+    probe = "ulimit -d; ulimit -S -t; ulimit -H -t; grep SigIgn /proc/self/status"
     argv = limited_command(["/bin/sh", "-c", probe], memory_limit_bytes=3 << 30, cpu_time_limit_s=7)
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     lines = done.stdout.split("\n")

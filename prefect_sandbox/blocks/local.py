@@ -89,13 +89,20 @@ class LocalKernelBackend(SandboxBackend):
         default=None,
         gt=0,
         title="Memory limit (bytes)",
-        description="Address-space limit of the kernel and its children; empty for none.",
+        description=(
+            "Memory each process of the sandbox (the kernel, and each process it starts) may "
+            "allocate, not a total; past it allocations fail with MemoryError. Also the most "
+            "its /tmp, HOME and /dev/shm each hold. Empty for none."
+        ),
     )
     cpu_time_limit_s: int | None = Field(
         default=None,
         gt=0,
         title="CPU-time limit (s)",
-        description="CPU seconds the kernel may use in all; past it the kernel dies.",
+        description=(
+            "CPU seconds each process of the sandbox may use, not a total; past it that "
+            "process dies (the kernel: the sandbox dies). Empty for none."
+        ),
     )
 
     isolation: Isolation = Field(

@@ -12,9 +12,10 @@ configured, plus ``HOME=/tmp`` and the image's own. Docker's init (tini) is PID 
 reaped, signals reach the kernel, and a kernel killed by signal N exits the container with
 128+N.
 
-The host side keeps its own copy of the connection file (the same key, the sockets' paths
-through the mount) in the sandbox's private runtime folder (mode 0700), beside the kernel folder
-it mounts; the container can write only that kernel folder and ``/work``.
+The host side keeps its own copy of the connection file (the same key; the sockets as links it
+pinned and checked in ``sock/``, never by their names in the kernel folder, which the container
+may replace) in the sandbox's private runtime folder (mode 0700), beside the kernel folder it
+mounts; the container can write only that kernel folder and ``/work``.
 Files go in through Docker's archive API (``put_archive``), which resolves paths inside the
 container, so a symlink the sandbox made never leads the host to write a host file; paths that
 leave ``/work`` are refused before that. Files come out, and are listed, through the bind mount
@@ -200,10 +201,16 @@ class DockerSandbox(JupyterKernelSandbox):
         self._container = container
         self._alive_at = 0.0
         self._host_workdir = Path(handle.connection["host_workdir"])
-        # The host's copy of the connection file: the same key, the sockets' paths through
-        # the mount.
-        connection_file = Path(handle.connection["runtime_dir"]) / "connection.json"
-        super().__init__(handle, config, connection_file, self._host_workdir)
+        # The host's copy of the connection file: the same key, the sockets pinned beside it.
+        runtime_dir = Path(handle.connection["runtime_dir"])
+        super().__init__(
+            handle,
+            config,
+            runtime_dir / "connection.json",
+            self._host_workdir,
+            kernel_sockets=runtime_dir / "kernel" / "k",
+            socket_owner=int(handle.connection["user"].split(":")[0]),
+        )
 
     @classmethod
     async def create(
@@ -425,7 +432,10 @@ class DockerSandbox(JupyterKernelSandbox):
         """Restart the container: a fresh kernel, the same working directory and handle."""
         await self.close()
         try:
-            await asyncio.to_thread(_restart_container, self._container)
+            await asyncio.to_thread(_stop_container, self._container)
+            # Stopped, it writes nothing: its old sockets go, not to be taken for new ones.
+            self._clear_sockets()
+            await asyncio.to_thread(self._container.start)
         except Exception as exc:
             with portable_chain():
                 raise _api_error(exc, "restart", self._handle.sandbox_id) from exc
@@ -499,9 +509,10 @@ def _prepare_folders(runtime_dir: Path, host_workdir: Path, uid: int, gid: int) 
         key=key,
         transport="ipc",
     )
+    # The host reaches the sockets only through links it pins in its own folder.
     write_connection_file(
         fname=str(runtime_dir / "connection.json"),
-        ip=str(kernel_dir / "k"),
+        ip=str(runtime_dir / "sock" / "k"),
         key=key,
         transport="ipc",
     )
@@ -568,12 +579,11 @@ def _run_container(
             ) from exc
 
 
-def _restart_container(container: Container) -> None:
+def _stop_container(container: Container) -> None:
     sdk = import_sdk()
     with contextlib.suppress(sdk.errors.APIError):  # 409: it is not running
         container.kill()
     container.wait(timeout=_STOP_WAIT_S)
-    container.start()
 
 
 def _destroy(handle: SandboxHandle, config: DockerSandboxConfig) -> bool:

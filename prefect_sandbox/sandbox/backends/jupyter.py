@@ -18,7 +18,9 @@ import abc
 import asyncio
 import hmac
 import logging
+import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -29,6 +31,7 @@ import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.session import Session
 
+from prefect_sandbox.sandbox.backends.kernel_sockets import check_pinned, clear_sockets, pin_sockets
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -44,6 +47,7 @@ from prefect_sandbox.sandbox.paths import checked_upload_source, resolve_inside
 from prefect_sandbox.sandbox.workdir import copy_out, list_workdir
 
 __all__ = [
+    "STARTUP_FILE_NAME",
     "STREAM_MESSAGE_CHARS",
     "JupyterKernelConfig",
     "JupyterKernelSandbox",
@@ -63,6 +67,9 @@ _HEADER_BYTES = 64 * 1024
 """Bytes of a header (or parent header) at most that an over-large message is read for."""
 
 logger = logging.getLogger(__name__)
+
+STARTUP_FILE_NAME = "00-prefect-sandbox.py"
+"""Our startup file's name in ``profile_default/startup`` (see `write_ipython_startup`)."""
 
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
@@ -166,19 +173,83 @@ del _UnboundedSendContext
 """
 
 
-def write_ipython_startup(ipython_dir: Path) -> None:
+def write_ipython_startup(ipython_dir: Path) -> list[Path]:
     """Put our kernel config and startup file in a kernel's ``IPYTHONDIR``.
 
     The config file lifts the iopub send limit (no output is dropped for a slow reader); the
     startup file bounds the size of each ``stream`` message (`STREAM_MESSAGE_CHARS`), and
     makes a process forked by a cell send outputs only and stop where its copy of the cell
-    ends (else it sends the cell's idle status, and spins as a kernel nothing can reach).
+    ends (else it sends the cell's idle status, and spins as a kernel nothing can reach). The
+    kernel may write that folder, so nothing in it is followed or written through: each
+    folder is opened from its parent without following links, each file is removed and made
+    anew (never writing into a link, or a hard link, the kernel left there), and a link or
+    other file found where our folder or file goes is removed and reported. What else the
+    folder holds (history, the user's own startup files) stays.
+
+    Args:
+        ipython_dir: the folder; made if missing.
+
+    Returns:
+        The paths where something other than a folder or a regular file stood (a link planted
+        from inside the sandbox), each removed; empty when there was none.
     """
-    profile = ipython_dir / "profile_default"
-    startup = profile / "startup" / "00-prefect-sandbox.py"
-    startup.parent.mkdir(parents=True, exist_ok=True)
-    startup.write_text(_STARTUP_CODE)
-    (profile / "ipython_kernel_config.py").write_text(_KERNEL_CONFIG_CODE)
+    ipython_dir.mkdir(parents=True, exist_ok=True)
+    replaced: list[Path] = []
+    folder = os.open(ipython_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        profile = _own_folder(folder, ipython_dir / "profile_default", replaced)
+        try:
+            startup = _own_folder(profile, ipython_dir / "profile_default" / "startup", replaced)
+            try:
+                startup_file = ipython_dir / "profile_default" / "startup" / STARTUP_FILE_NAME
+                _own_file(startup, startup_file, _STARTUP_CODE, replaced)
+            finally:
+                os.close(startup)
+            config_file = ipython_dir / "profile_default" / "ipython_kernel_config.py"
+            _own_file(profile, config_file, _KERNEL_CONFIG_CODE, replaced)
+        finally:
+            os.close(profile)
+    finally:
+        os.close(folder)
+    return replaced
+
+
+def _remove_entry(parent: int, path: Path) -> None:
+    """Remove ``path``, an entry of the folder ``parent`` is open on, never following a link."""
+    if stat.S_ISDIR(os.stat(path.name, dir_fd=parent, follow_symlinks=False).st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path.name, dir_fd=parent)
+
+
+def _own_folder(parent: int, path: Path, replaced: list[Path]) -> int:
+    """Open the folder ``path`` (an entry of ``parent``) without following links, making it if
+    need be; anything else standing there is removed first and recorded in ``replaced``."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        return os.open(path.name, flags, dir_fd=parent)
+    except FileNotFoundError:
+        pass
+    except OSError:  # a link (ELOOP) or a file (ENOTDIR)
+        replaced.append(path)
+        _remove_entry(parent, path)
+    os.mkdir(path.name, 0o755, dir_fd=parent)
+    return os.open(path.name, flags, dir_fd=parent)
+
+
+def _own_file(parent: int, path: Path, text: str, replaced: list[Path]) -> None:
+    """Write the file ``path`` (an entry of ``parent``) anew (see `write_ipython_startup`)."""
+    try:
+        mode = os.stat(path.name, dir_fd=parent, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(mode):
+            replaced.append(path)
+        _remove_entry(parent, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with open(os.open(path.name, flags, 0o644, dir_fd=parent), "w") as file:
+        file.write(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,11 +299,18 @@ class JupyterKernelSandbox(Sandbox):
     ends with `_reconnect`) and `kill`. This class drives the kernel and the working directory,
     which is a folder on this machine.
 
+    The kernel's IPC sockets are reached only through links pinned in a folder of the host's
+    (`prefect_sandbox.sandbox.backends.kernel_sockets`): ``connection_file`` names that
+    folder, and `_handshake` pins the sockets there first if need be. A subclass that starts
+    a kernel again on the same sockets calls `_clear_sockets` while none runs.
+
     Args:
         handle: the sandbox's handle.
         config: its settings.
-        connection_file: the kernel's connection file.
+        connection_file: the host's connection file, naming the pinned sockets.
         workdir: the working directory, as a path on this machine.
+        kernel_sockets: the IPC prefix the kernel binds, as a path on this machine.
+        socket_owner: the host uid the kernel runs as (its sockets are that user's).
     """
 
     _config: JupyterKernelConfig
@@ -243,11 +321,16 @@ class JupyterKernelSandbox(Sandbox):
         config: JupyterKernelConfig,
         connection_file: Path,
         workdir: Path,
+        *,
+        kernel_sockets: Path,
+        socket_owner: int,
     ) -> None:
         self._handle = handle
         self._config = config
         self._connection_file = connection_file
         self._workdir = workdir
+        self._kernel_sockets = kernel_sockets
+        self._socket_owner = socket_owner
         self._client = _new_client(connection_file)
         self._ready = False
         self._late: dict[str, OutputCollector] = {}
@@ -446,9 +529,42 @@ class JupyterKernelSandbox(Sandbox):
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
 
+    async def _pin_sockets(self) -> None:
+        """Pin the kernel's sockets (see `kernel_sockets`) unless they are already pinned.
+
+        Raises:
+            SandboxDiedError: the kernel ended, or made no sockets in time.
+            UnsafePathError: a socket was replaced from inside the sandbox.
+        """
+        connection = self._client.get_connection_info()
+        pinned = Path(str(connection["ip"]))
+        try:
+            check_pinned(pinned, connection, self._socket_owner, self._handle.sandbox_id)
+            return
+        except FileNotFoundError:
+            pass
+        await pin_sockets(
+            self._kernel_sockets,
+            pinned,
+            connection,
+            owner_uid=self._socket_owner,
+            sandbox_id=self._handle.sandbox_id,
+            check_alive=self._check_alive,
+            timeout_s=self._config.startup_timeout_s,
+        )
+        # The client's first connects found no socket; zmq would retry only in 100 ms.
+        await self.close()
+        self._client = _new_client(self._connection_file)
+
+    def _clear_sockets(self) -> None:
+        """Remove the kernel's sockets and their pinned links: call while no kernel runs."""
+        connection = self._client.get_connection_info()
+        clear_sockets([self._kernel_sockets, Path(str(connection["ip"]))], connection)
+
     async def _handshake(self) -> None:
         """Wait until the kernel answers and our iopub subscription receives its messages."""
         deadline = time.monotonic() + self._config.startup_timeout_s
+        await self._pin_sockets()
         while time.monotonic() < deadline:
             self._check_alive()
             msg_id = self._client.kernel_info()

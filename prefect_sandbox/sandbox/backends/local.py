@@ -13,10 +13,15 @@ it runs under bubblewrap (`prefect_sandbox.sandbox.isolation`).
 Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
 labels), so ``attach(handle)`` works from another thread or another process on this machine.
 The folder is private (mode 0700) and removed at kill; an isolated kernel sees of it only its
-connection file (read-only), its sockets' folder and its IPython folder.
+connection file (``kernel.json``, read-only), its sockets' folder (``ipc/``) and its IPython
+folder. The host's own connection file (``connection.json``) names the sockets as links it
+pinned in ``sock/`` (`prefect_sandbox.sandbox.backends.kernel_sockets`), so a cell that swaps
+its sockets never leads the host elsewhere.
 The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
 the size of each ``stream`` message (`write_ipython_startup`); a user's ``IPYTHONDIR`` in the
-configured env replaces it, and that bound with it.
+configured env replaces it, and that bound with it. At a restart our files there are written
+anew without following any link the last kernel left. What the kernel's processes print to
+fds 1 and 2 goes to ``kernel.log``, at most `KERNEL_LOG_BYTES` of it.
 
 With ``warm_pool_size`` set, `LocalKernelSandbox.create` hands out a kernel that this process
 started ahead of time with the same settings (`prefect_sandbox.sandbox.backends.warm_pool`):
@@ -30,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import secrets
@@ -50,6 +56,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKerne
 from jupyter_client.launcher import launch_kernel
 
 from prefect_sandbox.sandbox.backends.jupyter import (
+    STARTUP_FILE_NAME,
     JupyterKernelConfig,
     JupyterKernelSandbox,
     write_ipython_startup,
@@ -62,15 +69,21 @@ from prefect_sandbox.sandbox.isolation import (
     SANDBOX_ENV,
     Isolation,
     bwrap_command,
+    bwrap_sizes_tmpfs,
     check_bwrap,
     limited_command,
+    sandbox_user,
     sandbox_view,
+    seccomp_filter,
+    staged_command,
 )
 from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
+from prefect_sandbox.sandbox.paths import resolve_inside
 
 __all__ = [
     "BACKEND_SLUG",
     "HOST_ENV_ALLOW_LIST",
+    "KERNEL_LOG_BYTES",
     "LocalKernelConfig",
     "LocalKernelSandbox",
     "kill_orphaned_pool_kernels",
@@ -90,11 +103,26 @@ _launched: dict[str, subprocess.Popen[bytes]] = {}
 # One guard per kernel: it kills the kernel's whole process group if this process dies.
 _guards: dict[str, subprocess.Popen[bytes]] = {}
 
+KERNEL_LOG_BYTES = 1 << 20
+"""The most a sandbox's ``kernel.log`` (what its processes write to fds 1 and 2) holds."""
+
 # ipykernel's parent poller ends the kernel when its parent dies, but not the kernel's own
 # children; this guard, in a session of its own, kills the whole group. Exits once it is gone.
+# It also writes what the kernel's processes print (on its stdin, a pipe) to kernel.log, up to
+# KERNEL_LOG_BYTES in all, and drops the rest, so that no cell can fill the host's disk there.
 _GUARD_CODE = """
-import os, signal, sys, time
-parent, group = int(sys.argv[1]), int(sys.argv[2])
+import os, select, signal, sys
+parent, group, log = int(sys.argv[1]), int(sys.argv[2]), open(sys.argv[3], "ab")
+room = int(sys.argv[4]) - os.fstat(log.fileno()).st_size
+def keep(data):
+    global room
+    if room > 0:
+        log.write(data[:room])
+        if len(data) >= room:
+            log.write(b"\\n[prefect-sandbox: kernel.log is full; the rest is not kept]\\n")
+        log.flush()
+    room -= len(data)
+reading = True
 while True:
     try:
         os.killpg(group, 0)
@@ -106,7 +134,16 @@ while True:
         except ProcessLookupError:
             pass
         break
-    time.sleep(0.5)
+    if select.select([0] if reading else [], [], [], 0.5)[0]:
+        data = os.read(0, 1 << 16)
+        reading = bool(data)  # at the end, all writers gone: watch the group alone
+        keep(data)
+os.set_blocking(0, False)
+try:
+    while reading and (data := os.read(0, 1 << 16)):
+        keep(data)
+except BlockingIOError:
+    pass
 """
 
 
@@ -119,10 +156,14 @@ class LocalKernelConfig(JupyterKernelConfig):
         workdir_root: a folder under which each sandbox gets its own working directory; None
             for a fresh temporary directory.
         env: variables the kernel gets besides `HOST_ENV_ALLOW_LIST`.
-        memory_limit_bytes: address-space limit (``RLIMIT_AS``) of the kernel and its children;
-            None for none. Past it allocations fail with ``MemoryError``.
-        cpu_time_limit_s: CPU-time limit (``RLIMIT_CPU``) of the kernel process, in seconds
-            since its start; past it the kernel gets ``SIGXCPU`` and dies. None for none.
+        memory_limit_bytes: the memory EACH process of the sandbox may allocate (``RLIMIT_DATA``:
+            heap and private writable mappings), the kernel and every process it starts alike,
+            not a total; past it allocations fail (``MemoryError``). With bubblewrap, also the
+            most each of its ``/tmp``, ``HOME`` and ``/dev/shm`` holds. A kernel needs some
+            100 MiB to start; one that dies of too little says so. None for no limit.
+        cpu_time_limit_s: the CPU seconds EACH process of the sandbox may use
+            (``RLIMIT_CPU``), not a total: past it that process gets ``SIGXCPU`` and dies
+            (the kernel: the sandbox dies). None for no limit.
         isolation: ``"bubblewrap"`` runs the kernel under ``bwrap`` (see
             `prefect_sandbox.sandbox.isolation`): it sees only its working directory
             (writable), ``/usr`` and its Python environment (read-only), a fresh ``/tmp`` and
@@ -191,8 +232,17 @@ class LocalKernelSandbox(JupyterKernelSandbox):
 
     def __init__(self, handle: SandboxHandle, config: LocalKernelConfig) -> None:
         self._pid = _read_pid(handle)
-        connection_file = Path(handle.connection["runtime_dir"]) / "connection.json"
-        super().__init__(handle, config, connection_file, Path(handle.workdir))
+        # True from a launch until the kernel first answers: a death then is a failed start.
+        self._starting = False
+        runtime_dir = Path(handle.connection["runtime_dir"])
+        super().__init__(
+            handle,
+            config,
+            runtime_dir / "connection.json",
+            Path(handle.workdir),
+            kernel_sockets=runtime_dir / "ipc" / "k",
+            socket_owner=_kernel_user(config)[0],
+        )
 
     @classmethod
     async def create(
@@ -303,18 +353,14 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             },
         )
         _write_handle(handle)
-        write_connection_file(
-            fname=str(runtime_dir / "connection.json"),
-            ip=str(runtime_dir / "ipc" / "k"),
-            key=secrets.token_hex(16).encode(),
-            transport="ipc",
-            kernel_name=config.kernel_name,
-        )
+        _write_connection_files(runtime_dir, config.kernel_name)
         sandbox: LocalKernelSandbox | None = None
         try:
             spec = _launch(handle, config)
             sandbox = cls(handle, config)
+            sandbox._starting = True
             await sandbox._handshake()
+            sandbox._starting = False
             kernelspec = {
                 "name": config.kernel_name,
                 "display_name": spec.display_name,
@@ -366,6 +412,14 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         """
         return _registered_handles(labels or {})
 
+    async def upload(self, src: Path, dest: str) -> None:
+        """Copy a local file into the working directory (see `Sandbox.upload`); the file and
+        the folders made for it are the kernel's user's, as the files the kernel makes."""
+        target = resolve_inside(self._workdir, dest)
+        made = [folder for folder in target.parents if not folder.exists()]
+        await super().upload(src, dest)
+        _hand_over([*reversed(made), target], self._config)
+
     async def interrupt(self) -> None:
         """Send SIGINT to the kernel's process group, as Jupyter does for ``signal`` mode."""
         try:
@@ -377,9 +431,12 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         """Kill the kernel and start a new one on the same sockets and working directory."""
         await self.close()
         _kill_process_group(self._handle.sandbox_id, self._pid)
+        self._clear_sockets()
         _launch(self._handle, self._config)
         self._pid = _read_pid(self._handle)
+        self._starting = True
         await self._reconnect()
+        self._starting = False
 
     async def kill(self) -> bool:
         """Kill the kernel and its children, and remove its files. Idempotent.
@@ -406,7 +463,56 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             return
         else:
             exit_code = signum = None
-        raise self._kernel_died(exit_code=exit_code, signal=signum, reason=reason)
+        cause = self._start_failure() if self._starting else None
+        raise self._kernel_died(exit_code=exit_code, signal=signum, cause=cause, reason=reason)
+
+    def _start_failure(self) -> str:
+        """Why a kernel died before it first answered: its log's last line, and the memory
+        limit when one is set (too little of it kills a kernel as it starts)."""
+        log = Path(self._handle.connection["runtime_dir"]) / "kernel.log"
+        try:
+            with log.open("rb") as file:
+                file.seek(max(0, log.stat().st_size - 4096))
+                lines = file.read().decode(errors="replace").strip().splitlines()
+        except FileNotFoundError:
+            lines = []
+        cause = "at start-up"
+        if lines:
+            cause += f", its last words {lines[-1].strip()[:300]!r}"
+        limit = self._config.memory_limit_bytes
+        if limit is not None:
+            cause += f" (memory_limit_bytes={limit} may be too little to start a kernel)"
+        return cause
+
+
+def _write_connection_files(runtime_dir: Path, kernel_name: str) -> None:
+    """The kernel's connection file (``kernel.json``: its sockets in ``ipc/``) and the host's
+    (``connection.json``: the same key and ports, the sockets pinned in ``sock/``)."""
+    kernel_file, _ = write_connection_file(
+        fname=str(runtime_dir / "kernel.json"),
+        ip=str(runtime_dir / "ipc" / "k"),
+        key=secrets.token_hex(16).encode(),
+        transport="ipc",
+        kernel_name=kernel_name,
+    )
+    info = json.loads(Path(kernel_file).read_text())
+    info["ip"] = str(runtime_dir / "sock" / "k")
+    ports = {name: value for name, value in info.items() if name.endswith("_port")}
+    write_connection_file(
+        fname=str(runtime_dir / "connection.json"),
+        ip=info["ip"],
+        key=info["key"].encode(),
+        transport="ipc",
+        kernel_name=kernel_name,
+        **ports,
+    )
+
+
+def _kernel_user(config: LocalKernelConfig) -> tuple[int, int]:
+    """The host uid and gid the kernel runs as."""
+    if config.isolation == "bubblewrap":
+        return sandbox_user()
+    return os.getuid(), os.getgid()
 
 
 def _write_handle(handle: SandboxHandle) -> None:
@@ -562,7 +668,7 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     """
     _forget_killed_elsewhere()
     runtime_dir = Path(handle.connection["runtime_dir"])
-    write_ipython_startup(runtime_dir / "ipython")
+    ipython = _write_ipython_folder(handle)
     try:
         spec = KernelSpecManager().get_kernel_spec(config.kernel_name)
     except NoSuchKernel:
@@ -574,48 +680,103 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
             f"Jupyter kernel {config.kernel_name!r} runs {spec.language!r}, not Python "
             "(setting kernel_name)"
         )
-    connection_file = str(runtime_dir / "connection.json")
+    connection_file = str(runtime_dir / "kernel.json")
     cmd = [arg.replace("{connection_file}", connection_file) for arg in spec.argv]
     # As jupyter_client's KernelManager does: a bare "python" means this interpreter.
     if cmd and cmd[0] in {"python", f"python{sys.version_info[0]}"}:
         cmd[0] = sys.executable
+    # Descriptors the kernel's process gets (the seccomp program), closed here once it has them.
+    passed: list[int] = []
     if config.isolation == "bubblewrap":
         bwrap = check_bwrap(config.bwrap_path)
+        writable = [Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"]
+        _hand_over([runtime_dir / "kernel.json", *writable, *ipython], config)
         view = sandbox_view(
             cmd[0],
-            read_only=[runtime_dir / "connection.json"],
-            writable=[Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"],
+            read_only=[runtime_dir / "kernel.json"],
+            writable=writable,
             network=config.network,
+            tmpfs_size_bytes=config.memory_limit_bytes if bwrap_sizes_tmpfs(bwrap) else None,
         )
-        cmd = bwrap_command(bwrap, view, cmd)
+        program = seccomp_filter()
+        if program is not None:
+            passed.append(os.memfd_create("prefect-sandbox-seccomp", 0))
+            os.write(passed[0], program)
+            os.lseek(passed[0], 0, os.SEEK_SET)
+        seccomp_fd = passed[0] if passed else None
+        cmd = staged_command(bwrap_command(bwrap, view, cmd, seccomp_fd=seccomp_fd))
     cmd = limited_command(
         cmd,
         memory_limit_bytes=config.memory_limit_bytes,
         cpu_time_limit_s=config.cpu_time_limit_s,
     )
-    with open(runtime_dir / "kernel.log", "ab") as log:
+    output, into_log = os.pipe()
+    try:
         # From a thread that lives as long as this process: bwrap's --die-with-parent ends
         # the kernel when the THREAD that started it ends (Linux's parent-death signal).
         started = _launcher().submit(
             launch_kernel,
             cmd,
             stdin=subprocess.DEVNULL,
-            stdout=log.fileno(),
-            stderr=log.fileno(),
+            stdout=into_log,
+            stderr=into_log,
             env=_kernel_env(spec.env, config, runtime_dir),
             cwd=handle.workdir,
+            pass_fds=tuple(passed),
         )
         process = started.result()
-    _launched[handle.sandbox_id] = process
-    (runtime_dir / "kernel.pid").write_text(str(process.pid))
-    _guards[handle.sandbox_id] = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(os.getpid()), str(process.pid)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+        _launched[handle.sandbox_id] = process
+        (runtime_dir / "kernel.pid").write_text(str(process.pid))
+        guard = [str(os.getpid()), str(process.pid), str(runtime_dir / "kernel.log")]
+        _guards[handle.sandbox_id] = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, *guard, str(KERNEL_LOG_BYTES)],
+            stdin=output,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    finally:
+        for descriptor in (output, into_log, *passed):
+            os.close(descriptor)
     return spec
+
+
+def _hand_over(paths: list[Path], config: LocalKernelConfig) -> None:
+    """Make ``paths`` the kernel's user's, not following links (a no-op unless that user is
+    another than ours: this process is root); nothing inside a folder is touched."""
+    uid, gid = _kernel_user(config)
+    if uid == os.getuid():
+        return
+    for path in paths:
+        os.chown(path, uid, gid, follow_symlinks=False)
+
+
+def _write_ipython_folder(handle: SandboxHandle) -> list[Path]:
+    """Write our config and startup file in the kernel's IPython folder (`_launch`).
+
+    The kernel may write that folder, so `write_ipython_startup` follows no link there; each
+    link it finds in place of our folders or files (planted from inside the sandbox before a
+    restart) is removed and named in a warning. What else the folder holds stays.
+
+    Returns:
+        The folders and files written, to hand over to the kernel's user.
+    """
+    folder = Path(handle.connection["runtime_dir"]) / "ipython"
+    for path in write_ipython_startup(folder):
+        logger.warning(
+            "Sandbox %s: %s was replaced from inside the sandbox (a link or another file): "
+            "removed, not written through",
+            handle.sandbox_id,
+            path,
+        )
+    profile = folder / "profile_default"
+    return [
+        folder,
+        profile,
+        profile / "startup",
+        profile / "startup" / STARTUP_FILE_NAME,
+        profile / "ipython_kernel_config.py",
+    ]
 
 
 def _forget_killed_elsewhere() -> None:
