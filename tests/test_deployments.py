@@ -338,39 +338,54 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
 ) -> None:
     # As someone who may start runs but not save blocks would try it: a backend by value,
     # a reference with fields beside it, host folders as inputs (one through a link inside the
-    # allowed root), the isolation setting through job variables. Each is refused before any
-    # sandbox starts; a saved block by reference runs.
+    # allowed root), the isolation setting through job variables, a sweep sent to a Dask
+    # cluster of the run's choosing. Each is refused before any sandbox starts; a saved block
+    # by reference runs.
     etc = tmp_path / "etc"
     etc.symlink_to("/etc")
     saved = await LocalKernelBackend(env={"RUN_MARK": "saved-block"}).save(
         "policy-saved", overwrite=True, client=client
     )
     reference = {"$ref": {"block_document_id": str(saved)}}
-    probe = {"probe": ["import os; print(os.environ.get('RUN_MARK'))"]}
-    attempts: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
-        ({"backend": {"isolation": "none"}}, {}, ["backend"]),
-        ({"backend": {"network": True}}, {}, ["backend"]),
-        ({"backend": {**reference, "isolation": "none"}}, {}, ["backend"]),
-        ({"inputs": [str(etc), str(Path.home() / ".ssh")]}, {}, ["inputs[0]", "inputs[1]"]),
-        ({}, {"env": {"PREFECT_SANDBOX_ISOLATION": "none"}}, ["PREFECT_SANDBOX_ISOLATION"]),
+    probe = {"stages": {"probe": ["import os; print(os.environ.get('RUN_MARK'))"]}}
+    pipeline, sweep = "modeling-pipeline/modeling-pipeline", "sweep-notebook/sweep-notebook"
+    to_dask = {
+        "notebook": str(_square_notebook(tmp_path / "square.ipynb")),
+        "grid": {"x": [1]},
+        "task_runner": "dask:tcp://127.0.0.1:9",
+    }
+    attempts: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
+        (pipeline, {**probe, "backend": {"isolation": "none"}}, {}, ["backend"]),
+        (pipeline, {**probe, "backend": {"network": True}}, {}, ["backend"]),
+        (pipeline, {**probe, "backend": {**reference, "isolation": "none"}}, {}, ["backend"]),
+        (
+            pipeline,
+            {**probe, "inputs": [str(etc), str(Path.home() / ".ssh")]},
+            {},
+            ["inputs[0]", "inputs[1]"],
+        ),
+        (
+            pipeline,
+            probe,
+            {"env": {"PREFECT_SANDBOX_ISOLATION": "none"}},
+            ["PREFECT_SANDBOX_ISOLATION"],
+        ),
+        (sweep, to_dask, {}, ["task_runner"]),
     ]
     with temporary_settings({PREFECT_API_URL: stack.url}):
         runs = [
             await run_deployment(
-                "modeling-pipeline/modeling-pipeline",
-                parameters={"stages": probe, **parameters},
-                job_variables=job_variables,
-                timeout=0,
+                deployment, parameters=parameters, job_variables=job_variables, timeout=0
             )
-            for parameters, job_variables, _ in attempts
+            for deployment, parameters, job_variables, _ in attempts
         ]
         allowed = await run_deployment(
             "modeling-pipeline/modeling-pipeline",
-            parameters={"stages": probe, "backend": reference, "storage": str(tmp_path)},
+            parameters={**probe, "backend": reference, "storage": str(tmp_path)},
             timeout=0,
         )
     final = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
-    for flow_run, (_, _, refused) in zip(runs, attempts, strict=True):
+    for flow_run, (_, _, _, refused) in zip(runs, attempts, strict=True):
         assert await _wait_for_state(client, flow_run.id, final, 240) == StateType.FAILED
         state = (await client.read_flow_run(flow_run.id)).state
         assert state is not None and state.message is not None

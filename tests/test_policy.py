@@ -95,6 +95,14 @@ def test_a_runs_job_variables_may_not_set_the_sandbox_settings() -> None:
     assert _refused({}, job_variables={"env": {"TZ": "UTC"}, "working_dir": "/tmp"}) == []
 
 
+def test_a_run_may_not_send_a_sweep_to_a_dask_cluster_of_its_choosing() -> None:
+    assert _refused({"task_runner": "dask:tcp://203.0.113.7:8786"}) == ["task_runner"]
+    assert _refused({"task_runner": "dask"}) == []
+    assert _refused({"task_runner": None}) == []
+    own = {"task_runner": "dask:tcp://scheduler.internal:8786"}
+    assert _refused(own, deployed=own) == []
+
+
 def test_the_refusal_names_each_parameter_and_survives_pickling() -> None:
     error = ParameterRefusedError("refused: backend", refused=["backend"])
     copy = pickle.loads(pickle.dumps(error))

@@ -14,6 +14,8 @@ sandbox starts:
   isolation, network and environment are those of a block someone saved;
 - ``notebook`` and each of ``inputs`` must be the deployment's own value or lie under a root
   of ``PREFECT_SANDBOX_INPUT_ROOTS`` (a folder, its links resolved, or an ``s3://`` prefix);
+- a sweep's ``task_runner`` may name no Dask cluster's address (``"dask:ADDRESS"``: its
+  branches, backend credentials included, would go there) unless the deployment does;
 - the run's job variables may set no ``PREFECT_SANDBOX_*`` variable in ``env``.
 
 A refusal raises `ParameterRefusedError` naming each refused parameter, so the flow run ends
@@ -95,6 +97,12 @@ def refused_parameters(
     for name, path in paths:
         if isinstance(path, str) and path not in deployed_paths and not _under_root(path, roots):
             refused[name] = f"{path!r} is not under a root of {allowed}"
+    runner = given.get("task_runner")
+    if isinstance(runner, str) and runner != "dask" and runner != deployed.get("task_runner"):
+        refused["task_runner"] = (
+            f"{runner!r} would send the branches, their backend block's credentials "
+            "included, to a Dask cluster the run chose; only the deployment may name one"
+        )
     env = job_variables.get("env")
     for name in sorted(env) if isinstance(env, dict) else []:
         if str(name).upper().startswith(SETTINGS_PREFIX):

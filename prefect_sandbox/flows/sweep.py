@@ -872,7 +872,8 @@ async def asweep_notebook(
 
     Raises:
         ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
-            value or a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`).
+            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`) or a
+            Dask cluster's address as ``task_runner``.
         ValueError: ``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value
             (or ``max_sandboxes`` or ``task_runner`` is given with ``deployment``),
             ``metrics_artifact`` leaves the
