@@ -940,9 +940,13 @@ class E2BSandbox(Sandbox):
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
 
+        The new kernel is primed (see the module's docstring): back in the working directory,
+        the next cell is ``In[1]``, with nothing of the server's before it.
+
         Raises:
             SandboxNotFoundError: the sandbox expired or was killed.
             SandboxUnavailableError: E2B stayed unreachable through the retries.
+            SandboxDiedError: the new kernel ended while being primed.
         """
         context = await self._code_context()
         await self._retrying("restart", lambda: self._sdk.restart_code_context(context))

@@ -18,9 +18,11 @@ Export those three lines in another shell and run, for instance,
         )
 
 Laid out as the Daytona emulator is: `state` (sandboxes, files, code contexts; no HTTP),
-`app` (the routes), `wire` (pure wire formats), `emulator` (the server); faults come from
-`prefect_sandbox.testing.faults`, shared by both emulators. Cells run in real local ipykernels,
-so the emulator is no security boundary; it has Python kernels only.
+`app` (the routes), `wire` (pure wire formats), `emulator` (the server); `channel` runs cells
+over Jupyter's channels by the rules of E2B's code interpreter server, `profile` is its
+template's IPython profile; faults come from `prefect_sandbox.testing.faults`, shared by both
+emulators. Cells run in real local ipykernels, so the emulator is no security boundary; it has
+Python kernels only.
 """
 
 from prefect_sandbox.testing.e2b.emulator import OPERATIONS, E2BEmulator
