@@ -18,6 +18,13 @@ import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.logging.handlers import APILogHandler
 from prefect.states import Crashed
 
 from prefect_sandbox import E2BBackend, LocalKernelBackend
@@ -217,7 +224,21 @@ async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_argum
                 await dispatch_tool_call(session, {"source": "x"}),
             ]
 
-    error, anthropic, not_json, no_code = await agent()
+    state = await agent(return_state=True)
+    error, anthropic, not_json, no_code = await state.result()
+    # Each call is a task run named like the conversation, its output in the run log.
+    await APILogHandler.aflush()
+    flow_run_id = state.state_details.flow_run_id
+    async with get_client() as client:
+        runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    names = {run.name for run in runs}
+    assert {"run-cell-1", "run-cell-2"} <= names and "run-cell-3" not in names
+    messages = [log.message for log in logs]
+    assert "[cell-2 cell 1] 1" in messages
+    assert any(m.startswith("[cell-1 cell 0] NameError") for m in messages)
     assert error.startswith("[error] NameError: name 'undefined_name' is not defined")
     assert "line 2" in error and "----> 2 y = undefined_name" in error
     assert "\x1b" not in error

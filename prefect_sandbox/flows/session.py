@@ -64,6 +64,9 @@ __all__ = [
 SESSION_SUMMARY_KEY = "session-summary"
 """The key of the markdown artifact a session posts on its flow run."""
 
+# Made once: each Task made with with_options hashes its function's source (milliseconds).
+_run_attempt = run_stage.with_options(task_run_name="run-{stage.name}")
+
 T = TypeVar("T")
 
 
@@ -237,13 +240,12 @@ class SandboxSession:
         index = self._run.executed.add_code_cell(code, step=step, attempt=attempt)
         cell = CellSpec(index=index, source=code)
         spec.cells.append(cell)
-        name = f"run-{spec.name}" if attempt == 1 else f"run-{spec.name}-attempt-{attempt}"
-        task = run_stage.with_options(task_run_name=name)
+        name = spec.name if attempt == 1 else f"{spec.name}-attempt-{attempt}"
         try:
-            outcome = await task(
+            outcome = await _run_attempt(
                 self._run.backend,
                 self._handle,
-                StageSpec(name=spec.name, cells=[cell]),
+                StageSpec(name=name, cells=[cell]),
                 timeout_s,
                 allow_errors=True,
             )

@@ -23,6 +23,7 @@ from typing import Any, cast
 import nbformat
 from markdown_it import MarkdownIt
 from nbformat import NotebookNode
+from nbformat.corpus.words import generate_corpus_id
 from pydantic import BaseModel, Field
 
 from prefect_sandbox.sandbox.base import CellResult, KernelInfo, is_python_language
@@ -484,8 +485,17 @@ class ExecutedNotebook:
         Returns:
             The new cell's 0-based index, for `record`.
         """
-        cell = nbformat.v4.new_code_cell(source)
-        cell.metadata[METADATA_KEY] = dict(facts)
+        # Not nbformat.v4.new_code_cell, which validates each cell; `write` validates once.
+        cell = nbformat.from_dict(
+            {
+                "cell_type": "code",
+                "id": generate_corpus_id(),
+                "metadata": {METADATA_KEY: dict(facts)},
+                "execution_count": None,
+                "outputs": [],
+                "source": source,
+            }
+        )
         self.notebook.cells.append(cell)
         return len(self.notebook.cells) - 1
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import nbformat
 import pytest
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows import CellRun, sandbox_session
@@ -108,5 +111,17 @@ async def test_a_scripted_agent_fixes_an_error_and_a_timeout_and_everything_is_s
     assert notebook.cells[1].outputs[-1]["ename"] == "KeyError"
 
     run_id = summary["flow_run_id"]
+    async with get_client() as client:
+        runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(run_id)]))
+        )
+    assert sorted(run.name for run in runs if run.name.startswith("run-cell")) == [
+        "run-cell-1",
+        "run-cell-2",
+        "run-cell-2-attempt-2",
+        "run-cell-3",
+        "run-cell-3-attempt-2",
+        "run-cell-4",
+    ]
     assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: run_id}) == []
     assert summary["sandbox_killed_at"] is not None
