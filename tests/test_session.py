@@ -19,6 +19,9 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
     FlowRunFilter,
     FlowRunFilterId,
     LogFilter,
@@ -44,6 +47,7 @@ from prefect_sandbox.flows.tools import (
     openai_tool,
 )
 from prefect_sandbox.sandbox.base import CellResult
+from prefect_sandbox.sandbox.errors import CellExecutionError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
@@ -166,19 +170,23 @@ async def test_bad_input_gets_clear_errors_and_a_raising_fixer_still_stores_and_
                 await session.run_cell("1/0", fix=wrong_type, max_attempts=2)
             gave_up = await session.run_cell("1/0", fix=lambda code, report: None, max_attempts=3)
             assert (gave_up.status, gave_up.attempt) == ("error", 1)
+            with pytest.raises(
+                CellExecutionError, match="stage 'cell-5', cell 4: ZeroDivisionError"
+            ):
+                await session.run_cell("1/0", raise_on_error=True)
             await session.run_cell("undefined_name", fix=broken, max_attempts=2)
 
     state = await agent(return_state=True)
     assert state.is_failed()
     with pytest.raises(FixerError) as info:
         await state.result()
-    assert info.value.step == 5 and info.value.attempt == 1
+    assert info.value.step == 6 and info.value.attempt == 1
     assert isinstance(info.value.__cause__, ConnectionError)
 
     summary = _summary(out)
     assert summary["status"] == "failed"
-    assert "step 5 (run-cell-5), attempt 1: the fixer raised ConnectionError" in summary["error"]
-    assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 1, 1, 1]
+    assert "step 6 (run-cell-6), attempt 1: the fixer raised ConnectionError" in summary["error"]
+    assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 1, 1, 1, 1]
     notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
     assert "ConnectionError" in notebook.cells[-1].metadata["prefect_sandbox"]["fix_error"]
     listed = await LocalKernelBackend().list_sandboxes({FLOW_RUN_ID_LABEL: summary["flow_run_id"]})
@@ -234,6 +242,14 @@ async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_argum
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
         logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["session-summary"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+            )
+        )
+    (summary,) = artifacts
+    assert "| cell-2 | ok |" in str(summary.data) and ": completed" in str(summary.data)
     names = {run.name for run in runs}
     assert {"run-cell-1", "run-cell-2"} <= names and "run-cell-3" not in names
     messages = [log.message for log in logs]
