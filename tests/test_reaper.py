@@ -317,17 +317,22 @@ class Victim:
 
 
 async def _start_victim(
-    backend: SandboxBackend, spec: dict[str, str], log: Path, timeout_s: float = 90
+    backend: SandboxBackend,
+    spec: dict[str, str],
+    log: Path,
+    timeout_s: float = 90,
+    script: str = _VICTIM,
 ) -> Victim:
-    """Run a one-cell pipeline in a child process on this session's Prefect API; return once
-    its cell is running."""
+    """Run a one-cell pipeline (or another flow ``script`` that reads the same spec and prints
+    the same line) in a child process on this session's Prefect API; return once its cell is
+    running."""
     name = f"reaper-victim-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     env["REAPER_TEST_VICTIM"] = json.dumps({**spec, "name": name})
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", _VICTIM], env=env, cwd=ROOT, stdout=out, stderr=out
+            [sys.executable, "-c", script], env=env, cwd=ROOT, stdout=out, stderr=out
         )
     deadline = time.monotonic() + timeout_s
     while b"victim-cell-running" not in log.read_bytes():

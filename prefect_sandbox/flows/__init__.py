@@ -1,11 +1,14 @@
 """Prefect flows: run a notebook or a list of stages in one sandbox per flow run, or a notebook
-once per parameter set (a sweep); reap the sandboxes whose flow run is over."""
+once per parameter set (a sweep); run cells decided as a flow goes in a sandbox session; reap
+the sandboxes whose flow run is over."""
 
 from prefect_sandbox.flows.errors import (
+    FixerError,
     GridError,
     ParameterRefusedError,
     PipelineFailedError,
     ReapFailedError,
+    SessionFailedError,
     SweepFailedError,
 )
 from prefect_sandbox.flows.pipeline import (
@@ -15,14 +18,25 @@ from prefect_sandbox.flows.pipeline import (
     run_notebook,
 )
 from prefect_sandbox.flows.reaper import areap_sandboxes, reap_sandboxes
+from prefect_sandbox.flows.session import (
+    CellRun,
+    SandboxSession,
+    SyncSandboxSession,
+    sandbox_session,
+)
 from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
 __all__ = [
+    "CellRun",
+    "FixerError",
     "GridError",
     "ParameterRefusedError",
     "PipelineFailedError",
     "ReapFailedError",
+    "SandboxSession",
+    "SessionFailedError",
     "SweepFailedError",
+    "SyncSandboxSession",
     "amodeling_pipeline",
     "areap_sandboxes",
     "arun_notebook",
@@ -30,5 +44,6 @@ __all__ = [
     "modeling_pipeline",
     "reap_sandboxes",
     "run_notebook",
+    "sandbox_session",
     "sweep_notebook",
 ]

@@ -4,6 +4,8 @@
 
     SandboxError                  (prefect_sandbox.sandbox.errors: the core's tree)
     ├── PipelineFailedError       a flow's pipeline stopped; names the stage and cell
+    ├── SessionFailedError        a sandbox session's files could not all be stored
+    ├── FixerError                a session's fixer raised or returned no new code
     ├── ReapFailedError           the reaper could not list a backend or kill a sandbox
     ├── SweepFailedError          a sweep's branch did not complete; names each such branch
     ├── GridError (ValueError)    a sweep's grid of parameters is malformed; names the entry
@@ -21,10 +23,12 @@ from __future__ import annotations
 from prefect_sandbox.sandbox.errors import SandboxError
 
 __all__ = [
+    "FixerError",
     "GridError",
     "ParameterRefusedError",
     "PipelineFailedError",
     "ReapFailedError",
+    "SessionFailedError",
     "SweepFailedError",
 ]
 
@@ -54,6 +58,39 @@ class PipelineFailedError(SandboxError):
         self.stage = stage
         self.cell_index = cell_index
         self.output_dir = output_dir
+
+
+class SessionFailedError(SandboxError):
+    """A sandbox session ended, its sandbox killed, but what it made could not all be
+    collected or stored (``summary.json`` says what).
+
+    Args:
+        message: one line naming what failed.
+        output_dir: where the notebook, artifacts and summary were stored.
+        sandbox_id: the session's sandbox, when one was made.
+    """
+
+    def __init__(
+        self, message: str, *, output_dir: str | None = None, sandbox_id: str | None = None
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.output_dir = output_dir
+
+
+class FixerError(SandboxError):
+    """A session's fixer raised, returned code that is not a string, or returned the code
+    that just failed; the attempts so far are in the notebook.
+
+    Args:
+        message: one line naming the step, the attempt and what the fixer did.
+        step: the session's step (1-based: ``run-cell-3`` is step 3).
+        attempt: the attempt whose failure the fixer was asked to fix (1-based).
+    """
+
+    def __init__(self, message: str, *, step: int, attempt: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.attempt = attempt
 
 
 class ReapFailedError(SandboxError):

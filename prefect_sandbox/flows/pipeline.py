@@ -42,6 +42,7 @@ from prefect.artifacts import (
     acreate_progress_artifact,
     aupdate_progress_artifact,
 )
+from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
 from prefect.flows import Flow
 from prefect.states import Cancelled
@@ -184,7 +185,8 @@ class _PipelineRun:
     backend: SandboxBackend
     store: ArtifactStore
     executed: ExecutedNotebook
-    progress_id: UUID
+    progress_id: UUID | None = None
+    """The pipeline's progress artifact; None for runs that post none (sessions)."""
     stage_results: list[StageResult] = field(default_factory=list)
     downloaded: list[str] = field(default_factory=list)
     stored: list[StoredArtifact] = field(default_factory=list)
@@ -247,6 +249,22 @@ class _PipelineRun:
         else:
             self.sandbox_killed_at = datetime.now(UTC)
 
+    @asynccontextmanager
+    async def sandbox_then_store(
+        self, flow_run: FlowRun, outputs: Path
+    ) -> AsyncIterator[SandboxHandle]:
+        """The flow run's sandbox, labelled for it (`flow_run_sandbox`); on exit, once it is
+        killed, what was made is stored from ``outputs`` (`storing_on_exit`). Inside, the
+        current task is cancelled once the flow run is Cancelling (`cancelled_from_api`)."""
+        labels = flow_run_labels(str(flow_run.id), flow_run.name)
+        # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
+        async with (
+            cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
+            self.storing_on_exit(outputs),
+            self.flow_run_sandbox(str(flow_run.id), labels) as handle,
+        ):
+            yield handle
+
     async def execute(
         self,
         handle: SandboxHandle,
@@ -261,16 +279,11 @@ class _PipelineRun:
         A `SandboxError` on the way becomes `failure`, a cancellation `cancelled`; the artifacts
         are still downloaded unless the sandbox itself is gone.
         """
-        self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
-        if handle.kernel is not None:
-            self.executed.set_kernel(handle.kernel)
         try:
-            if inputs:
-                await upload_inputs(
-                    self.backend, handle, inputs, str(staging / "inputs"), self.store
-                )
+            await self.begin(handle, staging, inputs)
             for done, stage in enumerate(self.stages, start=1):
                 await self._run_stage(handle, stage, cell_timeout_s)
+                assert self.progress_id is not None
                 await aupdate_progress_artifact(
                     self.progress_id,
                     progress=100.0 * done / len(self.stages),
@@ -281,6 +294,25 @@ class _PipelineRun:
             self.failure = exc
         except asyncio.CancelledError:
             self.take_cancellation()
+        await self.collect_artifacts(handle, staging, artifacts)
+
+    async def begin(self, handle: SandboxHandle, staging: Path, inputs: list[str]) -> None:
+        """Note the sandbox in the notebook's metadata and upload the inputs into it.
+
+        Raises:
+            FileTransferError: an input could not be uploaded (names it).
+        """
+        self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
+        if handle.kernel is not None:
+            self.executed.set_kernel(handle.kernel)
+        if inputs:
+            await upload_inputs(self.backend, handle, inputs, str(staging / "inputs"), self.store)
+
+    async def collect_artifacts(
+        self, handle: SandboxHandle, staging: Path, artifacts: list[str]
+    ) -> None:
+        """Download the files matching ``artifacts`` into ``staging``, unless the sandbox is
+        already known to be gone; a failure becomes `failure` unless there already is one."""
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
             try:
@@ -354,6 +386,55 @@ class _PipelineRun:
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
         return result
 
+    async def post_summary(self, result: PipelineResult, key: str, description: str) -> None:
+        """Post the run's summary as a markdown artifact and log where its files are."""
+        await acreate_markdown_artifact(
+            key=key, markdown=summary_markdown(result, self.figures), description=description
+        )
+        get_run_logger().info(
+            "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.location
+        )
+
+
+async def new_run(
+    source: NotebookNode,
+    stages: list[StageSpec],
+    backend: SandboxBackend | None,
+    storage: S3Bucket | str | None,
+    what: str,
+) -> tuple[_PipelineRun, FlowRun]:
+    """A run of the current flow run: its store made ready, its notebook started.
+
+    Args:
+        source: the notebook whose executed copy the run stores.
+        stages: the stages it runs (a session adds its steps as it goes).
+        backend: the backend block; None for `default_backend`.
+        storage: as the pipeline flows take it; None for ``PREFECT_SANDBOX_STORAGE``.
+        what: what is run, for the error outside a flow run (``"a pipeline"``).
+
+    Returns:
+        The run and the flow run it belongs to.
+
+    Raises:
+        RuntimeError: not called inside a flow run.
+        FileTransferError: files cannot be stored in ``storage``.
+    """
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None or context.flow is None:
+        raise RuntimeError(f"{what} runs inside a Prefect flow run; call it from a @flow")
+    flow_run = context.flow_run
+    if storage is None:
+        storage = PrefectSandboxSettings().storage
+    if backend is None:
+        backend = await default_backend()
+    store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
+    store.prepare()
+    executed = ExecutedNotebook(source)
+    executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
+    # Those of SIGKILLed runs on this machine, which could not remove their own.
+    await asyncio.to_thread(remove_orphaned_staging_dirs)
+    return _PipelineRun(stages, backend, store, executed), flow_run
+
 
 async def _run_pipeline(
     source: NotebookNode,
@@ -365,36 +446,15 @@ async def _run_pipeline(
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
 ) -> PipelineResult:
-    context = FlowRunContext.get()
-    assert context is not None and context.flow_run is not None and context.flow is not None, (
-        "must run inside a flow"
-    )
-    flow_run = context.flow_run
     start = time.monotonic()
-    if storage is None:
-        storage = PrefectSandboxSettings().storage
-    if backend is None:
-        backend = await default_backend()
-    store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
-    store.prepare()
-    executed = ExecutedNotebook(source)
-    executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
-    progress_id = await acreate_progress_artifact(
+    run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
+    run.progress_id = await acreate_progress_artifact(
         progress=0.0, description=f"0 of {len(stages)} stage(s) done"
     )
-    run = _PipelineRun(stages, backend, store, executed, progress_id)
-    labels = flow_run_labels(str(flow_run.id), flow_run.name)
-    # Those of SIGKILLed runs on this machine, which could not remove their own.
-    await asyncio.to_thread(remove_orphaned_staging_dirs)
     with staging_dir() as staging:
         outputs = staging / "outputs"
-        # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         try:
-            async with (
-                cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
-                run.storing_on_exit(outputs),
-                run.flow_run_sandbox(str(flow_run.id), labels) as handle,
-            ):
+            async with run.sandbox_then_store(flow_run, outputs) as handle:
                 await run.execute(
                     handle,
                     staging,
@@ -414,16 +474,10 @@ async def _run_pipeline(
         result = await run.store_summary(
             outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
         )
-    await acreate_markdown_artifact(
-        key="pipeline-summary",
-        markdown=summary_markdown(result, run.figures),
-        description="Pipeline summary",
-    )
-    get_run_logger().info(
-        "Stored %d file(s) and %s in %s", len(run.stored), SUMMARY_NAME, store.location
-    )
+    await run.post_summary(result, "pipeline-summary", "Pipeline summary")
     if run.cancelled:
-        message = f"flow run {flow_run.name!r} {result.error}; partial results in {store.location}"
+        where = run.store.location
+        message = f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
     if run.failure is not None:
@@ -431,7 +485,7 @@ async def _run_pipeline(
             result.error or "pipeline failed",
             stage=getattr(run.failure, "stage", None),
             cell_index=getattr(run.failure, "cell_index", None),
-            output_dir=store.location,
+            output_dir=run.store.location,
             sandbox_id=run.sandbox_id,
         ) from run.failure
     return result

@@ -23,6 +23,7 @@ from typing import Any, cast
 import nbformat
 from markdown_it import MarkdownIt
 from nbformat import NotebookNode
+from nbformat.corpus.words import generate_corpus_id
 from pydantic import BaseModel, Field
 
 from prefect_sandbox.sandbox.base import CellResult, KernelInfo, is_python_language
@@ -33,6 +34,7 @@ __all__ = [
     "ExecutedNotebook",
     "StageSpec",
     "inject_parameters",
+    "inline_figure_path",
     "inline_figures",
     "notebook_from_stages",
     "parameter_name_problem",
@@ -378,6 +380,12 @@ def _slug(heading: str) -> str:
 INLINE_FIGURES_DIR = "inline-figures"
 
 
+def inline_figure_path(cell_index: int, number: int) -> str:
+    """Where the ``number``-th (1-based) PNG that cell ``cell_index`` displayed is stored,
+    e.g. ``inline-figures/cell-004-1.png``."""
+    return f"{INLINE_FIGURES_DIR}/cell-{cell_index:03d}-{number}.png"
+
+
 def inline_figures(notebook: NotebookNode) -> tuple[list[tuple[str, bytes]], list[str]]:
     """The PNG images that code cells displayed, as files to store beside the notebook.
 
@@ -401,7 +409,7 @@ def inline_figures(notebook: NotebookNode) -> tuple[list[tuple[str, bytes]], lis
             and "image/png" in output.get("data", {})
         ]
         for number, image in enumerate(images, start=1):
-            path = f"{INLINE_FIGURES_DIR}/cell-{index:03d}-{number}.png"
+            path = inline_figure_path(index, number)
             try:
                 text = image if isinstance(image, str) else "".join(image)
                 figures.append((path, base64.b64decode(text)))
@@ -456,12 +464,40 @@ class ExecutedNotebook:
         for display_id, indexes in result.display_ids.items():
             self._displays.setdefault(display_id, {})[cell_index] = list(indexes)
         cell.execution_count = result.execution_count
-        cell.metadata[METADATA_KEY] = {
-            "stage": stage,
-            "status": result.status,
-            "started_at": result.started_at.isoformat(),
-            "duration_s": round(result.duration_s, 6),
-        }
+        # Merged, so facts noted when the cell was added (a session's step and attempt) stay.
+        cell.metadata.setdefault(METADATA_KEY, {}).update(
+            {
+                "stage": stage,
+                "status": result.status,
+                "started_at": result.started_at.isoformat(),
+                "duration_s": round(result.duration_s, 6),
+            }
+        )
+
+    def add_code_cell(self, source: str, **facts: Any) -> int:
+        """Append a code cell that is about to run (a session's cells are known only then).
+
+        Args:
+            source: the cell's code.
+            facts: JSON-able values for the cell's ``metadata.prefect_sandbox``, kept when its
+                result is recorded (e.g. ``step=3, attempt=2``).
+
+        Returns:
+            The new cell's 0-based index, for `record`.
+        """
+        # Not nbformat.v4.new_code_cell, which validates each cell; `write` validates once.
+        cell = nbformat.from_dict(
+            {
+                "cell_type": "code",
+                "id": generate_corpus_id(),
+                "metadata": {METADATA_KEY: dict(facts)},
+                "execution_count": None,
+                "outputs": [],
+                "source": source,
+            }
+        )
+        self.notebook.cells.append(cell)
+        return len(self.notebook.cells) - 1
 
     def add_outputs(self, cell_index: int, outputs: list[dict[str, Any]]) -> None:
         """Append outputs that arrived after the cell ended (printed by its threads)."""

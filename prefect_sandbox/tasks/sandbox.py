@@ -44,6 +44,7 @@ from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
 
 __all__ = [
+    "cell_failure",
     "create_sandbox",
     "download_artifacts",
     "kill_sandbox",
@@ -261,9 +262,14 @@ def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError
     )
 
 
-def _cell_failure(
+def cell_failure(
     stage: str, cell: CellSpec, result: CellResult, timeout_s: float | None
 ) -> SandboxError:
+    """The error for a cell that raised or timed out (``result.status`` not ``"ok"``).
+
+    Returns:
+        A `CellTimeoutError` or a `CellExecutionError` naming the stage and cell.
+    """
     assert result.error is not None
     where = _where(stage, cell)
     if result.status == "timeout":
@@ -385,7 +391,7 @@ async def run_stage(
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
-            error = _cell_failure(stage.name, cell, result, timeout_s)
+            error = cell_failure(stage.name, cell, result, timeout_s)
             raise _with_partial_stage(error, stage_result(cell, result))
     finally:
         await sandbox.close()

@@ -1,0 +1,572 @@
+"""Sandbox sessions: code that an agent writes as it goes, one cell per call, in one sandbox per
+flow run.
+
+``sandbox_session(...)`` is used inside any flow, as ``async with`` in an async flow or ``with``
+in a sync one. It makes the flow run's sandbox (under the backend's live-sandbox cap, labelled
+for the reaper), uploads the inputs, and yields a session whose ``run_cell(code)`` runs one cell
+as a task run named ``run-cell-<step>`` and returns a `CellRun`: its status, the text a model
+should read (`cell_text`) and the full `CellResult`. A failed cell is data, not an exception.
+With ``fix``, a failed step is handed to the fixer (an LLM call, typically), whose new code is
+run as the next attempt of the same step. On the way out, whatever it is (the block's end, an
+exception, a cancellation), the artifacts are downloaded, the sandbox is killed, and the
+executed notebook (every attempt of every step, in order), ``summary.json`` and the summary
+artifact are stored exactly as `run_notebook` stores them: a session is a pipeline whose stages
+(one per step, named ``cell-<step>``, one cell per attempt) are decided at run time.
+
+A flow that wants its sandbox killed by hooks too when it is cancelled or crashes takes a
+``backend`` parameter and lists `kill_run_sandboxes` as its ``on_cancellation`` and
+``on_crashed`` hooks; a process killed outright leaves its sandbox to the reaper, which finds
+it by its labels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import nbformat
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from prefect_aws import S3Bucket
+from pydantic import BaseModel
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.errors import FixerError, SessionFailedError
+from prefect_sandbox.flows.pipeline import _PipelineRun, new_run
+from prefect_sandbox.flows.staging import staging_dir
+from prefect_sandbox.results import StageResult
+from prefect_sandbox.sandbox.base import CellResult, RemoteFile, SandboxHandle, checked_timeout_s
+from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxError
+from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_text
+from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
+from prefect_sandbox.tasks.sandbox import (
+    cell_failure,
+    download_artifacts,
+    partial_stage_result,
+    run_stage,
+)
+
+__all__ = [
+    "SESSION_SUMMARY_KEY",
+    "CellRun",
+    "Fixer",
+    "SandboxSession",
+    "SessionContext",
+    "SyncSandboxSession",
+    "sandbox_session",
+]
+
+SESSION_SUMMARY_KEY = "session-summary"
+"""The key of the markdown artifact a session posts on its flow run."""
+
+# Made once: each Task made with with_options hashes its function's source (milliseconds).
+_run_attempt = run_stage.with_options(task_run_name="run-{stage.name}")
+
+T = TypeVar("T")
+
+
+class CellRun(BaseModel):
+    """What one `SandboxSession.run_cell` call gave: its last attempt.
+
+    Attributes:
+        step: the call's number in the session, from 1 (its task run is ``run-cell-<step>``).
+        attempt: which attempt this is, from 1 (a fixer's code is attempt 2 and on).
+        code: the code that attempt ran.
+        status: ``"ok"``, ``"error"`` (the code raised) or ``"timeout"``.
+        text: the outputs rendered for a model (`cell_text`), capped.
+        cell: the full result.
+        cell_index: the attempt's 0-based index in the executed notebook.
+    """
+
+    step: int
+    attempt: int
+    code: str
+    status: Literal["ok", "error", "timeout"]
+    text: str
+    cell: CellResult
+    cell_index: int
+
+
+Fixer = Callable[[str, CellRun], "str | Awaitable[str | None] | None"]
+"""``fixer(code, report)``: given the code that failed and its `CellRun` (``report.text`` is
+what a model reads), the code to try next, or None to give up. Sync or async."""
+
+
+def _checked_code(code: object, what: str) -> str:
+    if not isinstance(code, str):
+        raise TypeError(f"{what} must be Python source as a str, not {type(code).__name__}")
+    return code
+
+
+def _merge_attempt(step: StageResult, attempt: StageResult) -> None:
+    """Add an attempt's cell to its step's result; the step's status is its last attempt's."""
+    step.cells.extend(attempt.cells)
+    step.late_outputs.update(attempt.late_outputs)
+    step.duration_s += attempt.duration_s
+    last = attempt.cells[-1] if attempt.cells else None
+    failed = last is not None and last.result.status != "ok"
+    step.status = "cancelled" if attempt.status == "cancelled" else "failed" if failed else "ok"
+    step.failed_cell_index = last.index if failed and last else None
+    step.error = last.result.error if failed and last else None
+
+
+class SandboxSession:
+    """One flow run's sandbox, running cells decided at run time; made by `sandbox_session`.
+
+    A session runs one cell at a time (calls made at once run in turn). Its `handle` may be
+    passed to other tasks, on any task runner, to reach the same sandbox and state.
+    """
+
+    def __init__(
+        self,
+        run: _PipelineRun,
+        handle: SandboxHandle,
+        *,
+        cell_timeout_s: float | None,
+        max_text_chars: int,
+    ) -> None:
+        self._run = run
+        self._handle = handle
+        self._cell_timeout_s = cell_timeout_s
+        self._max_text_chars = max_text_chars
+        self._steps = 0
+        self._open = True
+        self._turn = asyncio.Lock()
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The sandbox's handle."""
+        return self._handle
+
+    @property
+    def backend(self) -> SandboxBackend:
+        """The backend block the sandbox was made with."""
+        return self._run.backend
+
+    def end(self) -> None:
+        """Refuse any later call; the session's block is being left."""
+        self._open = False
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(
+                f"this sandbox session has ended (its sandbox {self._handle.sandbox_id} is "
+                "killed): run cells inside its `async with sandbox_session(...)` block, or open "
+                "a new session"
+            )
+
+    async def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        fix: Fixer | None = None,
+        max_attempts: int = 1,
+        raise_on_error: bool = False,
+    ) -> CellRun:
+        """Run one step: ``code`` as a cell, then, while it fails and attempts remain, the code
+        ``fix`` gives for it.
+
+        Each attempt is a task run (``run-cell-3``, then ``run-cell-3-attempt-2``...) whose
+        output goes to the run log, and a cell of the executed notebook whose
+        ``metadata.prefect_sandbox`` holds its ``step`` and ``attempt``.
+
+        Args:
+            code: the cell's source.
+            timeout_s: seconds each attempt may run, -1 for no limit; None takes the session's
+                ``cell_timeout_s``, else the backend block's.
+            fix: called after a failed attempt (error or timeout) as ``fix(code, report)``; it
+                returns the next attempt's code, or None to give up.
+            max_attempts: attempts at most, the first included (1: no fixing).
+            raise_on_error: raise for a step whose last attempt failed, instead of returning it.
+
+        Returns:
+            The last attempt.
+
+        Raises:
+            RuntimeError: the session has ended.
+            TypeError: ``code`` is not a str.
+            ValueError: ``max_attempts`` is below 1, or ``timeout_s`` is zero, negative other
+                than -1, NaN or infinite.
+            FixerError: the fixer raised, returned something other than a str or None, or
+                returned the code that just failed (the attempts so far are kept).
+            CellExecutionError, CellTimeoutError: with ``raise_on_error``, the step failed.
+            SandboxDiedError, SandboxNotFoundError: the sandbox died or went away.
+        """
+        self._check_open()
+        _checked_code(code, "code")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an int of at least 1, not {max_attempts!r}")
+        if timeout_s is None:
+            timeout_s = self._cell_timeout_s
+        else:
+            checked_timeout_s(timeout_s, "timeout_s")
+        async with self._turn:
+            self._check_open()
+            self._steps += 1
+            step = self._steps
+            spec = StageSpec(name=f"cell-{step}", cells=[])
+            result = StageResult(name=spec.name, status="ok")
+            self._run.stages.append(spec)
+            self._run.stage_results.append(result)
+            attempt = 1
+            while True:
+                done = await self._attempt(spec, result, step, attempt, code, timeout_s)
+                if done.status == "ok" or fix is None or attempt >= max_attempts:
+                    break
+                fixed = await self._fixed(fix, done)
+                if fixed is None:
+                    break
+                code, attempt = fixed, attempt + 1
+        if raise_on_error and done.status != "ok":
+            cell = CellSpec(index=done.cell_index, source=done.code)
+            raise cell_failure(spec.name, cell, done.cell, checked_timeout_s(timeout_s))
+        return done
+
+    async def _attempt(
+        self,
+        spec: StageSpec,
+        step_result: StageResult,
+        step: int,
+        attempt: int,
+        code: str,
+        timeout_s: float | None,
+    ) -> CellRun:
+        index = self._run.executed.add_code_cell(code, step=step, attempt=attempt)
+        cell = CellSpec(index=index, source=code)
+        spec.cells.append(cell)
+        name = spec.name if attempt == 1 else f"{spec.name}-attempt-{attempt}"
+        try:
+            outcome = await _run_attempt(
+                self._run.backend,
+                self._handle,
+                StageSpec(name=name, cells=[cell]),
+                timeout_s,
+                allow_errors=True,
+            )
+        except CellTimeoutError as exc:
+            # A timeout is data for the agent too; run_stage raises it even when errors are
+            # allowed, so that a pipeline stops.
+            partial = partial_stage_result(exc)
+            if partial is None:
+                raise
+            outcome = partial
+        except (SandboxError, asyncio.CancelledError) as exc:
+            partial = partial_stage_result(exc)
+            if partial is not None:
+                _merge_attempt(step_result, partial)
+            raise
+        _merge_attempt(step_result, outcome)
+        ran = outcome.cells[-1].result
+        return CellRun(
+            step=step,
+            attempt=attempt,
+            code=code,
+            status=ran.status,
+            text=cell_text(ran, cell_index=index, max_chars=self._max_text_chars),
+            cell=ran,
+            cell_index=index,
+        )
+
+    async def _fixed(self, fix: Fixer, failed: CellRun) -> str | None:
+        """The fixer's code for a failed attempt, checked; None when it gives up."""
+        where = f"step {failed.step} (run-cell-{failed.step}), attempt {failed.attempt}"
+        try:
+            fixed = fix(failed.code, failed)
+            if inspect.isawaitable(fixed):
+                fixed = await fixed
+        except Exception as exc:
+            message = f"{where}: the fixer raised {type(exc).__name__}: {exc}"
+            cell = self._run.executed.notebook.cells[failed.cell_index]
+            cell.metadata[METADATA_KEY]["fix_error"] = message
+            raise FixerError(message, step=failed.step, attempt=failed.attempt) from exc
+        if fixed is None:
+            return None
+        if not isinstance(fixed, str):
+            raise FixerError(
+                f"{where}: the fixer returned a {type(fixed).__name__}; it must return the "
+                "next attempt's code as a str, or None to give up",
+                step=failed.step,
+                attempt=failed.attempt,
+            )
+        if fixed.strip() == failed.code.strip():
+            raise FixerError(
+                f"{where}: the fixer returned the code that just failed; it must change it, or "
+                "return None to give up",
+                step=failed.step,
+                attempt=failed.attempt,
+            )
+        return fixed
+
+    async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """The sandbox's files matching a glob relative to its working directory, by path.
+
+        Raises:
+            RuntimeError: the session has ended.
+            UnsafePathError: the pattern is absolute or climbs out with ``..``.
+        """
+        self._check_open()
+        sandbox = await self._run.backend.attach(self._handle)
+        try:
+            return await sandbox.list_files(pattern)
+        finally:
+            await sandbox.close()
+
+    async def download(self, patterns: list[str], folder: str) -> list[str]:
+        """Copy the sandbox's files matching globs into a local folder now (the
+        ``download-artifacts`` task), keeping their relative paths.
+
+        Returns:
+            The relative paths copied.
+
+        Raises:
+            RuntimeError: the session has ended.
+        """
+        self._check_open()
+        return await download_artifacts(self._run.backend, self._handle, patterns, folder)
+
+
+def _body_failure(exc: BaseException) -> SandboxError:
+    """What ``summary.json`` says of an exception that left the session's block."""
+    if isinstance(exc, SandboxError):
+        return exc
+    return SessionFailedError(f"the flow's code raised {type(exc).__name__}: {exc}")
+
+
+@asynccontextmanager
+async def _open_session(
+    backend: SandboxBackend | None,
+    inputs: list[str],
+    artifacts: list[str],
+    storage: S3Bucket | str | None,
+    cell_timeout_s: float | None,
+    max_text_chars: int,
+) -> AsyncIterator[SandboxSession]:
+    start = time.monotonic()
+    run, flow_run = await new_run(
+        nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session"
+    )
+    raised: BaseException | None = None
+    cancellation: asyncio.CancelledError | None = None
+    with staging_dir() as staging:
+        outputs = staging / "outputs"
+        try:
+            async with run.sandbox_then_store(flow_run, outputs) as handle:
+                try:
+                    await run.begin(handle, staging, inputs)
+                except SandboxError as exc:
+                    run.failure = raised = exc
+                else:
+                    session = SandboxSession(
+                        run, handle, cell_timeout_s=cell_timeout_s, max_text_chars=max_text_chars
+                    )
+                    try:
+                        yield session
+                    except asyncio.CancelledError as exc:
+                        cancellation = exc
+                        run.take_cancellation()
+                    except GeneratorExit:
+                        raise
+                    except BaseException as exc:
+                        raised = exc
+                        run.failure = run.failure or _body_failure(exc)
+                    finally:
+                        session.end()
+                await run.collect_artifacts(handle, staging, artifacts)
+        except asyncio.CancelledError as exc:
+            # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
+            # for a slot, while the sandbox was made or killed, or while files were stored.
+            cancellation = cancellation or exc
+            run.take_cancellation()
+        except SandboxError as exc:
+            # The sandbox was never made: the summary is still stored, then this is raised.
+            run.failure = raised = run.failure or exc
+        result = await run.store_summary(
+            outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
+        )
+    await run.post_summary(result, SESSION_SUMMARY_KEY, "Sandbox session summary")
+    if cancellation is not None:
+        raise cancellation
+    if raised is not None:
+        raise raised
+    if run.failure is not None:
+        raise SessionFailedError(
+            result.error or "the session's files were not all stored",
+            output_dir=run.store.location,
+            sandbox_id=run.sandbox_id,
+        ) from run.failure
+
+
+async def _in_context(context: contextvars.Context, call: Callable[[], Awaitable[T]]) -> T:
+    """Await ``call()`` with the caller's context variables (Prefect's run contexts) set, in a
+    task of the session's own event loop."""
+    for var, value in context.items():
+        var.set(value)
+    return await call()
+
+
+@asynccontextmanager
+async def _context_around(
+    context: contextvars.Context, manager: AbstractAsyncContextManager[T]
+) -> AsyncIterator[T]:
+    for var, value in context.items():
+        var.set(value)
+    async with manager as value:
+        yield value
+
+
+class SyncSandboxSession:
+    """A `SandboxSession` for sync flows: the same methods, blocking. Its cells run on an event
+    loop of its own, in a thread, with the flow run's context."""
+
+    def __init__(
+        self, session: SandboxSession, portal: BlockingPortal, context: contextvars.Context
+    ) -> None:
+        self._session = session
+        self._portal = portal
+        self._context = context
+
+    @property
+    def handle(self) -> SandboxHandle:
+        """The sandbox's handle."""
+        return self._session.handle
+
+    @property
+    def backend(self) -> SandboxBackend:
+        """The backend block the sandbox was made with."""
+        return self._session.backend
+
+    def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        self._session._check_open()
+        return self._portal.call(_in_context, self._context, call)
+
+    def run_cell(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        fix: Fixer | None = None,
+        max_attempts: int = 1,
+        raise_on_error: bool = False,
+    ) -> CellRun:
+        """`SandboxSession.run_cell`, blocking (an async ``fix`` runs on the session's loop)."""
+        return self._call(
+            lambda: self._session.run_cell(
+                code,
+                timeout_s=timeout_s,
+                fix=fix,
+                max_attempts=max_attempts,
+                raise_on_error=raise_on_error,
+            )
+        )
+
+    def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
+        """`SandboxSession.list_files`, blocking."""
+        return self._call(lambda: self._session.list_files(pattern))
+
+    def download(self, patterns: list[str], folder: str) -> list[str]:
+        """`SandboxSession.download`, blocking."""
+        return self._call(lambda: self._session.download(patterns, folder))
+
+
+class SessionContext:
+    """What `sandbox_session` returns: ``async with`` it in an async flow (a `SandboxSession`),
+    ``with`` it in a sync one (a `SyncSandboxSession`). Enter it once."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._async: AbstractAsyncContextManager[SandboxSession] | None = None
+        self._sync: ExitStack | None = None
+
+    async def __aenter__(self) -> SandboxSession:
+        self._async = _open_session(**self._options)
+        return await self._async.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._async is not None, "the session was not entered with async with"
+        return await self._async.__aexit__(exc_type, exc, tb)
+
+    def __enter__(self) -> SyncSandboxSession:
+        context = contextvars.copy_context()
+        with ExitStack() as stack:
+            portal = stack.enter_context(start_blocking_portal(name="prefect-sandbox-session"))
+            manager = _context_around(context, _open_session(**self._options))
+            session = stack.enter_context(portal.wrap_async_context_manager(manager))
+            self._sync = stack.pop_all()
+        return SyncSandboxSession(session, portal, context)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._sync is not None, "the session was not entered with with"
+        return self._sync.__exit__(exc_type, exc, tb)
+
+
+def sandbox_session(
+    *,
+    backend: SandboxBackend | None = None,
+    inputs: list[str] | None = None,
+    artifacts: list[str] | None = None,
+    storage: S3Bucket | str | None = None,
+    cell_timeout_s: float | None = None,
+    max_text_chars: int = DEFAULT_MODEL_TEXT_CHARS,
+) -> SessionContext:
+    """A sandbox for the current flow run, for cells decided as the flow goes.
+
+    Use ``async with sandbox_session(...) as session:`` in an async flow, ``with`` in a sync
+    one. Entering waits for a slot of the backend's live-sandbox cap (when it has one), makes
+    the sandbox (labelled with the flow run for the reaper) and uploads ``inputs``. Leaving,
+    however it happens, downloads ``artifacts``, kills the sandbox, and stores the artifacts,
+    ``executed.ipynb`` (every attempt of every step, in order) and ``summary.json`` (one
+    ``cell-<step>`` stage per step, its ``cell_count`` the attempts made), and posts the
+    ``session-summary`` artifact, as `run_notebook` does.
+
+    Args:
+        backend: the backend block; when empty, the saved block named by
+            PREFECT_SANDBOX_BACKEND_BLOCK, else a local Jupyter kernel.
+        inputs: local files or folders (or ``s3://`` URIs) uploaded into the sandbox first.
+        artifacts: glob patterns, relative to the sandbox's working directory, of files to
+            collect and store at the end.
+        storage: where files are stored, as for `run_notebook`.
+        cell_timeout_s: seconds a cell may run unless ``run_cell`` says otherwise, -1 for no
+            limit; the backend block's ``cell_timeout_s`` when empty.
+        max_text_chars: the most characters of a cell's rendering for a model (`CellRun.text`).
+
+    Returns:
+        The session's context manager.
+
+    Raises:
+        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite, or
+            ``max_text_chars`` is below 100 (here, before any sandbox starts).
+        RuntimeError: on entering, outside a flow run.
+        FileTransferError: on entering, an input could not be uploaded (the sandbox is killed
+            and ``summary.json`` stored first).
+        SessionFailedError: on leaving a block that raised nothing, files could not all be
+            collected or stored. An exception the block raised leaves as it is, after storing.
+        asyncio.CancelledError: the flow's task was cancelled; it is re-raised once the
+            sandbox is killed and the files stored (``summary.json`` says ``"cancelled"``).
+    """
+    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
+    if max_text_chars < 100:
+        raise ValueError(f"max_text_chars must be at least 100, not {max_text_chars}")
+    return SessionContext(
+        backend=backend,
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        storage=storage,
+        cell_timeout_s=cell_timeout_s,
+        max_text_chars=max_text_chars,
+    )
