@@ -181,7 +181,8 @@ class SandboxSession:
             timeout_s: seconds each attempt may run, -1 for no limit; None takes the session's
                 ``cell_timeout_s``, else the backend block's.
             fix: called after a failed attempt (error or timeout) as ``fix(code, report)``; it
-                returns the next attempt's code, or None to give up.
+                returns the next attempt's code, or None to give up. A sync fixer runs in a
+                worker thread, an async one on the flow's event loop.
             max_attempts: attempts at most, the first included (1: no fixing).
             raise_on_error: raise for a step whose last attempt failed, instead of returning it.
 
@@ -277,7 +278,12 @@ class SandboxSession:
         """The fixer's code for a failed attempt, checked; None when it gives up."""
         where = f"step {failed.step} (run-cell-{failed.step}), attempt {failed.attempt}"
         try:
-            fixed = fix(failed.code, failed)
+            if inspect.iscoroutinefunction(fix):
+                fixed = await fix(failed.code, failed)
+            else:
+                # In a thread: a sync fixer (an LLM client's call) must not stall the loop
+                # that renews the sandbox's slot and watches for cancellation.
+                fixed = await asyncio.to_thread(fix, failed.code, failed)
             if inspect.isawaitable(fixed):
                 fixed = await fixed
         except Exception as exc:
