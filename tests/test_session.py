@@ -217,6 +217,31 @@ def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> N
     assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
 
 
+def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_it_is(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+
+    @flow
+    def agent() -> None:
+        with sandbox_session(backend=LocalKernelBackend(), storage=str(out)) as session:
+            session.run_cell("x = 1")
+            raise LookupError("the agent gave up")
+
+    with pytest.raises(LookupError, match="the agent gave up"):
+        agent()
+    summary = _summary(out)
+    assert summary["status"] == "failed"
+    assert summary["error"] == "the flow's code raised LookupError: the agent gave up"
+    assert summary["sandbox_killed_at"] is not None
+    assert (
+        asyncio.run(
+            LocalKernelBackend().list_sandboxes({FLOW_RUN_ID_LABEL: summary["flow_run_id"]})
+        )
+        == []
+    )
+
+
 async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_arguments(
     tmp_path: Path,
 ) -> None:
