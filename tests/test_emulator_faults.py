@@ -387,3 +387,30 @@ async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
     assert "could not be killed" not in caplog.text
     assert len(vendor.since("delete", start)) >= 1
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_first_cell_that_cannot_reach_the_sandbox_is_named_in_the_summary(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    # The set-up's one execution (display hooks, the runner) is served; the first cell's
+    # execute is answered 500.
+    vendor.emulator.inject(Fault("run_code"), Fault("run_code", status=500))
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"one": ["print('never')"], "two": ["print('never either')"]},
+            backend=vendor.backend(),
+            storage=str(tmp_path),
+        )
+    assert isinstance(info.value.__cause__, SandboxUnavailableError)
+    assert (info.value.stage, info.value.cell_index) == ("one", 0)
+    assert str(info.value).startswith("stage 'one', cell 0: ")
+    summary = _summary(info.value.output_dir)
+    assert [(s["name"], s["status"]) for s in summary["stages"]] == [
+        ("one", "failed"),
+        ("two", "not_run"),
+    ]
+    assert summary["stages"][0]["ename"] == "SandboxUnavailableError"
+    notebook = json.loads((Path(info.value.output_dir or "") / "executed.ipynb").read_text())
+    assert notebook["cells"][0]["outputs"][-1]["ename"] == "SandboxUnavailableError"
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []

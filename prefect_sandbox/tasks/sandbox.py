@@ -4,6 +4,7 @@ sandbox, so retries and any task runner work; each attaches, does its work and d
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -246,20 +247,14 @@ def _where(stage: str, cell: CellSpec) -> str:
 
 
 def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError:
-    """A new error like ``exc`` (the sandbox died or is gone) naming the stage and cell."""
-    message = f"{_where(stage, cell)}: {exc.message}"
-    if isinstance(exc, SandboxDiedError):
-        return SandboxDiedError(
-            message,
-            exit_code=exc.exit_code,
-            signal=exc.signal,
-            stage=stage,
-            cell_index=cell.index,
-            sandbox_id=exc.sandbox_id,
-        )
-    return SandboxNotFoundError(
-        message, stage=stage, cell_index=cell.index, sandbox_id=exc.sandbox_id
-    )
+    """A copy of ``exc`` (the sandbox died, is gone, or could not be reached during the cell):
+    the same type and fields, its message and its ``stage`` and ``cell_index`` naming the
+    stage and cell."""
+    lost = copy.copy(exc)
+    lost.message = f"{_where(stage, cell)}: {exc.message}"
+    lost.args = (lost.message,)
+    vars(lost).update(stage=stage, cell_index=cell.index)
+    return lost
 
 
 def cell_failure(
@@ -293,19 +288,24 @@ def cell_failure(
 
 
 def _death_result(
-    exc: SandboxDiedError | SandboxNotFoundError, started_at: datetime, duration_s: float
+    exc: SandboxError, seen: list[dict[str, Any]], started_at: datetime, duration_s: float
 ) -> CellResult:
-    """The result of a cell during which the sandbox died or went away: what the cell made
-    before, then an ``error`` output whose ``ename`` names what happened (``SandboxDiedError``,
-    ``SandboxNotFoundError``)."""
+    """The result of a cell during which the sandbox died, went away or could not be reached:
+    what the cell made before (the error's ``outputs`` when it carries them, else ``seen``),
+    then an ``error`` output whose ``ename`` names what happened (``SandboxDiedError``,
+    ``SandboxNotFoundError``, ``SandboxUnavailableError``...). Its state counts as lost only
+    when the sandbox ended."""
     error = CellError(ename=type(exc).__name__, evalue=exc.message)
+    before, ended = seen, False
+    if isinstance(exc, SandboxDiedError | SandboxNotFoundError):
+        before, ended = exc.outputs, True
     return CellResult(
         status="error",
-        outputs=[*exc.outputs, error_output(error.ename, error.evalue, [])],
+        outputs=[*before, error_output(error.ename, error.evalue, [])],
         error=error,
         started_at=started_at,
         duration_s=duration_s,
-        state_lost=True,
+        state_lost=ended,
     )
 
 
@@ -335,10 +335,11 @@ async def run_stage(
 
     Raises:
         ValueError: the timeout is zero, negative other than -1, NaN or infinite.
-        CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError: a cell
-            failed, or the sandbox died or expired during it (raised from the backend's error);
-            the error names the stage and cell, and `partial_stage_result` reads from it what
-            the stage produced before.
+        CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError,
+            SandboxUnavailableError: a cell failed, or the sandbox died, expired or could not
+            be reached during it (a copy of the backend's error, raised from it); the error
+            names the stage and cell, and `partial_stage_result` reads from it what the stage
+            produced before.
         asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
             reads from it the stage's cells so far (status ``"cancelled"``), that cell's
             output included.
@@ -381,9 +382,10 @@ async def run_stage(
                 partial = stage_result(cell, cancelled).model_copy(update={"status": "cancelled"})
                 _with_partial_stage(exc, partial)
                 raise
-            except (SandboxDiedError, SandboxNotFoundError) as exc:
-                # The cell that ended the sandbox shows it in the notebook, as an error output.
-                died = _death_result(exc, started_at, time.monotonic() - cell_start)
+            except SandboxError as exc:
+                # The cell that ended the sandbox, or lost its connection, shows it in the
+                # notebook as an error output; the stage's cells so far are kept.
+                died = _death_result(exc, seen, started_at, time.monotonic() - cell_start)
                 records.append(CellRecord(index=cell.index, result=died))
                 lost = _lost_in_cell(stage.name, cell, exc)
                 raise _with_partial_stage(lost, stage_result(cell, died)) from exc

@@ -58,7 +58,10 @@ _LIVENESS_POLL_S = 0.5
 _EXIT_WAIT_S = 5.0
 _HANDSHAKE_POLL_S = 0.2
 _REPLY_WAIT_S = 5.0
-_IDLE_LOST_S = 2.0
+# ipykernel publishes the idle status through its IOPub thread, its reply from the main thread:
+# on a loaded machine (60 kernels on 2 cores) the idle came over 2 s after the reply with no
+# output lost. nbclient waits 4 s (iopub_timeout); we wait longer before calling it lost.
+_IDLE_LOST_S = 10.0
 # JSON writes a character in at most 6 bytes ("\uXXXX"): an iopub message of more than 6 bytes
 # a character of the output cap (or of a stream message, whichever is more) holds more output
 # than a cell keeps, so it is counted, never decoded.
@@ -667,9 +670,10 @@ class _KernelCell(RunningCell):
                 idle_s = time.monotonic() - self._last_message_at
                 if self._reply is not None and idle_s > _IDLE_LOST_S:
                     logger.warning(
-                        "Sandbox %s: the kernel replied but its idle status never came; "
-                        "some output of the cell may be missing",
+                        "Sandbox %s: the kernel replied but sent no idle status within %.0f s "
+                        "of its last message; some output of the cell may be missing",
                         sandbox.handle.sandbox_id,
+                        _IDLE_LOST_S,
                     )
                     return True
                 continue
