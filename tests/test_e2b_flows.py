@@ -296,3 +296,29 @@ def test_emulator_runs_in_the_foreground_and_prints_the_sdk_settings() -> None:
         finally:
             process.terminate()
     assert process.returncode is not None
+
+
+async def test_hooks_in_the_runs_own_process_use_the_key_it_was_given_not_the_masked_copy(
+    e2b_emulator: E2BEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from prefect_sandbox.flows.hooks import MASKED_SECRET, run_backend
+
+    # Given inline, not from the environment: only the run's own parameters hold the key.
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+
+    @flow
+    async def probe(backend: E2BBackend) -> tuple[str, str]:
+        context = FlowRunContext.get()
+        assert context is not None and context.flow_run is not None
+        async with get_client() as client:
+            api_copy = await client.read_flow_run(context.flow_run.id)
+        found = await run_backend(api_copy)
+        assert isinstance(found, E2BBackend)
+        masked = api_copy.parameters["backend"]["credentials"]["api_key"]
+        return masked, found.credentials.api_key.get_secret_value()
+
+    masked, key = await probe(_backend(e2b_emulator, uuid.uuid4().hex))
+    assert (masked, key) == (MASKED_SECRET, e2b_emulator.api_key)
