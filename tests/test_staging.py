@@ -65,15 +65,20 @@ def test_only_folders_whose_owner_is_gone_are_orphans(root: Path) -> None:
     killed, alive = Holder(root), Holder(root)
     try:
         killed.kill()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
         # A live process's pid with another start time: the pid was reused, the owner is gone.
-        reused = root / f"{STAGING_PREFIX}{alive.process.pid}-1-abcd"
+        reused = root / f"{STAGING_PREFIX}{namespace}-{alive.process.pid}-1-abcd"
         reused.mkdir()
         unrelated = root / f"{STAGING_PREFIX}notours"
         unrelated.mkdir()
+        # A process of another pid namespace (a container sharing the folder): not judged.
+        elsewhere = root / f"{STAGING_PREFIX}{namespace + 1}-{killed.process.pid}-1-abcd"
+        elsewhere.mkdir()
         with staging_dir() as own:
             assert orphaned_staging_dirs() == sorted([killed.path, reused])
             assert remove_orphaned_staging_dirs() == sorted([killed.path, reused])
             assert own.is_dir() and alive.path.is_dir() and unrelated.is_dir()
+            assert elsewhere.is_dir()
             assert not killed.path.exists() and not reused.exists()
         assert not own.exists()
         assert orphaned_staging_dirs() == []

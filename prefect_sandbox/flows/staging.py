@@ -3,9 +3,11 @@
 A run stages its downloaded inputs, artifacts and notebook in a temporary folder, removed on
 every way out the process can still act on (return, exception, cancellation, SIGINT and SIGTERM
 through the CLI, interpreter exit). A SIGKILLed process cannot: its folder stays. The folder's
-name carries its owner's pid and start time (``prefect-sandbox-staging-<pid>-<start>-...``), so
-`remove_orphaned_staging_dirs` (the reaper and each new run call it) removes only folders whose
-owner is gone; a pid that was reused by another process does not match the start time.
+name carries its owner's pid namespace, pid and start time
+(``prefect-sandbox-staging-<pidns>-<pid>-<start>-...``), so `remove_orphaned_staging_dirs` (the
+reaper and each new run call it) removes only folders whose owner is gone: a pid reused by
+another process does not match the start time, and a folder made in another pid namespace (a
+container sharing the folder) is never judged.
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def _pid_namespace() -> int | None:
+    """The inode of this process's pid namespace; None without /proc."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def _owner_tag() -> str:
     pid = os.getpid()
-    return f"{pid}-{_start_ticks(pid) or 0}"
+    return f"{_pid_namespace() or 0}-{pid}-{_start_ticks(pid) or 0}"
 
 
 @contextlib.contextmanager
@@ -63,12 +73,13 @@ def orphaned_staging_dirs(root: Path | None = None) -> list[Path]:
         The folders, sorted; those of live processes, of other users, or with names this
         version did not make are left out.
     """
-    if _start_ticks(os.getpid()) is None:
+    namespace = _pid_namespace()
+    if namespace is None or _start_ticks(os.getpid()) is None:
         return []  # no /proc: whether an owner is alive cannot be told
     found = []
     base = Path(root or tempfile.gettempdir())
-    for path in base.glob(f"{STAGING_PREFIX}*"):
-        pid, _, rest = path.name.removeprefix(STAGING_PREFIX).partition("-")
+    for path in base.glob(f"{STAGING_PREFIX}{namespace}-*"):
+        pid, _, rest = path.name.removeprefix(f"{STAGING_PREFIX}{namespace}-").partition("-")
         start, _, _ = rest.partition("-")
         if not (pid.isdigit() and start.isdigit()) or not path.is_dir() or path.is_symlink():
             continue
