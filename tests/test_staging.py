@@ -67,12 +67,12 @@ def test_only_folders_whose_owner_is_gone_are_orphans(root: Path) -> None:
         killed.kill()
         namespace = os.stat("/proc/self/ns/pid").st_ino
         # A live process's pid with another start time: the pid was reused, the owner is gone.
-        reused = root / f"{STAGING_PREFIX}{namespace}-{alive.process.pid}-1-abcd"
+        reused = root / f"{STAGING_PREFIX}ns{namespace}-{alive.process.pid}-1-abcd"
         reused.mkdir()
         unrelated = root / f"{STAGING_PREFIX}notours"
         unrelated.mkdir()
         # A process of another pid namespace (a container sharing the folder): not judged.
-        elsewhere = root / f"{STAGING_PREFIX}{namespace + 1}-{killed.process.pid}-1-abcd"
+        elsewhere = root / f"{STAGING_PREFIX}ns{namespace + 1}-{killed.process.pid}-1-abcd"
         elsewhere.mkdir()
         with staging_dir() as own:
             assert orphaned_staging_dirs() == sorted([killed.path, reused])

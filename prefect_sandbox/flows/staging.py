@@ -4,7 +4,8 @@ A run stages its downloaded inputs, artifacts and notebook in a temporary folder
 every way out the process can still act on (return, exception, cancellation, SIGINT and SIGTERM
 through the CLI, interpreter exit). A SIGKILLed process cannot: its folder stays. The folder's
 name carries its owner's pid namespace, pid and start time
-(``prefect-sandbox-staging-<pidns>-<pid>-<start>-...``), so `remove_orphaned_staging_dirs` (the
+(``prefect-sandbox-staging-ns<pidns>-<pid>-<start>-...``; the ``ns`` keeps an earlier version,
+which read ``<pid>-<start>`` there, from misreading it), so `remove_orphaned_staging_dirs` (the
 reaper and each new run call it) removes only folders whose owner is gone: a pid reused by
 another process does not match the start time, and a folder made in another pid namespace (a
 container sharing the folder) is never judged.
@@ -47,7 +48,7 @@ def _pid_namespace() -> int | None:
 
 def _owner_tag() -> str:
     pid = os.getpid()
-    return f"{_pid_namespace() or 0}-{pid}-{_start_ticks(pid) or 0}"
+    return f"ns{_pid_namespace() or 0}-{pid}-{_start_ticks(pid) or 0}"
 
 
 @contextlib.contextmanager
@@ -78,8 +79,8 @@ def orphaned_staging_dirs(root: Path | None = None) -> list[Path]:
         return []  # no /proc: whether an owner is alive cannot be told
     found = []
     base = Path(root or tempfile.gettempdir())
-    for path in base.glob(f"{STAGING_PREFIX}{namespace}-*"):
-        pid, _, rest = path.name.removeprefix(f"{STAGING_PREFIX}{namespace}-").partition("-")
+    for path in base.glob(f"{STAGING_PREFIX}ns{namespace}-*"):
+        pid, _, rest = path.name.removeprefix(f"{STAGING_PREFIX}ns{namespace}-").partition("-")
         start, _, _ = rest.partition("-")
         if not (pid.isdigit() and start.isdigit()) or not path.is_dir() or path.is_symlink():
             continue
