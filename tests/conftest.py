@@ -84,7 +84,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
     """`prefect server start` on 127.0.0.1, without a worker, for one test module."""
     from tests.test_deployments import PrefectStack
 
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"))
+    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp())
     try:
         stack.wait_until_healthy()
         yield stack
