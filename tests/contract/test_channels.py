@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prefect_sandbox.sandbox.base import Sandbox
 from tests.conftest import stream_text
+from tests.contract.conftest import cannot
 
 
 async def test_c10_a_cell_that_replaces_sys_stdout_still_fails(sandbox: Sandbox) -> None:
@@ -67,3 +68,20 @@ async def test_a_value_whose_repr_raises_fails_the_cell(sandbox: Sandbox) -> Non
     assert not [o for o in result.outputs if o["output_type"] == "execute_result"]
     after = await sandbox.run_cell("print('next')")
     assert after.status == "ok" and stream_text(after.outputs) == "next\n"
+
+
+async def test_a_display_whose_repr_raises_shows_the_error_and_goes_on(sandbox: Sandbox) -> None:
+    result = await sandbox.run_cell(
+        "class Unprintable:\n"
+        "    def __repr__(self):\n"
+        "        raise ValueError('no repr here')\n"
+        "display(Unprintable())\n"
+        "print('after')"
+    )
+    assert result.status == ("error" if cannot(sandbox, "shown_error") else "ok")
+    errors = [o for o in result.outputs if o["output_type"] == "error"]
+    assert [(o["ename"], o["evalue"]) for o in errors] == [("ValueError", "no repr here")]
+    assert stream_text(result.outputs) == "after\n"
+    raised = await sandbox.run_cell("display(Unprintable())\nraise KeyError('k')")
+    assert raised.status == "error"
+    assert raised.error is not None and raised.error.ename == "KeyError"

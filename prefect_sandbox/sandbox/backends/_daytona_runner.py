@@ -14,7 +14,8 @@ record ends at the first ``MARKER_END`` after its start. Records (``kind`` and i
 - ``update``: ``data``, ``metadata``, ``display_id``: ``update_display()`` or a display handle's
   ``update()``; what was shown with that id shows this instead.
 - ``clear``: ``wait``: ``clear_output()``.
-- ``error``: ``ename``, ``evalue``, ``traceback`` (lines): the exception the cell raised.
+- ``error``: ``ename``, ``evalue``, ``traceback`` (lines): the exception the cell raised; with
+  ``shown``, one a ``display()`` showed (a formatter failed), which does not fail the cell.
 - ``exit``: ``code``: the cell called ``exit()`` or ``quit()``.
 - ``lost``: sent by the per-cell wrapper instead of running the cell when the interpreter has
   been restarted behind our back, so its variables and this runner are gone.
@@ -295,7 +296,9 @@ class Runner:
         )
         if value is not None:
             self.namespace["_"] = value
-            data, metadata = self.format(value, strict=True)
+            data, metadata, failure = self.format(value)
+            if failure is not None:
+                raise failure
             self.emit("result", count=count, data=data, metadata=metadata)
 
     def _evaluate(self, code: types.CodeType) -> Any:
@@ -325,26 +328,21 @@ class Runner:
         return str(TransformerManager().transform_cell(source))  # type: ignore[no-untyped-call]
 
     def format(
-        self, value: object, include: Any = None, exclude: Any = None, *, strict: bool = False
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The MIME bundle and metadata of a value, as IPython's display formatter makes them.
-
-        With ``strict`` (a cell's value), a formatter that raises makes this raise, as the
-        cell's error (IPython's kernel fails the cell); otherwise IPython prints its traceback
-        to stderr and leaves that format out.
-        """
+        self, value: object, include: Any = None, exclude: Any = None
+    ) -> tuple[dict[str, Any], dict[str, Any], BaseException | None]:
+        """The MIME bundle and metadata of a value, as IPython's display formatter makes them,
+        and the exception a formatter raised (None if none), which a kernel shows as an error:
+        a cell's value then fails the cell; a display shows it and goes on. The bundle holds
+        the formats that did not fail."""
         shell = _shell()
         if shell is not None:
             data, metadata = shell.display_formatter.format(value, include, exclude)
-            return dict(data), dict(metadata)
+            return dict(data), dict(metadata), None
         formatter = self.display_formatter()
         if formatter is None:
-            return _plain_bundle(value), {}
+            return _plain_bundle(value), {}, None
         from IPython.core import formatters
 
-        if not strict:
-            data, metadata = formatter.format(value, include, exclude)
-            return dict(data), dict(metadata)
         # IPython's formatters hand a failure to the shell's showtraceback, when one runs.
         failure = _FormatFailure()
         names = vars(formatters)
@@ -354,8 +352,7 @@ class Runner:
             data, metadata = formatter.format(value, include, exclude)
         finally:
             names["get_ipython"] = shown_to
-        failure.reraise()
-        return dict(data), dict(metadata)
+        return dict(data), dict(metadata), failure.error
 
     def display_formatter(self) -> Any:
         """IPython's ``DisplayFormatter`` for this interpreter, made once (so what a library
@@ -404,7 +401,9 @@ class Runner:
                 data: dict[str, Any] = dict(obj)  # type: ignore[call-overload]
                 shown_metadata = dict(metadata or {})
             else:
-                data, shown_metadata = self.format(obj, include, exclude)
+                data, shown_metadata, failure = self.format(obj, include, exclude)
+                if failure is not None:
+                    self.emit("error", shown=True, **error_fields(failure))
                 if not data:
                     continue
                 _merge(shown_metadata, metadata or {})
@@ -445,18 +444,18 @@ class _FormatFailure:
         self.error: BaseException | None = None
 
     def showtraceback(self, exc_info: Any = None, *args: object, **kwargs: object) -> None:
-        if self.error is None:
-            self.error = (exc_info or sys.exc_info())[1]
-
-    def reraise(self) -> None:
-        """Raise the kept exception, its traceback from the first frame outside IPython."""
-        if self.error is None:
+        """Keep the exception (the first one), its traceback from the first frame outside
+        IPython, as a kernel shows it."""
+        if self.error is not None:
             return
-        tb = self.error.__traceback__
+        error = (exc_info or sys.exc_info())[1]
+        if error is None:
+            return
+        tb = error.__traceback__
         ipython_dir = os.path.dirname(_ipython_file()) + os.sep
         while tb is not None and tb.tb_frame.f_code.co_filename.startswith(ipython_dir):
             tb = tb.tb_next
-        raise self.error.with_traceback(tb)
+        self.error = error.with_traceback(tb)
 
 
 def _ipython_file() -> str:

@@ -496,6 +496,8 @@ class _CellRun:
         self.pid: int | None = None
         self.exit_code: int | None = None
         self.lost = False
+        # Whether user code raised: False when the only errors were ones a display showed.
+        self.raised: bool | None = None
 
     def stdout(self, message: OutputMessage) -> None:
         self._take(self.splitter.feed(message.output))
@@ -504,6 +506,7 @@ class _CellRun:
         self.outputs.add("stream", {"name": "stderr", "text": message.output})
 
     def daemon_error(self, error: ExecutionError) -> None:
+        self.raised = True
         self.outputs.add("error", error_content(error.name, error.value, error.traceback))
 
     def finish(self) -> None:
@@ -521,6 +524,8 @@ class _CellRun:
                 self.exit_code = item["code"]
             elif kind == "lost":
                 self.lost = True
+            elif kind == "error":
+                self.raised = self.raised or not item.get("shown")
             content = record_content(item)
             if content is not None:
                 self.outputs.add(*content)
@@ -1169,4 +1174,4 @@ class _DaytonaCell(RunningCell):
             await sandbox._end_interpreter()
             sandbox._ended = "the cell called exit()"
             raise sandbox._died(sandbox._ended, exit_code=self._run.exit_code)
-        return CellReply(execution_count=self._run.count)
+        return CellReply(execution_count=self._run.count, raised=self._run.raised)
