@@ -37,7 +37,8 @@ LIMITS: dict[str, frozenset[str]] = {
             # matplotlib's savefig uses for PNG) as a display_data.
             "quiet_image_save",
             # Its server takes any error the kernel shows for the execution's error, so a
-            # display() whose formatter fails fails the cell (a kernel shows it and goes on).
+            # display() whose formatter fails fails the cell (a kernel shows it and goes on),
+            # the first error shown being the cell's.
             "shown_error",
         }
     ),
