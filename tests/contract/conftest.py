@@ -36,9 +36,9 @@ LIMITS: dict[str, frozenset[str]] = {
             # Its template shows every image saved to a path (PIL's Image.save, which
             # matplotlib's savefig uses for PNG) as a display_data.
             "quiet_image_save",
-            # Its server takes any error the kernel shows for the execution's error, so a
-            # display() whose formatter fails fails the cell (a kernel shows it and goes on),
-            # the first error shown being the cell's.
+            # Its server may take an error the kernel shows for the execution's error, so a
+            # display() whose formatter fails may fail the cell (a kernel shows it and goes
+            # on), that error standing for the cell's.
             "shown_error",
         }
     ),
