@@ -67,6 +67,7 @@ from prefect_sandbox.sandbox.backends import (
     kill_after_failed_setup,
     translated,
 )
+from prefect_sandbox.sandbox.backends.jupyter import FORK_GUARD_CODE
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -134,8 +135,10 @@ TRACEBACK_MSG_TYPE = "prefect_sandbox_traceback"
 EXIT_MSG_TYPE = "prefect_sandbox_exit"
 """What `result_content` calls our hooks' word that the cell called ``exit()``."""
 _DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
-# Runs at kernel start, in the user's namespace, which it leaves as it found it.
-_DISPLAY_HOOKS_CODE = f"""
+# Runs at kernel start, in the user's namespace, which it leaves as it found it: our display
+# hooks, and the guard on forked copies of the kernel that local kernels have too.
+_DISPLAY_HOOKS_CODE = (
+    f"""
 def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
     from IPython import get_ipython
 
@@ -181,6 +184,8 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
 _prefect_sandbox_display_hooks()
 del _prefect_sandbox_display_hooks
 """
+    + FORK_GUARD_CODE
+)
 # Makes the cell running it leave no trace: its input leaves the history (memory and
 # database), and the execution counters go back one, so the next cell gets this one's number.
 # Relative steps, since IPython 8 counts a cell up as it ends and IPython 9 as it starts.

@@ -47,6 +47,7 @@ from prefect_sandbox.sandbox.paths import checked_upload_source, resolve_inside
 from prefect_sandbox.sandbox.workdir import copy_out, list_workdir
 
 __all__ = [
+    "FORK_GUARD_CODE",
     "STARTUP_FILE_NAME",
     "STREAM_MESSAGE_CHARS",
     "JupyterKernelConfig",
@@ -77,34 +78,7 @@ STARTUP_FILE_NAME = "00-prefect-sandbox.py"
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
 
-# ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
-# us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
-# file in every kernel of the sandbox (restarts too): a write that fills the buffer past the
-# limit waits for it to be sent, which bounds each message. It leaves no name behind.
-_STARTUP_CODE = f"""
-def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        if not hasattr(stream, "pub_thread"):
-            continue  # not ipykernel's OutStream
-        unsent = [0]
-
-        def write(text, _write=stream.write, _stream=stream, _unsent=unsent):
-            count = _write(text)
-            _unsent[0] += len(text)
-            if _unsent[0] >= limit:
-                _unsent[0] = 0
-                _stream.flush()
-            return count
-
-        stream.write = write
-
-
-_prefect_sandbox_bound_stream_messages()
-del _prefect_sandbox_bound_stream_messages
-
-
+FORK_GUARD_CODE = """
 def _prefect_sandbox_quiet_forked_children():
     # A process forked by a cell (os.fork) is a copy of the kernel holding its sockets: it
     # would send the cell's busy/idle status and reply as if it were the kernel. It may send
@@ -119,7 +93,7 @@ def _prefect_sandbox_quiet_forked_children():
     session = getattr(getattr(shell, "kernel", None), "session", None)
     if session is None:
         return  # not ipykernel
-    outputs = {{"stream", "display_data", "update_display_data", "clear_output", "error"}}
+    outputs = {"stream", "display_data", "update_display_data", "clear_output", "error"}
     send = session.send
 
     def send_from_kernel(stream, msg_or_type, *args, **kwargs):
@@ -155,6 +129,40 @@ def _prefect_sandbox_quiet_forked_children():
 _prefect_sandbox_quiet_forked_children()
 del _prefect_sandbox_quiet_forked_children
 """
+"""Kernel startup code that keeps a process forked by a cell (a copy of the kernel, holding
+its sockets) to sending outputs, and stops it where its copy of the cell ends."""
+
+# ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
+# us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
+# file in every kernel of the sandbox (restarts too): a write that fills the buffer past the
+# limit waits for it to be sent, which bounds each message. It leaves no name behind.
+_STARTUP_CODE = (
+    f"""
+def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if not hasattr(stream, "pub_thread"):
+            continue  # not ipykernel's OutStream
+        unsent = [0]
+
+        def write(text, _write=stream.write, _stream=stream, _unsent=unsent):
+            count = _write(text)
+            _unsent[0] += len(text)
+            if _unsent[0] >= limit:
+                _unsent[0] = 0
+                _stream.flush()
+            return count
+
+        stream.write = write
+
+
+_prefect_sandbox_bound_stream_messages()
+del _prefect_sandbox_bound_stream_messages
+
+"""
+    + FORK_GUARD_CODE
+)
 
 
 # ipykernel's iopub socket keeps zmq's default send high-water mark of 1,000 messages: when our
