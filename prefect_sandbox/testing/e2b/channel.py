@@ -35,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from prefect_sandbox.testing.e2b.wire import result_fields
@@ -122,10 +123,7 @@ class KernelChannel:
         self._global_env: dict[str, str] | None = None
         self._cleanup: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        self._readers = [
-            asyncio.create_task(self._read(self._client.iopub_channel)),
-            asyncio.create_task(self._read(self._client.shell_channel)),
-        ]
+        self._readers = [asyncio.create_task(self._read())]
 
     async def close(self) -> None:
         """Close the connection: running executions end with ``UnexpectedEndOfExecution``."""
@@ -242,13 +240,24 @@ class KernelChannel:
 
     # --- the kernel's messages -----------------------------------------------------------
 
-    async def _read(self, channel: Any) -> None:
+    async def _read(self) -> None:
+        """Pass on the kernel's messages in the order it sent them, as they reach the server
+        over one websocket: of two sockets ready at once, the shell's (a reply) goes first, as
+        the kernel sends a reply before the ``idle`` that follows it."""
+        shell, iopub = self._client.shell_channel, self._client.iopub_channel
+        poller = zmq.asyncio.Poller()
+        for channel in (shell, iopub):
+            poller.register(channel.socket, zmq.POLLIN)
         while True:
-            message = await channel.get_msg()
-            try:
-                self._process(message)
-            except Exception:
-                logger.exception("E2B emulator: kernel message not handled: %r", message)
+            ready = dict(await poller.poll())
+            for channel in (shell, iopub):
+                if channel.socket not in ready:
+                    continue
+                message = await channel.get_msg()
+                try:
+                    self._process(message)
+                except Exception:
+                    logger.exception("E2B emulator: kernel message not handled: %r", message)
 
     def _process(self, message: dict[str, Any]) -> None:
         execution = self._executions.get(message["parent_header"].get("msg_id", ""))
