@@ -24,7 +24,7 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, kernel_processes
+from tests.conftest import ROOT, flow_run_logs, kernel_processes
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -442,10 +442,12 @@ async def test_backend_block_saves_and_loads(tmp_path: Path) -> None:
     assert (loaded.env, loaded.cell_timeout_s) == ({"SEED": "1"}, 30)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "prefect_sandbox.cli", *args],
-        env=_api_env(),
+        env={**_api_env(), **(env or {})},
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -619,3 +621,111 @@ async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> Non
     cell_logs = [log.message for log in logs if log.message.startswith("[flood cell 0]")]
     assert sum(len(message) for message in cell_logs) < 2 * cap
     assert any("is not logged" in message for message in cell_logs)
+
+
+_LEDGER_CELL = (
+    "with open('ledger.txt', 'a') as f:\n"
+    "    f.write('charge\\n')\n"
+    "print('charges so far:', open('ledger.txt').read().count('charge'))"
+)
+
+
+def test_c02_prefects_global_task_retries_never_run_a_stage_again(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(_LEDGER_CELL),
+        nbformat.v4.new_code_cell("raise RuntimeError('payment API said no')"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    retries = {
+        "PREFECT_TASKS_DEFAULT_RETRIES": "2",
+        "PREFECT_TASKS_DEFAULT_RETRY_DELAY_SECONDS": "1",
+    }
+    done = _cli(
+        "run", "input.ipynb", "--artifact", "ledger.txt", "--out", "out", cwd=tmp_path, env=retries
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert log.count("charges so far: 1") == 1 and "charges so far: 2" not in log
+    assert "Retry 1/2" not in log and "AwaitingRetry" not in log
+    assert "RuntimeError: payment API said no" in done.stderr.strip().splitlines()[-1]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert (run_dir / "ledger.txt").read_text() == "charge\n"
+
+
+async def test_a_flow_retry_gets_a_fresh_sandbox_and_an_emptied_folder(tmp_path: Path) -> None:
+    before = {p.pid for p in kernel_processes()}
+    state = await amodeling_pipeline.with_options(retries=1)(
+        stages={
+            "pay": [
+                _LEDGER_CELL,
+                "import uuid; open(uuid.uuid4().hex + '.txt', 'w').write('once')\n"
+                "raise RuntimeError('payment API said no')",
+            ]
+        },
+        artifacts=["*.txt"],
+        storage=str(tmp_path),
+        return_state=True,
+    )
+    assert state.is_failed()
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["attempt"], summary["status"]) == (2, "failed")
+    on_disk = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
+    listed = {a["path"] for a in summary["artifacts"]}
+    assert on_disk == {*listed, "summary.json"}
+    assert len([p for p in listed if p.endswith(".txt")]) == 2  # the ledger and one other
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
+    # The second attempt's sandbox is fresh: its ledger holds one charge.
+    assert (run_dir / "ledger.txt").read_text() == "charge\n"
+    assert _cells(run_dir / "executed.ipynb")[0].outputs[0]["text"] == "charges so far: 1\n"
+    logs = [log.message for log in await flow_run_logs(summary["flow_run_id"])]
+    started = {m.split()[1] for m in logs if m.startswith("Sandbox ") and m.endswith(" started")}
+    killed = {m.split()[1] for m in logs if m.startswith("Sandbox ") and m.endswith(" killed")}
+    assert len(started) == 2 and started == killed
+    assert summary["sandbox_id"] in started
+    assert any("removed the 4 file(s) an earlier attempt stored" in m for m in logs), logs
+    assert {p.pid for p in kernel_processes()} == before
+
+
+async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')\nprint('step 1 done')"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(600)\nprint('slow step done')"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    before = {p.pid for p in kernel_processes()}
+    # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
+    state = await arun_notebook.with_options(timeout_seconds=20)(
+        notebook=str(tmp_path / "input.ipynb"),
+        artifacts=["step1.txt"],
+        storage=str(tmp_path / "out"),
+        return_state=True,
+    )
+    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"] == (
+        "timed out (the flow run's timeout_seconds, 20.0 s) during stage 'setup', cell 1; "
+        "its sandbox was killed"
+    )
+    assert summary["sandbox_killed_at"] is not None
+    assert [(s["status"], s["failed_cell_index"], s["ename"]) for s in summary["stages"]] == [
+        ("failed", 1, "RunTimedOut")
+    ]
+    assert {a["path"] for a in summary["artifacts"]} == {"step1.txt", "executed.ipynb"}
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
+    assert (run_dir / "step1.txt").read_text() == "done"
+    cells = _cells(run_dir / "executed.ipynb")
+    assert cells[0].outputs[0]["text"] == "step 1 done\n"
+    assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
+    assert {p.pid for p in kernel_processes()} == before

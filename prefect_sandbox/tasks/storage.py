@@ -13,6 +13,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import shutil
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -132,6 +133,19 @@ class ArtifactStore(ABC):
         """
 
     @abstractmethod
+    def clear(self) -> int:
+        """Remove every file stored under the run's location (an earlier attempt's, when the
+        flow run is retried: its folder is the same), so that ``summary.json`` lists exactly
+        the files there.
+
+        Returns:
+            How many files were removed.
+
+        Raises:
+            FileTransferError: a file could not be removed (names the location).
+        """
+
+    @abstractmethod
     def store(self, source: Path, relative: str) -> StoredArtifact:
         """Store one local file under ``relative``, verified.
 
@@ -194,6 +208,24 @@ class LocalFolderStore(ArtifactStore):
                 f"output folder {str(self._folder)!r} cannot be made: {exc.strerror}",
                 path=str(self._folder),
             ) from exc
+
+    def clear(self) -> int:
+        removed = 0
+        try:
+            for entry in list(self._folder.iterdir()):
+                if entry.is_dir() and not entry.is_symlink():
+                    removed += sum(1 for p in entry.rglob("*") if not p.is_dir())
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                    removed += 1
+        except FileNotFoundError:
+            return removed
+        except OSError as exc:
+            raise FileTransferError(
+                f"output folder {self.location!r} cannot be emptied: {exc}", path=self.location
+            ) from exc
+        return removed
 
     def store(self, source: Path, relative: str) -> StoredArtifact:
         target = resolve_inside(self._folder, relative)
@@ -260,6 +292,35 @@ class S3Store(ArtifactStore):
                 f"bucket {self._bucket.bucket_name!r} cannot be reached: {exc}",
                 path=self.location,
             ) from exc
+
+    def clear(self) -> int:
+        client = self.credentials.get_s3_client()
+        bucket = self._bucket.bucket_name
+        # The trailing slash keeps a sibling run's prefix that merely starts alike out.
+        folder = self._bucket._join_bucket_folder(self._prefix).rstrip("/") + "/"
+        removed = 0
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=folder
+            ):
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if not keys:
+                    continue
+                # One page is 1,000 keys at most, DeleteObjects' own limit.
+                answer = client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+                if answer.get("Errors"):
+                    first = answer["Errors"][0]
+                    raise FileTransferError(
+                        f"{len(answer['Errors'])} object(s) under {self.location} could not be "
+                        f"removed, e.g. {first['Key']!r}: {first.get('Message', first['Code'])}",
+                        path=self.location,
+                    )
+                removed += len(keys)
+        except (ClientError, BotoCoreError) as exc:
+            raise FileTransferError(
+                f"objects under {self.location} could not be removed: {exc}", path=self.location
+            ) from exc
+        return removed
 
     @property
     def location(self) -> str:
@@ -416,7 +477,7 @@ def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]
     return rows
 
 
-@task(name="store-artifacts", cache_policy=NO_CACHE)
+@task(name="store-artifacts", cache_policy=NO_CACHE, retries=0)
 async def store_artifacts(
     staging_dir: str, paths: list[str], store: ArtifactStore
 ) -> tuple[list[StoredArtifact], list[str]]:
