@@ -24,7 +24,7 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, flow_run_logs, kernel_processes
+from tests.conftest import ROOT, flow_run_logs, kernel_processes, stream_text
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -729,3 +729,74 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     assert cells[0].outputs[0]["text"] == "step 1 done\n"
     assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
     assert {p.pid for p in kernel_processes()} == before
+
+
+def test_artifacts_named_like_the_runs_own_files_get_free_names() -> None:
+    from prefect_sandbox.flows.pipeline import own_names_kept
+
+    paths = [
+        "summary.json",
+        "sandbox-summary.json",
+        "inline-figures/cell-000-1.png",
+        "executed.ipynb/inside.txt",
+        "executed.ipynb.bak",
+        "metrics.json",
+        "sandbox-inline-figures",
+    ]
+    assert own_names_kept(paths) == {
+        "summary.json": "sandbox-2-summary.json",
+        "inline-figures/cell-000-1.png": "sandbox-2-inline-figures/cell-000-1.png",
+        "executed.ipynb/inside.txt": "sandbox-executed.ipynb/inside.txt",
+    }
+    assert own_names_kept(["summary.json", "sandbox-summary.json/z"]) == {
+        "summary.json": "sandbox-2-summary.json"
+    }
+
+
+async def test_c05_an_artifact_named_like_the_runs_own_files_is_kept_under_another_name(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "import json, os\n"
+            "json.dump({'rmse': 0.42, 'model': 'ridge'}, open('summary.json', 'w'))\n"
+            "json.dump({'mae': 0.3}, open('metrics.json', 'w'))\n"
+            "open('sandbox-summary.json', 'w').write('{}')\n"
+            "open('executed.ipynb', 'w').write('my own notebook')\n"
+            "os.makedirs('inline-figures')\n"
+            "open('inline-figures/cell-000-1.png', 'w').write('my own figure')\n"
+            "import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()\n"
+            "print('wrote my summary')"
+        )
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    result = await arun_notebook(
+        notebook=str(tmp_path / "input.ipynb"),
+        artifacts=["*.json", "*.ipynb", "inline-figures/*"],
+        storage=str(tmp_path / "out"),
+    )
+    run_dir = Path(result.output_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["flow_run_id"] == result.flow_run_id and "rmse" not in summary
+    assert json.loads((run_dir / "sandbox-2-summary.json").read_text())["rmse"] == 0.42
+    assert (run_dir / "sandbox-summary.json").read_text() == "{}"
+    assert (run_dir / "sandbox-executed.ipynb").read_text() == "my own notebook"
+    assert (run_dir / "sandbox-inline-figures/cell-000-1.png").read_text() == "my own figure"
+    assert (run_dir / "inline-figures/cell-000-1.png").read_bytes()[:4] == b"\x89PNG"
+    assert stream_text(_cells(run_dir / "executed.ipynb")[0].outputs) == "wrote my summary\n"
+    listed = [a["path"] for a in summary["artifacts"]]
+    assert len(listed) == len(set(listed))
+    on_disk = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
+    assert on_disk == {*listed, "summary.json"}
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (
+            artifact["bytes"],
+            artifact["sha256"],
+        )
+    warnings = [log.message for log in await flow_run_logs(result.flow_run_id) if log.level == 30]
+    assert any(
+        w.startswith("Artifact 'summary.json' is stored as 'sandbox-2-summary.json'")
+        for w in warnings
+    ), warnings

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -75,6 +76,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
+    INLINE_FIGURES_DIR,
     ExecutedNotebook,
     StageSpec,
     inject_parameters,
@@ -101,15 +103,20 @@ from prefect_sandbox.tasks.storage import ArtifactStore, resolve_storage, store_
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
+    "RESERVED_NAMES",
     "SUMMARY_NAME",
     "amodeling_pipeline",
     "arun_notebook",
     "modeling_pipeline",
+    "own_names_kept",
     "run_notebook",
 ]
 
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
 SUMMARY_NAME = "summary.json"
+RESERVED_NAMES = (EXECUTED_NOTEBOOK_NAME, SUMMARY_NAME, INLINE_FIGURES_DIR)
+"""The top-level names of the run's own files in its folder: an artifact whose path is one of
+them, or inside one, is stored under another name (`own_names_kept`)."""
 INLINE_FIGURES_BYTES = 2 << 20
 """Bytes of PNGs at most that the run summary embeds when the store has no URL to show them."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -125,6 +132,44 @@ def uncancel_current_task() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+def _clashes(path: str, taken: set[str]) -> bool:
+    """Whether ``path`` is, holds or sits inside one of the ``taken`` paths."""
+    parts = path.split("/")
+    above = {"/".join(parts[:n]) for n in range(1, len(parts) + 1)}
+    return bool(above & taken) or any(other.startswith(f"{path}/") for other in taken)
+
+
+def own_names_kept(paths: list[str]) -> dict[str, str]:
+    """New paths for the artifacts that would shadow, or be shadowed by, the run's own files.
+
+    An artifact whose top-level name is in `RESERVED_NAMES` (``summary.json``,
+    ``inline-figures/cell-000-1.png``) gets that name prefixed ``sandbox-``
+    (``sandbox-summary.json``), or ``sandbox-2-``, ``sandbox-3-``... when that clashes with
+    another artifact's path.
+
+    Args:
+        paths: the artifacts' relative POSIX paths.
+
+    Returns:
+        Each renamed artifact's path to its new one; the others are not in it.
+    """
+    taken = set(paths)
+    renamed: dict[str, str] = {}
+    for path in paths:
+        top, slash, rest = path.partition("/")
+        if top not in RESERVED_NAMES:
+            continue
+        others = taken - {path}
+        count = 1
+        new = f"sandbox-{path}"
+        while _clashes(new, others):
+            count += 1
+            new = f"sandbox-{count}-{top}{slash}{rest}"
+        renamed[path] = new
+        taken = others | {new}
+    return renamed
 
 
 def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[StageSummary]:
@@ -338,6 +383,27 @@ class _PipelineRun:
             except SandboxError as exc:
                 # The notebook and summary.json are still stored; the run fails with this.
                 self.failure = self.failure or exc
+            self._keep_own_names(staging / "outputs")
+
+    def _keep_own_names(self, outputs: Path) -> None:
+        """Move the downloaded artifacts that the run's own files would overwrite to the
+        names `own_names_kept` gives them, each named in a warning."""
+        renamed = own_names_kept(self.downloaded)
+        logger = get_run_logger()
+        for old, new in renamed.items():
+            target = resolve_inside(outputs, new)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            resolve_inside(outputs, old).replace(target)
+            logger.warning(
+                "Artifact %r is stored as %r: %s are the run's own",
+                old,
+                new,
+                ", ".join(RESERVED_NAMES),
+            )
+        for name in RESERVED_NAMES:
+            if (outputs / name).is_dir():
+                shutil.rmtree(outputs / name)  # emptied of files above
+        self.downloaded = [renamed.get(path, path) for path in self.downloaded]
 
     async def _run_stage(
         self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
@@ -619,7 +685,8 @@ async def arun_notebook(
 
     Stages are the cells tagged ``stage:{name}`` or, untagged, one per top-level markdown
     heading. The artifacts keep their relative paths in ``storage``, beside ``executed.ipynb``,
-    the inline figures (``inline-figures/``) and ``summary.json``.
+    the inline figures (``inline-figures/``) and ``summary.json``; an artifact with one of
+    those names is stored as ``sandbox-<name>`` (`own_names_kept`), with a warning.
 
     Args:
         notebook: Path of the .ipynb to run, on the machine that runs the flow.
