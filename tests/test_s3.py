@@ -304,3 +304,66 @@ async def test_one_gibibyte_artifact_round_trips_in_bounded_memory(
     assert digest.hexdigest() == big.sha256
     notebook = _stored_notebook(moto, result.output_dir)
     assert notebook.cells[0].outputs[0]["text"].strip() == big.sha256
+
+
+def test_s3_keys_are_normalised_or_refused() -> None:
+    from prefect_sandbox.sandbox.errors import UnsafePathError
+    from prefect_sandbox.tasks.storage import parse_s3_uri
+
+    assert parse_s3_uri("s3://b//double//") == ("b", "double/")
+    assert parse_s3_uri("s3://b/a b/ü/x?y#z") == ("b", "a b/ü/x?y#z")
+    assert parse_s3_uri("s3://b") == ("b", "")
+    assert parse_s3_uri("s3://b///") == ("b", "")
+    for uri in ["s3://b/a b/ü/../../x?y#z", "s3://b/./x", "s3://b/x/.."]:
+        with pytest.raises(UnsafePathError, match=r"has a '\.' or '\.\.' segment"):
+            parse_s3_uri(uri)
+
+
+async def test_storage_keys_have_no_empty_or_dot_segments(
+    moto: MotoServer, bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect_sandbox.sandbox.errors import UnsafePathError
+
+    for name, value in _cli_env(moto).items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    name = bucket.bucket_name
+    result = await amodeling_pipeline(
+        stages={"s": ["open('a.txt', 'w').write('a')"]},
+        artifacts=["a.txt"],
+        storage=f"s3://{name}//double//",
+    )
+    assert result.output_dir.startswith(f"s3://{name}/double/modeling-pipeline/")
+    slashed = bucket.model_copy(update={"bucket_folder": "/lead//in/"})
+    await amodeling_pipeline(stages={"s": ["print(1)"]}, storage=slashed)
+    keys = _keys(moto, name)
+    assert len(keys) == 5
+    for key in keys:
+        assert key.startswith(("double/modeling-pipeline/", "lead/in/modeling-pipeline/")), key
+        assert "" not in key.split("/") and "." not in key.split("/"), key
+    for storage in [
+        f"s3://{name}/a b/ü/../../x?y#z",
+        bucket.model_copy(update={"bucket_folder": "x/../y"}),
+    ]:
+        with pytest.raises(UnsafePathError, match=r"has a '\.' or '\.\.' segment"):
+            await amodeling_pipeline(stages={"s": ["print(1)"]}, storage=storage)
+    assert _keys(moto, name) == keys
+
+
+def test_cli_refuses_an_out_whose_keys_would_climb(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path
+) -> None:
+    import nbformat
+
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "empty.ipynb")
+    out = f"s3://{bucket.bucket_name}/a b/ü/../../x?y#z"
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", "empty.ipynb", "--out", out],
+        env=_cli_env(moto), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"prefect-sandbox: --out {out!r} has a '.' or '..' segment, which S3 would keep "
+        "verbatim in its keys"
+    )
+    assert _keys(moto, bucket.bucket_name) == set()

@@ -28,7 +28,7 @@ from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox.results import StoredArtifact
-from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
+from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError, UnsafePathError
 from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
     path_segment,
@@ -43,6 +43,7 @@ __all__ = [
     "LocalFolderStore",
     "S3Store",
     "fetch_inputs",
+    "normalised_s3_key",
     "parse_s3_uri",
     "resolve_storage",
     "store_artifacts",
@@ -65,16 +66,40 @@ TABLE_ROWS_SHOWN = 500
 S3Credentials = AwsCredentials | MinIOCredentials
 
 
+def normalised_s3_key(key: str, where: str) -> str:
+    """``key`` without empty segments (``a//b``, a leading ``/``); a trailing ``/``, which
+    names a prefix, is kept. Other characters (spaces, ``?``, ``#``, any script) are kept as
+    they are: S3 keys hold them.
+
+    Args:
+        key: an S3 key or key prefix.
+        where: what it came from (a URI, a block's field), named in the error.
+
+    Raises:
+        UnsafePathError: a ``.`` or ``..`` segment, which S3 would keep in the key verbatim.
+    """
+    parts = key.split("/")
+    if "." in parts or ".." in parts:
+        raise UnsafePathError(
+            f"{where} has a '.' or '..' segment, which S3 would keep verbatim in its keys",
+            path=key,
+        )
+    kept = [part for part in parts if part]
+    return "/".join(kept) + ("/" if kept and key.endswith("/") else "")
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``.
+    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``, the key normalised by
+    `normalised_s3_key` (``s3://b//double//`` gives ``("b", "double/")``).
 
     Raises:
         ValueError: not an ``s3://`` URI with a bucket name.
+        UnsafePathError: the key has a ``.`` or ``..`` segment (also a ValueError).
     """
     if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
         raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
     bucket, _, key = uri[5:].partition("/")
-    return bucket, key
+    return bucket, normalised_s3_key(key, repr(uri))
 
 
 def _sha256_digests(path: Path, part_bytes: int) -> tuple[int, bytes, list[bytes]]:
@@ -441,6 +466,8 @@ def resolve_storage(
 
     Raises:
         ValueError: a malformed ``s3://`` URI.
+        UnsafePathError: an ``s3://`` URI's key or a block's ``bucket_folder`` has a ``.`` or
+            ``..`` segment (`normalised_s3_key`; empty segments are dropped instead).
     """
     run_folder = run_folder_name(flow_run_name, flow_run_id)
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
@@ -451,6 +478,10 @@ def resolve_storage(
             bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
         )
     if isinstance(storage, S3Bucket):
+        folder = normalised_s3_key(
+            storage.bucket_folder, f"bucket_folder {storage.bucket_folder!r}"
+        )
+        storage = storage.model_copy(update={"bucket_folder": folder})
         return S3Store(storage, f"{path_segment(flow_name) or 'flow'}/{run_folder}")
     return LocalFolderStore(Path(storage) / run_folder)
 
