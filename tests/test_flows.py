@@ -800,3 +800,42 @@ async def test_c05_an_artifact_named_like_the_runs_own_files_is_kept_under_anoth
         w.startswith("Artifact 'summary.json' is stored as 'sandbox-2-summary.json'")
         for w in warnings
     ), warnings
+
+
+async def test_inputs_that_would_land_on_one_path_are_refused_before_a_sandbox_starts(
+    tmp_path: Path,
+) -> None:
+    for folder in ["a", "b"]:
+        (tmp_path / folder / "data").mkdir(parents=True)
+        (tmp_path / folder / "data" / "x.csv").write_text(folder)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "data").write_text("a file named like the folder")
+    before = {p.pid for p in kernel_processes()}
+    cases = {
+        (str(tmp_path / "a" / "data"), str(tmp_path / "b" / "data")): (
+            f"inputs {str(tmp_path / 'a' / 'data')!r} (its 'data/x.csv') and "
+            f"{str(tmp_path / 'b' / 'data')!r} (its 'data/x.csv') would both land on "
+            "'data/x.csv' in the sandbox"
+        ),
+        (str(tmp_path / "a" / "data"), str(tmp_path / "c" / "data")): (
+            f"inputs {str(tmp_path / 'c' / 'data')!r} and {str(tmp_path / 'a' / 'data')!r} "
+            "(its 'data/x.csv') clash in the sandbox: 'data' would be a file and the folder "
+            "of 'data/x.csv'"
+        ),
+    }
+    for index, (inputs, message) in enumerate(cases.items()):
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={"s": ["print('never runs')"]},
+                inputs=list(inputs),
+                storage=str(tmp_path / f"out{index}"),
+            )
+        assert str(info.value) == message
+        summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+        assert (summary["status"], summary["error"], summary["sandbox_id"]) == (
+            "failed",
+            message,
+            None,
+        )
+        assert [s["status"] for s in summary["stages"]] == ["not_run"]
+    assert {p.pid for p in kernel_processes()} == before

@@ -70,6 +70,13 @@ def _cli_env(moto: MotoServer) -> dict[str, str]:
     }
 
 
+def _use_moto_in_the_aws_environment(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standard AWS variables of this process, for this test, pointed at moto."""
+    for name, value in _cli_env(moto).items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+
+
 def _keys(moto: MotoServer, bucket: str) -> set[str]:
     listing = moto.client().list_objects_v2(Bucket=bucket)
     return {item["Key"] for item in listing.get("Contents", [])}
@@ -324,9 +331,7 @@ async def test_storage_keys_have_no_empty_or_dot_segments(
 ) -> None:
     from prefect_sandbox.sandbox.errors import UnsafePathError
 
-    for name, value in _cli_env(moto).items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
+    _use_moto_in_the_aws_environment(moto, monkeypatch)
     name = bucket.bucket_name
     result = await amodeling_pipeline(
         stages={"s": ["open('a.txt', 'w').write('a')"]},
@@ -367,3 +372,41 @@ def test_cli_refuses_an_out_whose_keys_would_climb(
         "verbatim in its keys"
     )
     assert _keys(moto, bucket.bucket_name) == set()
+
+
+async def test_an_s3_prefix_whose_keys_clash_as_file_and_folder_is_refused_with_a_summary(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect_sandbox.sandbox.errors import FileTransferError
+    from tests.conftest import kernel_processes
+
+    _use_moto_in_the_aws_environment(moto, monkeypatch)
+
+    client: Any = moto.client()
+    client.put_object(Bucket=bucket.bucket_name, Key="clash/a", Body=b"a file")
+    client.put_object(Bucket=bucket.bucket_name, Key="clash/a/b", Body=b"inside a folder")
+    uri = f"s3://{bucket.bucket_name}/clash/"
+    before = {p.pid for p in kernel_processes()}
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"s": ["print('never runs')"]}, inputs=[uri], storage=str(tmp_path)
+        )
+    message = (
+        f"inputs {uri!r} (its 'clash/a') and {uri!r} (its 'clash/a/b') clash in the sandbox: "
+        "'clash/a' would be a file and the folder of 'clash/a/b'"
+    )
+    assert str(info.value) == message
+    assert isinstance(info.value.__cause__, FileTransferError)
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert (summary["status"], summary["error"], summary["sandbox_id"]) == ("failed", message, None)
+    assert {p.pid for p in kernel_processes()} == before
+    missing = f"s3://{bucket.bucket_name}/no-such-object.csv"
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"s": ["print('runs')"]}, inputs=[missing], storage=str(tmp_path)
+        )
+    cause = info.value.__cause__
+    assert isinstance(cause, FileTransferError) and "\n" not in str(cause)
+    assert str(cause).startswith(f"input {missing!r}: object 'no-such-object.csv' could not be")
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == str(cause)

@@ -99,7 +99,13 @@ from prefect_sandbox.tasks.sandbox import (
     shielded,
     upload_inputs,
 )
-from prefect_sandbox.tasks.storage import ArtifactStore, resolve_storage, store_artifacts
+from prefect_sandbox.tasks.storage import (
+    ArtifactStore,
+    input_credentials,
+    plan_inputs,
+    resolve_storage,
+    store_artifacts,
+)
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -325,6 +331,14 @@ class _PipelineRun:
         ):
             yield handle
 
+    async def check_inputs(self, inputs: list[str]) -> None:
+        """List the inputs (`plan_inputs`) before any sandbox starts; a `SandboxError`
+        (missing, unreadable, clashing inputs) becomes `failure`."""
+        try:
+            await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
+        except SandboxError as exc:
+            self.failure = exc
+
     async def execute(
         self,
         handle: SandboxHandle,
@@ -437,20 +451,24 @@ class _PipelineRun:
         try:
             yield
         finally:
-            outputs.mkdir(exist_ok=True)
-            written = _write_notebook_files(self.executed, self.stage_results, outputs)
-            with shielded():
-                self.stored, storage_failures = await store_artifacts(
-                    str(outputs), [*self.downloaded, *written], self.store
-                )
-                self.figures = await asyncio.to_thread(
-                    _figure_urls, self.stored, self.store, outputs
-                )
-            if storage_failures and self.failure is None:
-                self.failure = FileTransferError(
-                    f"{len(storage_failures)} artifact(s) could not be stored in "
-                    f"{self.store.location}: {'; '.join(storage_failures)}"
-                )
+            await self.store_made(outputs)
+
+    async def store_made(self, outputs: Path) -> None:
+        """Store the executed notebook, its inline figures and the downloaded artifacts from
+        ``outputs``; a file that could not be stored becomes the failure unless there already
+        is one."""
+        outputs.mkdir(exist_ok=True)
+        written = _write_notebook_files(self.executed, self.stage_results, outputs)
+        with shielded():
+            self.stored, storage_failures = await store_artifacts(
+                str(outputs), [*self.downloaded, *written], self.store
+            )
+            self.figures = await asyncio.to_thread(_figure_urls, self.stored, self.store, outputs)
+        if storage_failures and self.failure is None:
+            self.failure = FileTransferError(
+                f"{len(storage_failures)} artifact(s) could not be stored in "
+                f"{self.store.location}: {'; '.join(storage_failures)}"
+            )
 
     async def store_summary(
         self, outputs: Path, flow_run_id: str, flow_run_name: str, duration_s: float
@@ -570,14 +588,18 @@ async def _run_pipeline(
     with staging_dir() as staging:
         outputs = staging / "outputs"
         try:
-            async with run.sandbox_then_store(flow_run, outputs) as handle:
-                await run.execute(
-                    handle,
-                    staging,
-                    inputs=inputs,
-                    artifacts=artifacts,
-                    cell_timeout_s=cell_timeout_s,
-                )
+            await run.check_inputs(inputs)
+            if run.failure is not None:
+                await run.store_made(outputs)  # refused before a sandbox starts
+            else:
+                async with run.sandbox_then_store(flow_run, outputs) as handle:
+                    await run.execute(
+                        handle,
+                        staging,
+                        inputs=inputs,
+                        artifacts=artifacts,
+                        cell_timeout_s=cell_timeout_s,
+                    )
         except asyncio.CancelledError:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
             # for a slot, while the sandbox was made or killed (it killed every sandbox of the

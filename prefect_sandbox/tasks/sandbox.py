@@ -48,7 +48,7 @@ from prefect_sandbox.sandbox.outputs import (
 )
 from prefect_sandbox.sandbox.paths import is_utf8, resolve_inside, shown_path
 from prefect_sandbox.settings import PrefectSandboxSettings
-from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
+from prefect_sandbox.tasks.storage import ArtifactStore, fetch_inputs, input_credentials
 
 __all__ = [
     "cell_failure",
@@ -157,10 +157,13 @@ async def upload_inputs(
 
     Raises:
         FileTransferError: an input does not exist, cannot be read, or is a link to a folder,
-            out of its own folder or to nothing (names it).
+            out of its own folder or to nothing (names it); or two would land on one path
+            (names both; `plan_inputs`).
+        UnsafePathError: an S3 key would leave its folder.
     """
-    credentials = store.credentials if isinstance(store, S3Store) else None
-    pairs, skipped = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)
+    pairs, skipped = await asyncio.to_thread(
+        fetch_inputs, inputs, Path(staging_dir), input_credentials(store)
+    )
     logger = get_run_logger()
     for line in skipped:
         logger.warning("Input link skipped: %s", line)

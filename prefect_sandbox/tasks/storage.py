@@ -16,6 +16,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
@@ -41,10 +42,13 @@ __all__ = [
     "MULTIPART_THRESHOLD_BYTES",
     "ArtifactStore",
     "LocalFolderStore",
+    "PlannedInput",
     "S3Store",
     "fetch_inputs",
+    "input_credentials",
     "normalised_s3_key",
     "parse_s3_uri",
+    "plan_inputs",
     "resolve_storage",
     "store_artifacts",
     "stored_table_rows",
@@ -254,12 +258,18 @@ class LocalFolderStore(ArtifactStore):
 
     def store(self, source: Path, relative: str) -> StoredArtifact:
         target = resolve_inside(self._folder, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
-        with source.open("rb") as reader, target.open("wb") as writer:
-            while chunk := reader.read(_READ_CHUNK_BYTES):
-                digest.update(chunk)
-                writer.write(chunk)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with source.open("rb") as reader, target.open("wb") as writer:
+                while chunk := reader.read(_READ_CHUNK_BYTES):
+                    digest.update(chunk)
+                    writer.write(chunk)
+        except OSError as exc:
+            raise FileTransferError(
+                f"artifact {relative!r} could not be stored in {self.location}: {_one_line(exc)}",
+                path=relative,
+            ) from exc
         return StoredArtifact(
             path=relative,
             bytes=target.stat().st_size,
@@ -443,6 +453,12 @@ class S3Store(ArtifactStore):
             )
 
 
+def input_credentials(store: ArtifactStore | None) -> S3Credentials | None:
+    """The credentials ``s3://`` inputs are read with: an S3 store's; else None (the standard
+    AWS environment)."""
+    return store.credentials if isinstance(store, S3Store) else None
+
+
 def resolve_storage(
     storage: S3Bucket | str, flow_name: str, flow_run_name: str, flow_run_id: str
 ) -> ArtifactStore:
@@ -545,30 +561,86 @@ async def store_artifacts(
     return stored, failures
 
 
-def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tuple[Path, str]]:
-    """Download an ``s3://`` object, or every object under a ``s3://.../`` prefix, to disk."""
+@dataclass(frozen=True)
+class PlannedInput:
+    """One file an input puts in the sandbox (`plan_inputs`).
+
+    Attributes:
+        origin: the input as given: a local path or an ``s3://`` URI.
+        dest: its POSIX path in the sandbox, relative to the working directory.
+        local: the local file; None for an S3 object.
+        key: the S3 object's key, in the bucket ``origin`` names; None for a local file.
+    """
+
+    origin: str
+    dest: str
+    local: Path | None = None
+    key: str | None = None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _s3_plan(uri: str, credentials: S3Credentials) -> list[PlannedInput]:
+    """The files an ``s3://`` object, or every object under a ``s3://.../`` prefix, puts in
+    the sandbox; a prefix is listed, nothing is downloaded."""
     bucket_name, key = parse_s3_uri(uri)
-    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
-    staging.mkdir(parents=True, exist_ok=True)
-    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     if key and not key.endswith("/"):
-        name = PurePosixPath(key).name
-        bucket.download_object_to_path(key, resolve_inside(staging, name), _sync=True)  # type: ignore[arg-type]
-        return [(staging / name, name)]
+        return [PlannedInput(uri, PurePosixPath(key).name, key=key)]
+    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
     folder = PurePosixPath(key.rstrip("/")).name or bucket_name
-    pairs = []
+    planned = []
+    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
     for item in listing:
         if item["Key"].endswith("/"):
             continue  # a console's empty "folder" marker, not a file
         relative = f"{folder}/{PurePosixPath(item['Key']).relative_to(key or '.').as_posix()}"
-        target = resolve_inside(staging, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        bucket.download_object_to_path(item["Key"], target, _sync=True)  # type: ignore[arg-type]
-        pairs.append((target, relative))
-    if not pairs:
+        checked_relative_path(relative)
+        planned.append(PlannedInput(uri, relative, key=item["Key"]))
+    if not planned:
         raise FileTransferError(f"input {uri!r} matches no object", path=uri)
-    return pairs
+    return planned
+
+
+def _shown(planned: PlannedInput) -> str:
+    if PurePosixPath(planned.dest).name == planned.dest:
+        return repr(planned.origin)
+    return f"{planned.origin!r} (its {planned.dest!r})"
+
+
+def _checked_one_path_each(planned: list[PlannedInput]) -> None:
+    """Refuse inputs that would land on one path, or need one path as a file and a folder.
+
+    Raises:
+        FileTransferError: names both inputs and the path.
+    """
+    files: dict[str, PlannedInput] = {}
+    folders: dict[str, PlannedInput] = {}
+    for item in planned:
+        parts = item.dest.split("/")
+        above = ["/".join(parts[:n]) for n in range(1, len(parts))]
+        other = files.get(item.dest)
+        if other is not None:
+            raise FileTransferError(
+                f"inputs {_shown(other)} and {_shown(item)} would both land on "
+                f"{item.dest!r} in the sandbox",
+                path=item.dest,
+            )
+        clash = folders.get(item.dest) or next((files[a] for a in above if a in files), None)
+        if clash is not None:
+            file, inside = (
+                (item, clash) if clash.dest.startswith(f"{item.dest}/") else (clash, item)
+            )
+            raise FileTransferError(
+                f"inputs {_shown(file)} and {_shown(inside)} clash in the sandbox: "
+                f"{file.dest!r} would be a file and the folder of {inside.dest!r}",
+                path=file.dest,
+            )
+        files[item.dest] = item
+        for folder in above:
+            folders.setdefault(folder, item)
 
 
 def _link_problem(link: Path, root: Path, shown_root: str) -> str | None:
@@ -610,15 +682,67 @@ def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[s
     return sorted(pairs, key=lambda pair: pair[1]), skipped
 
 
+def plan_inputs(
+    inputs: list[str], credentials: S3Credentials | None
+) -> tuple[list[PlannedInput], list[str]]:
+    """The files the inputs put in the sandbox, and where, checked before any is copied.
+
+    Local files keep their name; local folders their name and tree, where links that leave
+    the folder, links to folders and broken links are skipped; an ``s3://`` object keeps its
+    name, a ``s3://.../`` prefix is listed and keeps its last segment and tree. An input that
+    is itself a link is followed only to a file in the link's own folder.
+
+    Args:
+        inputs: local paths or ``s3://`` URIs.
+        credentials: AWS credentials for ``s3://`` inputs; None for the standard environment.
+
+    Returns:
+        The planned files, and one line per skipped link naming it and why.
+
+    Raises:
+        FileTransferError: an input does not exist, cannot be read or listed, or is a link to
+            a folder, out of its own folder or to nothing; or two would land on one path, or
+            need one path as a file and as a folder (names both).
+        UnsafePathError: an S3 key would leave its folder (``..``).
+    """
+    planned: list[PlannedInput] = []
+    skipped: list[str] = []
+    for item in inputs:
+        try:
+            if item.startswith("s3://"):
+                planned.extend(_s3_plan(item, credentials or AwsCredentials()))
+                continue
+            source = Path(item)
+            if source.is_symlink():
+                # As a link in a folder: followed only to a file in its own folder, so a link
+                # to "/etc" or to a key file never uploads what it points at.
+                parent = source.absolute().parent.resolve()
+                problem = _link_problem(source, parent, "its folder")
+                if problem is not None:
+                    raise FileTransferError(f"input {item!r} is {problem}", path=item)
+            # Resolved, so that "." or "../data" land under the folder's real name.
+            name = source.resolve().name
+            if source.is_dir():
+                found, refused = _folder_inputs(item, name)
+                planned.extend(PlannedInput(item, dest, local=path) for path, dest in found)
+                skipped.extend(refused)
+            elif source.is_file():
+                planned.append(PlannedInput(item, name, local=source))
+            else:
+                raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise FileTransferError(
+                f"input {item!r} could not be read: {_one_line(exc)}", path=item
+            ) from exc
+    _checked_one_path_each(planned)
+    return planned, skipped
+
+
 def fetch_inputs(
     inputs: list[str], staging: Path, credentials: S3Credentials | None
 ) -> tuple[list[tuple[Path, str]], list[str]]:
-    """Resolve inputs to local files and the paths they get inside the sandbox.
-
-    Local files keep their name; local folders their name and tree, where links that leave
-    the folder, links to folders and broken links are skipped; ``s3://`` objects and prefixes
-    are streamed to ``staging`` on disk first, keeping their relative names. An input that is
-    itself a link is followed only to a file in the link's own folder.
+    """Resolve inputs (`plan_inputs`) to local files and the paths they get inside the
+    sandbox, streaming ``s3://`` objects to ``staging`` on disk first.
 
     Args:
         inputs: local paths or ``s3://`` URIs.
@@ -630,35 +754,31 @@ def fetch_inputs(
         it and why.
 
     Raises:
-        FileTransferError: an input does not exist, or is a link to a folder, out of its own
-            folder or to nothing (names it).
+        FileTransferError: as `plan_inputs`, or an object could not be downloaded (names it).
+        UnsafePathError: as `plan_inputs`.
     """
+    planned, skipped = plan_inputs(inputs, credentials)
     pairs: list[tuple[Path, str]] = []
-    skipped: list[str] = []
-    for item in inputs:
-        if item.startswith("s3://"):
-            try:
-                pairs.extend(_s3_inputs(item, credentials or AwsCredentials(), staging))
-            except (ClientError, BotoCoreError) as exc:
-                raise FileTransferError(
-                    f"input {item!r} could not be read: {exc}", path=item
-                ) from exc
+    buckets: dict[str, S3Bucket] = {}
+    for item in planned:
+        if item.local is not None:
+            pairs.append((item.local, item.dest))
             continue
-        source = Path(item)
-        if source.is_symlink():
-            # As a link in a folder: followed only to a file in its own folder, so a link
-            # to "/etc" or to a key file never uploads what it points at.
-            problem = _link_problem(source, source.absolute().parent.resolve(), "its folder")
-            if problem is not None:
-                raise FileTransferError(f"input {item!r} is {problem}", path=item)
-        # Resolved, so that "." or "../data" land under the folder's real name.
-        name = source.resolve().name
-        if source.is_dir():
-            found, refused = _folder_inputs(item, name)
-            pairs.extend(found)
-            skipped.extend(refused)
-        elif source.is_file():
-            pairs.append((source, name))
-        else:
-            raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+        bucket_name, _ = parse_s3_uri(item.origin)
+        if bucket_name not in buckets:
+            buckets[bucket_name] = S3Bucket(
+                bucket_name=bucket_name, credentials=credentials or AwsCredentials()
+            )
+        target = resolve_inside(staging, item.dest)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # _sync: prefect-aws dispatches on the run context, async inside our flows.
+            buckets[bucket_name].download_object_to_path(item.key, target, _sync=True)  # type: ignore[arg-type]
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise FileTransferError(
+                f"input {item.origin!r}: object {item.key!r} could not be downloaded: "
+                f"{_one_line(exc)}",
+                path=item.origin,
+            ) from exc
+        pairs.append((target, item.dest))
     return pairs, skipped
