@@ -410,3 +410,28 @@ async def test_an_s3_prefix_whose_keys_clash_as_file_and_folder_is_refused_with_
     assert str(cause).startswith(f"input {missing!r}: object 'no-such-object.csv' could not be")
     summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] == str(cause)
+
+
+async def test_a_flow_retry_empties_its_s3_prefix_first(moto: MotoServer, bucket: S3Bucket) -> None:
+    neighbour = "results/modeling-pipeline/kept.txt"
+    moto.client().put_object(Bucket=bucket.bucket_name, Key=neighbour, Body=b"not this run's")
+    state = await amodeling_pipeline.with_options(retries=1)(
+        stages={
+            "s": [
+                "import uuid; open(uuid.uuid4().hex + '.txt', 'w').write('once')\n"
+                "raise RuntimeError('flaky')"
+            ]
+        },
+        artifacts=["*.txt"],
+        storage=bucket,
+        return_state=True,
+    )
+    assert state.is_failed()
+    keys = _keys(moto, bucket.bucket_name)
+    (summary_key,) = [k for k in keys if k.endswith("/summary.json")]
+    prefix = summary_key.removesuffix("summary.json")
+    summary = json.loads(_fresh_download(moto, bucket.bucket_name, summary_key))
+    assert summary["attempt"] == 2
+    listed = {f"{prefix}{a['path']}" for a in summary["artifacts"]}
+    assert len(listed) == 2  # one .txt and the notebook
+    assert keys == {*listed, summary_key, neighbour}
