@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -838,4 +839,51 @@ async def test_inputs_that_would_land_on_one_path_are_refused_before_a_sandbox_s
             None,
         )
         assert [s["status"] for s in summary["stages"]] == ["not_run"]
+    assert {p.pid for p in kernel_processes()} == before
+
+
+async def test_a_task_timeout_on_run_stage_leaves_the_sandbox_to_its_flow(tmp_path: Path) -> None:
+    from prefect import flow
+
+    from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+    from prefect_sandbox.tasks import create_sandbox, download_artifacts, kill_sandbox, run_stage
+    from prefect_sandbox.tasks.sandbox import partial_stage_result
+
+    backend = LocalKernelBackend()
+    stage = StageSpec(
+        name="slow",
+        cells=[
+            CellSpec(index=0, source="open('early.txt', 'w').write('kept'); print('early')"),
+            CellSpec(index=1, source="import time; time.sleep(600)"),
+        ],
+    )
+    before = {p.pid for p in kernel_processes()}
+
+    @flow
+    async def mine() -> tuple[str | None, Any, list[str], bool]:
+        handle = await create_sandbox(backend, {"suite": "task-timeout"})
+        try:
+            state = await run_stage.with_options(timeout_seconds=10)(
+                backend, handle, stage, return_state=True
+            )
+            try:
+                await state.result()
+            except BaseException as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+            partial = None
+            while error is not None and partial is None:
+                partial = partial_stage_result(error)
+                error = error.__cause__ or error.__context__
+            downloaded = await download_artifacts(backend, handle, ["*.txt"], str(tmp_path))
+        finally:
+            killed = await kill_sandbox(backend, handle)
+        return state.name, partial, downloaded, killed
+
+    name, partial, downloaded, killed = await mine()
+    assert name == "TimedOut"
+    assert downloaded == ["early.txt"] and killed
+    assert partial is not None and partial.status == "failed"
+    assert partial.cells[-1].result.error.ename == "RunTimedOut"
     assert {p.pid for p in kernel_processes()} == before
