@@ -516,19 +516,35 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             return f"--artifact {exc}"
     for item in args.input:
         if item.startswith("s3://"):
-            if not item[5:].split("/", 1)[0]:
-                return f"--input {item!r} names no bucket"
+            problem = _s3_problem("--input", item)
+            if problem:
+                return problem
         elif not remote and not os.path.exists(item):
             return f"--input {item!r} does not exist"
     if args.out.startswith("s3://"):
-        if not args.out[5:].split("/", 1)[0]:
-            return f"--out {args.out!r} names no bucket"
+        problem = _s3_problem("--out", args.out)
+        if problem:
+            return problem
     elif os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out!r} is not a folder"
     elif args.aws_credentials:
         return "--aws-credentials needs an s3:// --out"
     if args.backend == "e2b" and not args.backend_block and not os.environ.get("E2B_API_KEY"):
         return "--backend e2b needs --backend-block NAME or the E2B_API_KEY variable"
+    return None
+
+
+def _s3_problem(option: str, uri: str) -> str | None:
+    """What is wrong with an ``s3://`` URI given to ``option``: no bucket, or a key that S3
+    would store verbatim with ``..`` in it (`parse_s3_uri`); None if nothing."""
+    if not uri[5:].split("/", 1)[0]:
+        return f"{option} {uri!r} names no bucket"
+    from prefect_sandbox.tasks.storage import parse_s3_uri
+
+    try:
+        parse_s3_uri(uri)
+    except ValueError as exc:
+        return f"{option} {exc}"
     return None
 
 
@@ -589,7 +605,9 @@ def _storage(out: str, aws_credentials: str | None) -> Any:
         return out
     from prefect_aws import AwsCredentials, S3Bucket
 
-    bucket_name, _, folder = out[5:].partition("/")
+    from prefect_sandbox.tasks.storage import parse_s3_uri
+
+    bucket_name, folder = parse_s3_uri(out)
     credentials = AwsCredentials()
     if aws_credentials:
         credentials = cast(AwsCredentials, AwsCredentials.load(aws_credentials))

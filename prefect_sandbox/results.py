@@ -85,6 +85,9 @@ class PipelineResult(BaseModel):
     Attributes:
         flow_run_id: the flow run's id.
         flow_run_name: the flow run's name (its files' folder is named from it and its id).
+        attempt: the flow run's attempt, Prefect's ``run_count``: 2 or more when the flow run
+            was retried (``retries``, the UI's Retry, ``PREFECT_FLOWS_DEFAULT_RETRIES``). Each
+            attempt runs in a fresh sandbox, and empties the run's folder before it stores.
         status: ``"completed"``, ``"failed"``, or ``"cancelled"`` (its task was cancelled, e.g.
             by the CLI on SIGINT or SIGTERM).
         stages: one summary per stage, in order, including stages that never ran.
@@ -104,6 +107,7 @@ class PipelineResult(BaseModel):
 
     flow_run_id: str
     flow_run_name: str
+    attempt: int = 1
     status: Literal["completed", "failed", "cancelled"]
     stages: list[StageSummary]
     artifacts: list[StoredArtifact]

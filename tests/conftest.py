@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
@@ -101,6 +101,20 @@ def short_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+async def flow_run_logs(flow_run_id: str) -> list[Any]:
+    """The logs of a flow run (its task runs' included), read back from Prefect's API after
+    this process's pending log records are sent."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        return await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
 
 
 def kernel_processes() -> list[psutil.Process]:

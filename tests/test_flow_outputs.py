@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pytest
 
 from prefect_sandbox.flows import PipelineFailedError, arun_notebook
+from tests.conftest import flow_run_logs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -27,18 +27,6 @@ def _notebook(path: Path, *sources: str, tags: dict[int, list[str]] | None = Non
         notebook.cells[index].metadata["tags"] = cell_tags
     nbformat.write(notebook, path)
     return path
-
-
-async def _run_logs(flow_run_id: str) -> list[Any]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogHandler
-
-    await APILogHandler.aflush()
-    async with get_client() as client:
-        return await client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-        )
 
 
 async def test_b05_a_malformed_image_output_is_kept_and_the_run_stores_everything(
@@ -62,7 +50,7 @@ async def test_b05_a_malformed_image_output_is_kept_and_the_run_stores_everythin
     assert executed.cells[0].outputs[0]["data"]["image/png"] == "not-base64!"
     assert executed.cells[1].outputs[0]["text"] == "second cell ran\n"
     assert not (out / "inline-figures").exists()
-    warnings = [log.message for log in await _run_logs(result.flow_run_id) if log.level == 30]
+    warnings = [log.message for log in await flow_run_logs(result.flow_run_id) if log.level == 30]
     assert any("cell 0: image/png output 1 is not base64" in w for w in warnings), warnings
 
 
@@ -173,7 +161,7 @@ async def test_b17_a_huge_exception_message_is_capped_everywhere_but_the_noteboo
         flow_run = await client.read_flow_run(summary["flow_run_id"])
     assert flow_run.state is not None and flow_run.state.is_failed()
     assert len(flow_run.state.message or "") < 5000
-    messages = [log.message for log in await _run_logs(summary["flow_run_id"])]
+    messages = [log.message for log in await flow_run_logs(summary["flow_run_id"])]
     assert max(len(message) for message in messages) < 20_000
     assert any("after the long line" in m for m in messages if m.startswith("[setup cell 0]"))
     (logged,) = [m for m in messages if m.startswith("[setup cell 1] ValueError")]
@@ -207,7 +195,7 @@ async def test_terminal_controls_a_cell_chose_reach_no_terminal_nor_log(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"][0]["ename"] == "EvilError"
     assert not [c for c in _CONTROLS if c in json.dumps(summary, ensure_ascii=False)]
-    messages = [log.message for log in await _run_logs(summary["flow_run_id"])]
+    messages = [log.message for log in await flow_run_logs(summary["flow_run_id"])]
     assert any("output" in m for m in messages if m.startswith("[setup cell 0]"))
     assert not [m for m in messages for c in _CONTROLS if c in m]
     # The notebook keeps what the cell made, as Jupyter would show it.

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -24,7 +25,7 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, kernel_processes
+from tests.conftest import ROOT, flow_run_logs, kernel_processes, stream_text
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -442,10 +443,12 @@ async def test_backend_block_saves_and_loads(tmp_path: Path) -> None:
     assert (loaded.env, loaded.cell_timeout_s) == ({"SEED": "1"}, 30)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "prefect_sandbox.cli", *args],
-        env=_api_env(),
+        env={**_api_env(), **(env or {})},
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -619,3 +622,268 @@ async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> Non
     cell_logs = [log.message for log in logs if log.message.startswith("[flood cell 0]")]
     assert sum(len(message) for message in cell_logs) < 2 * cap
     assert any("is not logged" in message for message in cell_logs)
+
+
+_LEDGER_CELL = (
+    "with open('ledger.txt', 'a') as f:\n"
+    "    f.write('charge\\n')\n"
+    "print('charges so far:', open('ledger.txt').read().count('charge'))"
+)
+
+
+def test_c02_prefects_global_task_retries_never_run_a_stage_again(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(_LEDGER_CELL),
+        nbformat.v4.new_code_cell("raise RuntimeError('payment API said no')"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    retries = {
+        "PREFECT_TASKS_DEFAULT_RETRIES": "2",
+        "PREFECT_TASKS_DEFAULT_RETRY_DELAY_SECONDS": "1",
+    }
+    done = _cli(
+        "run", "input.ipynb", "--artifact", "ledger.txt", "--out", "out", cwd=tmp_path, env=retries
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert log.count("charges so far: 1") == 1 and "charges so far: 2" not in log
+    assert "Retry 1/2" not in log and "AwaitingRetry" not in log
+    assert "RuntimeError: payment API said no" in done.stderr.strip().splitlines()[-1]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert (run_dir / "ledger.txt").read_text() == "charge\n"
+
+
+async def test_a_flow_retry_gets_a_fresh_sandbox_and_an_emptied_folder(tmp_path: Path) -> None:
+    before = {p.pid for p in kernel_processes()}
+    state = await amodeling_pipeline.with_options(retries=1)(
+        stages={
+            "pay": [
+                _LEDGER_CELL,
+                "import uuid; open(uuid.uuid4().hex + '.txt', 'w').write('once')\n"
+                "raise RuntimeError('payment API said no')",
+            ]
+        },
+        artifacts=["*.txt"],
+        storage=str(tmp_path),
+        return_state=True,
+    )
+    assert state.is_failed()
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["attempt"], summary["status"]) == (2, "failed")
+    on_disk = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
+    listed = {a["path"] for a in summary["artifacts"]}
+    assert on_disk == {*listed, "summary.json"}
+    assert len([p for p in listed if p.endswith(".txt")]) == 2  # the ledger and one other
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
+    # The second attempt's sandbox is fresh: its ledger holds one charge.
+    assert (run_dir / "ledger.txt").read_text() == "charge\n"
+    assert _cells(run_dir / "executed.ipynb")[0].outputs[0]["text"] == "charges so far: 1\n"
+    logs = [log.message for log in await flow_run_logs(summary["flow_run_id"])]
+    started = {m.split()[1] for m in logs if m.startswith("Sandbox ") and m.endswith(" started")}
+    killed = {m.split()[1] for m in logs if m.startswith("Sandbox ") and m.endswith(" killed")}
+    assert len(started) == 2 and started == killed
+    assert summary["sandbox_id"] in started
+    assert any("removed the 4 file(s) an earlier attempt stored" in m for m in logs), logs
+    assert {p.pid for p in kernel_processes()} == before
+
+
+async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')\nprint('step 1 done')"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(600)\nprint('slow step done')"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    before = {p.pid for p in kernel_processes()}
+    # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
+    state = await arun_notebook.with_options(timeout_seconds=20)(
+        notebook=str(tmp_path / "input.ipynb"),
+        artifacts=["step1.txt"],
+        storage=str(tmp_path / "out"),
+        return_state=True,
+    )
+    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"] == (
+        "timed out (the flow run's timeout_seconds, 20.0 s) during stage 'setup', cell 1; "
+        "its sandbox was killed"
+    )
+    assert summary["sandbox_killed_at"] is not None
+    assert [(s["status"], s["failed_cell_index"], s["ename"]) for s in summary["stages"]] == [
+        ("failed", 1, "RunTimedOut")
+    ]
+    assert {a["path"] for a in summary["artifacts"]} == {"step1.txt", "executed.ipynb"}
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
+    assert (run_dir / "step1.txt").read_text() == "done"
+    cells = _cells(run_dir / "executed.ipynb")
+    assert cells[0].outputs[0]["text"] == "step 1 done\n"
+    assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
+    assert {p.pid for p in kernel_processes()} == before
+
+
+def test_artifacts_named_like_the_runs_own_files_get_free_names() -> None:
+    from prefect_sandbox.flows.pipeline import own_names_kept
+
+    paths = [
+        "summary.json",
+        "sandbox-summary.json",
+        "inline-figures/cell-000-1.png",
+        "executed.ipynb/inside.txt",
+        "executed.ipynb.bak",
+        "metrics.json",
+        "sandbox-inline-figures",
+    ]
+    assert own_names_kept(paths) == {
+        "summary.json": "sandbox-2-summary.json",
+        "inline-figures/cell-000-1.png": "sandbox-2-inline-figures/cell-000-1.png",
+        "executed.ipynb/inside.txt": "sandbox-executed.ipynb/inside.txt",
+    }
+    assert own_names_kept(["summary.json", "sandbox-summary.json/z"]) == {
+        "summary.json": "sandbox-2-summary.json"
+    }
+
+
+async def test_c05_an_artifact_named_like_the_runs_own_files_is_kept_under_another_name(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "import json, os\n"
+            "json.dump({'rmse': 0.42, 'model': 'ridge'}, open('summary.json', 'w'))\n"
+            "json.dump({'mae': 0.3}, open('metrics.json', 'w'))\n"
+            "open('sandbox-summary.json', 'w').write('{}')\n"
+            "open('executed.ipynb', 'w').write('my own notebook')\n"
+            "os.makedirs('inline-figures')\n"
+            "open('inline-figures/cell-000-1.png', 'w').write('my own figure')\n"
+            "import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()\n"
+            "print('wrote my summary')"
+        )
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    result = await arun_notebook(
+        notebook=str(tmp_path / "input.ipynb"),
+        artifacts=["*.json", "*.ipynb", "inline-figures/*"],
+        storage=str(tmp_path / "out"),
+    )
+    run_dir = Path(result.output_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["flow_run_id"] == result.flow_run_id and "rmse" not in summary
+    assert json.loads((run_dir / "sandbox-2-summary.json").read_text())["rmse"] == 0.42
+    assert (run_dir / "sandbox-summary.json").read_text() == "{}"
+    assert (run_dir / "sandbox-executed.ipynb").read_text() == "my own notebook"
+    assert (run_dir / "sandbox-inline-figures/cell-000-1.png").read_text() == "my own figure"
+    assert (run_dir / "inline-figures/cell-000-1.png").read_bytes()[:4] == b"\x89PNG"
+    assert stream_text(_cells(run_dir / "executed.ipynb")[0].outputs) == "wrote my summary\n"
+    listed = [a["path"] for a in summary["artifacts"]]
+    assert len(listed) == len(set(listed))
+    on_disk = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
+    assert on_disk == {*listed, "summary.json"}
+    for artifact in summary["artifacts"]:
+        data = (run_dir / artifact["path"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (
+            artifact["bytes"],
+            artifact["sha256"],
+        )
+    warnings = [log.message for log in await flow_run_logs(result.flow_run_id) if log.level == 30]
+    assert any(
+        w.startswith("Artifact 'summary.json' is stored as 'sandbox-2-summary.json'")
+        for w in warnings
+    ), warnings
+
+
+async def test_inputs_that_would_land_on_one_path_are_refused_before_a_sandbox_starts(
+    tmp_path: Path,
+) -> None:
+    for folder in ["a", "b"]:
+        (tmp_path / folder / "data").mkdir(parents=True)
+        (tmp_path / folder / "data" / "x.csv").write_text(folder)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "data").write_text("a file named like the folder")
+    before = {p.pid for p in kernel_processes()}
+    cases = {
+        (str(tmp_path / "a" / "data"), str(tmp_path / "b" / "data")): (
+            f"inputs {str(tmp_path / 'a' / 'data')!r} (its 'data/x.csv') and "
+            f"{str(tmp_path / 'b' / 'data')!r} (its 'data/x.csv') would both land on "
+            "'data/x.csv' in the sandbox"
+        ),
+        (str(tmp_path / "a" / "data"), str(tmp_path / "c" / "data")): (
+            f"inputs {str(tmp_path / 'c' / 'data')!r} and {str(tmp_path / 'a' / 'data')!r} "
+            "(its 'data/x.csv') clash in the sandbox: 'data' would be a file and the folder "
+            "of 'data/x.csv'"
+        ),
+    }
+    for index, (inputs, message) in enumerate(cases.items()):
+        with pytest.raises(PipelineFailedError) as info:
+            await amodeling_pipeline(
+                stages={"s": ["print('never runs')"]},
+                inputs=list(inputs),
+                storage=str(tmp_path / f"out{index}"),
+            )
+        assert str(info.value) == message
+        summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+        assert (summary["status"], summary["error"], summary["sandbox_id"]) == (
+            "failed",
+            message,
+            None,
+        )
+        assert [s["status"] for s in summary["stages"]] == ["not_run"]
+    assert {p.pid for p in kernel_processes()} == before
+
+
+async def test_a_task_timeout_on_run_stage_leaves_the_sandbox_to_its_flow(tmp_path: Path) -> None:
+    from prefect import flow
+
+    from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+    from prefect_sandbox.tasks import create_sandbox, download_artifacts, kill_sandbox, run_stage
+    from prefect_sandbox.tasks.sandbox import partial_stage_result
+
+    backend = LocalKernelBackend()
+    stage = StageSpec(
+        name="slow",
+        cells=[
+            CellSpec(index=0, source="open('early.txt', 'w').write('kept'); print('early')"),
+            CellSpec(index=1, source="import time; time.sleep(600)"),
+        ],
+    )
+    before = {p.pid for p in kernel_processes()}
+
+    @flow
+    async def mine() -> tuple[str | None, Any, list[str], bool]:
+        handle = await create_sandbox(backend, {"suite": "task-timeout"})
+        try:
+            state = await run_stage.with_options(timeout_seconds=10)(
+                backend, handle, stage, return_state=True
+            )
+            try:
+                await state.result()
+            except BaseException as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+            partial = None
+            while error is not None and partial is None:
+                partial = partial_stage_result(error)
+                error = error.__cause__ or error.__context__
+            downloaded = await download_artifacts(backend, handle, ["*.txt"], str(tmp_path))
+        finally:
+            killed = await kill_sandbox(backend, handle)
+        return state.name, partial, downloaded, killed
+
+    name, partial, downloaded, killed = await mine()
+    assert name == "TimedOut"
+    assert downloaded == ["early.txt"] and killed
+    assert partial is not None and partial.status == "failed"
+    assert partial.cells[-1].result.error.ename == "RunTimedOut"
+    assert {p.pid for p in kernel_processes()} == before

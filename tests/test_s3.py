@@ -70,6 +70,13 @@ def _cli_env(moto: MotoServer) -> dict[str, str]:
     }
 
 
+def _use_moto_in_the_aws_environment(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standard AWS variables of this process, for this test, pointed at moto."""
+    for name, value in _cli_env(moto).items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+
+
 def _keys(moto: MotoServer, bucket: str) -> set[str]:
     listing = moto.client().list_objects_v2(Bucket=bucket)
     return {item["Key"] for item in listing.get("Contents", [])}
@@ -304,3 +311,127 @@ async def test_one_gibibyte_artifact_round_trips_in_bounded_memory(
     assert digest.hexdigest() == big.sha256
     notebook = _stored_notebook(moto, result.output_dir)
     assert notebook.cells[0].outputs[0]["text"].strip() == big.sha256
+
+
+def test_s3_keys_are_normalised_or_refused() -> None:
+    from prefect_sandbox.sandbox.errors import UnsafePathError
+    from prefect_sandbox.tasks.storage import parse_s3_uri
+
+    assert parse_s3_uri("s3://b//double//") == ("b", "double/")
+    assert parse_s3_uri("s3://b/a b/ü/x?y#z") == ("b", "a b/ü/x?y#z")
+    assert parse_s3_uri("s3://b") == ("b", "")
+    assert parse_s3_uri("s3://b///") == ("b", "")
+    for uri in ["s3://b/a b/ü/../../x?y#z", "s3://b/./x", "s3://b/x/.."]:
+        with pytest.raises(UnsafePathError, match=r"has a '\.' or '\.\.' segment"):
+            parse_s3_uri(uri)
+
+
+async def test_storage_keys_have_no_empty_or_dot_segments(
+    moto: MotoServer, bucket: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect_sandbox.sandbox.errors import UnsafePathError
+
+    _use_moto_in_the_aws_environment(moto, monkeypatch)
+    name = bucket.bucket_name
+    result = await amodeling_pipeline(
+        stages={"s": ["open('a.txt', 'w').write('a')"]},
+        artifacts=["a.txt"],
+        storage=f"s3://{name}//double//",
+    )
+    assert result.output_dir.startswith(f"s3://{name}/double/modeling-pipeline/")
+    slashed = bucket.model_copy(update={"bucket_folder": "/lead//in/"})
+    await amodeling_pipeline(stages={"s": ["print(1)"]}, storage=slashed)
+    keys = _keys(moto, name)
+    assert len(keys) == 5
+    for key in keys:
+        assert key.startswith(("double/modeling-pipeline/", "lead/in/modeling-pipeline/")), key
+        assert "" not in key.split("/") and "." not in key.split("/"), key
+    for storage in [
+        f"s3://{name}/a b/ü/../../x?y#z",
+        bucket.model_copy(update={"bucket_folder": "x/../y"}),
+    ]:
+        with pytest.raises(UnsafePathError, match=r"has a '\.' or '\.\.' segment"):
+            await amodeling_pipeline(stages={"s": ["print(1)"]}, storage=storage)
+    assert _keys(moto, name) == keys
+
+
+def test_cli_refuses_an_out_whose_keys_would_climb(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path
+) -> None:
+    import nbformat
+
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "empty.ipynb")
+    out = f"s3://{bucket.bucket_name}/a b/ü/../../x?y#z"
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", "empty.ipynb", "--out", out],
+        env=_cli_env(moto), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"prefect-sandbox: --out {out!r} has a '.' or '..' segment, which S3 would keep "
+        "verbatim in its keys"
+    )
+    assert _keys(moto, bucket.bucket_name) == set()
+
+
+async def test_an_s3_prefix_whose_keys_clash_as_file_and_folder_is_refused_with_a_summary(
+    moto: MotoServer, bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect_sandbox.sandbox.errors import FileTransferError
+    from tests.conftest import kernel_processes
+
+    _use_moto_in_the_aws_environment(moto, monkeypatch)
+
+    client: Any = moto.client()
+    client.put_object(Bucket=bucket.bucket_name, Key="clash/a", Body=b"a file")
+    client.put_object(Bucket=bucket.bucket_name, Key="clash/a/b", Body=b"inside a folder")
+    uri = f"s3://{bucket.bucket_name}/clash/"
+    before = {p.pid for p in kernel_processes()}
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"s": ["print('never runs')"]}, inputs=[uri], storage=str(tmp_path)
+        )
+    message = (
+        f"inputs {uri!r} (its 'clash/a') and {uri!r} (its 'clash/a/b') clash in the sandbox: "
+        "'clash/a' would be a file and the folder of 'clash/a/b'"
+    )
+    assert str(info.value) == message
+    assert isinstance(info.value.__cause__, FileTransferError)
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert (summary["status"], summary["error"], summary["sandbox_id"]) == ("failed", message, None)
+    assert {p.pid for p in kernel_processes()} == before
+    missing = f"s3://{bucket.bucket_name}/no-such-object.csv"
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(
+            stages={"s": ["print('runs')"]}, inputs=[missing], storage=str(tmp_path)
+        )
+    cause = info.value.__cause__
+    assert isinstance(cause, FileTransferError) and "\n" not in str(cause)
+    assert str(cause).startswith(f"input {missing!r}: object 'no-such-object.csv' could not be")
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == str(cause)
+
+
+async def test_a_flow_retry_empties_its_s3_prefix_first(moto: MotoServer, bucket: S3Bucket) -> None:
+    neighbour = "results/modeling-pipeline/kept.txt"
+    moto.client().put_object(Bucket=bucket.bucket_name, Key=neighbour, Body=b"not this run's")
+    state = await amodeling_pipeline.with_options(retries=1)(
+        stages={
+            "s": [
+                "import uuid; open(uuid.uuid4().hex + '.txt', 'w').write('once')\n"
+                "raise RuntimeError('flaky')"
+            ]
+        },
+        artifacts=["*.txt"],
+        storage=bucket,
+        return_state=True,
+    )
+    assert state.is_failed()
+    keys = _keys(moto, bucket.bucket_name)
+    (summary_key,) = [k for k in keys if k.endswith("/summary.json")]
+    prefix = summary_key.removesuffix("summary.json")
+    summary = json.loads(_fresh_download(moto, bucket.bucket_name, summary_key))
+    assert summary["attempt"] == 2
+    listed = {f"{prefix}{a['path']}" for a in summary["artifacts"]}
+    assert len(listed) == 2  # one .txt and the notebook
+    assert keys == {*listed, summary_key, neighbour}

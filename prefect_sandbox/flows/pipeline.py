@@ -12,9 +12,13 @@ sandbox, and the run keeps the status its cells gave it.
 Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM, and the run itself
 when its flow run is set Cancelling through the API or UI: `cancelled_from_api`, within
 ``PREFECT_SANDBOX_CANCEL_POLL_S``) stops it the same way: the sandbox is killed, what was made
-is stored with ``summary.json`` (status ``"cancelled"``), and the flow run ends Cancelled. A
-backend block with ``max_live_sandboxes`` makes the run hold a slot of its live-sandbox limit
-from before the sandbox is made until after it is killed (`prefect_sandbox.flows.limits`);
+is stored with ``summary.json`` (status ``"cancelled"``), and the flow run ends Cancelled. When
+the flow run's ``timeout_seconds`` passes (Prefect's cancel scope then cancels every await
+until the flow returns), the same clean-up runs shielded from it, ``summary.json`` says
+``"failed"`` and the flow run ends TimedOut. A flow retry runs the whole pipeline again in a
+fresh sandbox, after emptying the run's folder of what the earlier attempt stored. A backend
+block with ``max_live_sandboxes`` makes the run hold a slot of its live-sandbox limit from
+before the sandbox is made until after it is killed (`prefect_sandbox.flows.limits`);
 ``summary.json`` records when the sandbox was asked for and when its kill returned.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
@@ -26,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,6 +76,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
+    INLINE_FIGURES_DIR,
     ExecutedNotebook,
     StageSpec,
     inject_parameters,
@@ -85,31 +91,45 @@ from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
+    deadline_passed,
     download_artifacts,
     kill_sandbox,
     partial_stage_result,
     run_stage,
+    shielded,
     upload_inputs,
 )
-from prefect_sandbox.tasks.storage import ArtifactStore, resolve_storage, store_artifacts
+from prefect_sandbox.tasks.storage import (
+    ArtifactStore,
+    input_credentials,
+    plan_inputs,
+    resolve_storage,
+    store_artifacts,
+)
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
+    "RESERVED_NAMES",
     "SUMMARY_NAME",
     "amodeling_pipeline",
     "arun_notebook",
     "modeling_pipeline",
+    "own_names_kept",
     "run_notebook",
 ]
 
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
 SUMMARY_NAME = "summary.json"
+RESERVED_NAMES = (EXECUTED_NOTEBOOK_NAME, SUMMARY_NAME, INLINE_FIGURES_DIR)
+"""The top-level names of the run's own files in its folder: an artifact whose path is one of
+them, or inside one, is stored under another name (`own_names_kept`)."""
 INLINE_FIGURES_BYTES = 2 << 20
 """Bytes of PNGs at most that the run summary embeds when the store has no URL to show them."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def uncancel_current_task() -> None:
@@ -118,6 +138,44 @@ def uncancel_current_task() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+def _clashes(path: str, taken: set[str]) -> bool:
+    """Whether ``path`` is, holds or sits inside one of the ``taken`` paths."""
+    parts = path.split("/")
+    above = {"/".join(parts[:n]) for n in range(1, len(parts) + 1)}
+    return bool(above & taken) or any(other.startswith(f"{path}/") for other in taken)
+
+
+def own_names_kept(paths: list[str]) -> dict[str, str]:
+    """New paths for the artifacts that would shadow, or be shadowed by, the run's own files.
+
+    An artifact whose top-level name is in `RESERVED_NAMES` (``summary.json``,
+    ``inline-figures/cell-000-1.png``) gets that name prefixed ``sandbox-``
+    (``sandbox-summary.json``), or ``sandbox-2-``, ``sandbox-3-``... when that clashes with
+    another artifact's path.
+
+    Args:
+        paths: the artifacts' relative POSIX paths.
+
+    Returns:
+        Each renamed artifact's path to its new one; the others are not in it.
+    """
+    taken = set(paths)
+    renamed: dict[str, str] = {}
+    for path in paths:
+        top, slash, rest = path.partition("/")
+        if top not in RESERVED_NAMES:
+            continue
+        others = taken - {path}
+        count = 1
+        new = f"sandbox-{path}"
+        while _clashes(new, others):
+            count += 1
+            new = f"sandbox-{count}-{top}{slash}{rest}"
+        renamed[path] = new
+        taken = others | {new}
+    return renamed
 
 
 def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[StageSummary]:
@@ -196,6 +254,12 @@ class _PipelineRun:
     cancelled: bool = False
     """The flow's task was cancelled (the CLI does so on SIGINT and SIGTERM); the flow ends
     Cancelled once the sandbox is killed and what was made is stored."""
+    timed_out: bool = False
+    """The flow run's ``timeout_seconds`` passed; the flow ends TimedOut (Failed) once the
+    sandbox is killed and what was made is stored, ``summary.json`` saying ``"failed"``."""
+    timeout_seconds: float | None = None
+    attempt: int = 1
+    """The flow run's attempt, Prefect's ``run_count``."""
     sandbox_id: str | None = None
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
@@ -208,7 +272,7 @@ class _PipelineRun:
         exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
         when it has one (`live_sandbox_slot`). Records its id and the UTC times bracketing its
         life."""
-        async with live_sandbox_slot(self.backend, flow_run_id):
+        async with _exit_shielded(live_sandbox_slot(self.backend, flow_run_id)):
             self.sandbox_created_at = datetime.now(UTC)
             try:
                 handle = await create_sandbox(self.backend, labels)
@@ -216,11 +280,13 @@ class _PipelineRun:
                 try:
                     yield handle
                 finally:
-                    await self._kill(handle)
+                    with shielded():
+                        await self._kill(handle)
             except asyncio.CancelledError:
                 # Cancelled while the sandbox was made or killed: none may outlive the run or
                 # its slot, even one whose handle never came back.
-                await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
+                with shielded():
+                    await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
                 self.sandbox_killed_at = datetime.now(UTC)
                 raise
             except SandboxError as exc:
@@ -265,6 +331,14 @@ class _PipelineRun:
         ):
             yield handle
 
+    async def check_inputs(self, inputs: list[str]) -> None:
+        """List the inputs (`plan_inputs`) before any sandbox starts; a `SandboxError`
+        (missing, unreadable, clashing inputs) becomes `failure`."""
+        try:
+            await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
+        except SandboxError as exc:
+            self.failure = exc
+
     async def execute(
         self,
         handle: SandboxHandle,
@@ -276,8 +350,8 @@ class _PipelineRun:
     ) -> None:
         """Upload the inputs, run the stages until one fails, then download the artifacts.
 
-        A `SandboxError` on the way becomes `failure`, a cancellation `cancelled`; the artifacts
-        are still downloaded unless the sandbox itself is gone.
+        A `SandboxError` on the way becomes `failure`, a cancellation `cancelled` (or
+        `timed_out`); the artifacts are still downloaded unless the sandbox itself is gone.
         """
         try:
             await self.begin(handle, staging, inputs)
@@ -316,12 +390,34 @@ class _PipelineRun:
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
             try:
-                self.downloaded = await download_artifacts(
-                    self.backend, handle, artifacts, str(staging / "outputs")
-                )
+                with shielded():
+                    self.downloaded = await download_artifacts(
+                        self.backend, handle, artifacts, str(staging / "outputs")
+                    )
             except SandboxError as exc:
                 # The notebook and summary.json are still stored; the run fails with this.
                 self.failure = self.failure or exc
+            self._keep_own_names(staging / "outputs")
+
+    def _keep_own_names(self, outputs: Path) -> None:
+        """Move the downloaded artifacts that the run's own files would overwrite to the
+        names `own_names_kept` gives them, each named in a warning."""
+        renamed = own_names_kept(self.downloaded)
+        logger = get_run_logger()
+        for old, new in renamed.items():
+            target = resolve_inside(outputs, new)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            resolve_inside(outputs, old).replace(target)
+            logger.warning(
+                "Artifact %r is stored as %r: %s are the run's own",
+                old,
+                new,
+                ", ".join(RESERVED_NAMES),
+            )
+        for name in RESERVED_NAMES:
+            if (outputs / name).is_dir():
+                shutil.rmtree(outputs / name)  # emptied of files above
+        self.downloaded = [renamed.get(path, path) for path in self.downloaded]
 
     async def _run_stage(
         self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
@@ -337,7 +433,13 @@ class _PipelineRun:
 
     def take_cancellation(self) -> None:
         """Take this task's cancellation as handled here: the run stops, kills its sandbox,
-        stores what it made and ends Cancelled."""
+        stores what it made and ends Cancelled; or, when the flow run's ``timeout_seconds``
+        passed (`deadline_passed`), ends TimedOut."""
+        if deadline_passed():
+            # Prefect's cancel scope cancels each await until the flow returns, whatever is
+            # uncancelled here: the clean-up's awaits are shielded instead.
+            self.timed_out = True
+            return
         uncancel_current_task()
         self.cancelled = True
 
@@ -349,17 +451,24 @@ class _PipelineRun:
         try:
             yield
         finally:
-            outputs.mkdir(exist_ok=True)
-            written = _write_notebook_files(self.executed, self.stage_results, outputs)
+            await self.store_made(outputs)
+
+    async def store_made(self, outputs: Path) -> None:
+        """Store the executed notebook, its inline figures and the downloaded artifacts from
+        ``outputs``; a file that could not be stored becomes the failure unless there already
+        is one."""
+        outputs.mkdir(exist_ok=True)
+        written = _write_notebook_files(self.executed, self.stage_results, outputs)
+        with shielded():
             self.stored, storage_failures = await store_artifacts(
                 str(outputs), [*self.downloaded, *written], self.store
             )
             self.figures = await asyncio.to_thread(_figure_urls, self.stored, self.store, outputs)
-            if storage_failures and self.failure is None:
-                self.failure = FileTransferError(
-                    f"{len(storage_failures)} artifact(s) could not be stored in "
-                    f"{self.store.location}: {'; '.join(storage_failures)}"
-                )
+        if storage_failures and self.failure is None:
+            self.failure = FileTransferError(
+                f"{len(storage_failures)} artifact(s) could not be stored in "
+                f"{self.store.location}: {'; '.join(storage_failures)}"
+            )
 
     async def store_summary(
         self, outputs: Path, flow_run_id: str, flow_run_name: str, duration_s: float
@@ -368,11 +477,23 @@ class _PipelineRun:
         # One line for people; a cell's full exception text is in the notebook only.
         error = cap_text(str(self.failure)) if self.failure else None
         if self.cancelled:
-            error = _cancelled_where(self.stage_results)
+            error = f"cancelled {_stopped_where(self.stage_results)}"
+        elif self.timed_out:
+            limit = f", {self.timeout_seconds} s" if self.timeout_seconds else ""
+            timed_out = (
+                f"timed out (the flow run's timeout_seconds{limit}) "
+                f"{_stopped_where(self.stage_results)}"
+            )
+            error = f"{error}; then {timed_out}" if error else timed_out
         result = PipelineResult(
             flow_run_id=flow_run_id,
             flow_run_name=flow_run_name,
-            status="cancelled" if self.cancelled else "failed" if self.failure else "completed",
+            attempt=self.attempt,
+            status="cancelled"
+            if self.cancelled
+            else "failed"
+            if self.failure or self.timed_out
+            else "completed",
             stages=_summaries(self.stages, self.stage_results),
             artifacts=self.stored,
             output_dir=self.store.location,
@@ -429,11 +550,24 @@ async def new_run(
         backend = await default_backend()
     store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
+    # The run's folder is the same for each attempt of a retried flow run: empty it.
+    removed = await asyncio.to_thread(store.clear)
+    if removed:
+        get_run_logger().warning(
+            "Flow run attempt %d: removed the %d file(s) an earlier attempt stored in %s; "
+            "each attempt runs in a fresh sandbox and stores afresh",
+            flow_run.run_count,
+            removed,
+            store.location,
+        )
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
     # Those of SIGKILLed runs on this machine, which could not remove their own.
     await asyncio.to_thread(remove_orphaned_staging_dirs)
-    return _PipelineRun(stages, backend, store, executed), flow_run
+    run = _PipelineRun(stages, backend, store, executed)
+    run.timeout_seconds = context.flow.timeout_seconds
+    run.attempt = max(flow_run.run_count, 1)
+    return run, flow_run
 
 
 async def _run_pipeline(
@@ -454,14 +588,18 @@ async def _run_pipeline(
     with staging_dir() as staging:
         outputs = staging / "outputs"
         try:
-            async with run.sandbox_then_store(flow_run, outputs) as handle:
-                await run.execute(
-                    handle,
-                    staging,
-                    inputs=inputs,
-                    artifacts=artifacts,
-                    cell_timeout_s=cell_timeout_s,
-                )
+            await run.check_inputs(inputs)
+            if run.failure is not None:
+                await run.store_made(outputs)  # refused before a sandbox starts
+            else:
+                async with run.sandbox_then_store(flow_run, outputs) as handle:
+                    await run.execute(
+                        handle,
+                        staging,
+                        inputs=inputs,
+                        artifacts=artifacts,
+                        cell_timeout_s=cell_timeout_s,
+                    )
         except asyncio.CancelledError:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
             # for a slot, while the sandbox was made or killed (it killed every sandbox of the
@@ -471,34 +609,61 @@ async def _run_pipeline(
             # The sandbox was never made (`flow_run_sandbox` recorded why): the summary is
             # still stored, and the run fails with that error.
             run.failure = run.failure or exc
-        result = await run.store_summary(
-            outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
-        )
-    await run.post_summary(result, "pipeline-summary", "Pipeline summary")
+        if not run.cancelled and deadline_passed():
+            run.timed_out = True  # it passed while the files were stored
+        with shielded():
+            result = await run.store_summary(
+                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
+            )
+    with shielded():
+        await run.post_summary(result, "pipeline-summary", "Pipeline summary")
     if run.cancelled:
         where = run.store.location
         message = f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
-    if run.failure is not None:
+    if run.failure is not None or run.timed_out:
+        # After a timeout, Prefect's scope turns this into its TimedOut (Failed) state.
+        stopped = next((r for r in run.stage_results if r.status != "ok"), None)
         raise PipelineFailedError(
             result.error or "pipeline failed",
-            stage=getattr(run.failure, "stage", None),
-            cell_index=getattr(run.failure, "cell_index", None),
+            stage=getattr(run.failure, "stage", None) or (stopped.name if stopped else None),
+            cell_index=getattr(run.failure, "cell_index", None)
+            if run.failure
+            else stopped.failed_cell_index
+            if stopped
+            else None,
             output_dir=run.store.location,
             sandbox_id=run.sandbox_id,
         ) from run.failure
     return result
 
 
-def _cancelled_where(stage_results: list[StageResult]) -> str:
-    """Where a cancelled run stopped, e.g. "cancelled during stage 'fit', cell 4; ..."."""
-    stopped = next((r for r in stage_results if r.status == "cancelled"), None)
+def _stopped_where(stage_results: list[StageResult]) -> str:
+    """Where a cancelled or timed-out run stopped, e.g. "during stage 'fit', cell 4; its
+    sandbox was killed"."""
+    stopped = next((r for r in stage_results if r.status != "ok"), None)
     if stopped is not None:
         where = f"during stage {stopped.name!r}, cell {stopped.failed_cell_index}"
     else:
         where = f"after {len(stage_results)} stage(s)"
-    return f"cancelled {where}; its sandbox was killed"
+    return f"{where}; its sandbox was killed"
+
+
+@asynccontextmanager
+async def _exit_shielded(manager: AbstractAsyncContextManager[T]) -> AsyncIterator[T]:
+    """``manager``, whose exit a passed deadline does not cancel (`shielded`)."""
+    value = await manager.__aenter__()
+    try:
+        yield value
+    except BaseException as exc:
+        with shielded():
+            suppressed = await manager.__aexit__(type(exc), exc, exc.__traceback__)
+        if not suppressed:
+            raise
+    else:
+        with shielded():
+            await manager.__aexit__(None, None, None)
 
 
 def _figure_urls(
@@ -542,7 +707,8 @@ async def arun_notebook(
 
     Stages are the cells tagged ``stage:{name}`` or, untagged, one per top-level markdown
     heading. The artifacts keep their relative paths in ``storage``, beside ``executed.ipynb``,
-    the inline figures (``inline-figures/``) and ``summary.json``.
+    the inline figures (``inline-figures/``) and ``summary.json``; an artifact with one of
+    those names is stored as ``sandbox-<name>`` (`own_names_kept`), with a warning.
 
     Args:
         notebook: Path of the .ipynb to run, on the machine that runs the flow.

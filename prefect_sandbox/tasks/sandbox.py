@@ -1,5 +1,11 @@
 """Prefect tasks over a sandbox. Each takes a backend block and a `SandboxHandle`, never a live
-sandbox, so retries and any task runner work; each attaches, does its work and detaches."""
+sandbox, so any task runner works; each attaches, does its work and detaches.
+
+Every task here (and `store_artifacts`) has ``retries=0``, whatever Prefect's global
+``PREFECT_TASKS_DEFAULT_RETRIES`` says: cells are not idempotent, and a stage retried on the same
+kernel would run its side effects again. Transient backend and S3 errors are retried inside, by
+the backends; a retry that makes sense is a flow retry, whose attempt gets a fresh sandbox.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.settings import get_current_settings
@@ -42,16 +49,18 @@ from prefect_sandbox.sandbox.outputs import (
 )
 from prefect_sandbox.sandbox.paths import is_utf8, resolve_inside, shown_path
 from prefect_sandbox.settings import PrefectSandboxSettings
-from prefect_sandbox.tasks.storage import ArtifactStore, S3Store, fetch_inputs
+from prefect_sandbox.tasks.storage import ArtifactStore, fetch_inputs, input_credentials
 
 __all__ = [
     "cell_failure",
     "create_sandbox",
+    "deadline_passed",
     "download_artifacts",
     "kill_sandbox",
     "partial_stage_result",
     "prefect_api_id",
     "run_stage",
+    "shielded",
     "upload_inputs",
 ]
 
@@ -60,11 +69,33 @@ _LOG_LINE_CHARS = 4000
 _LOG_RECORD_CHARS = 64 * 1024
 CANCELLED_ENAME = "RunCancelled"
 """The error name a cell gets when the flow run is cancelled while it runs."""
+TIMED_OUT_ENAME = "RunTimedOut"
+"""The error name a cell gets when Prefect's ``timeout_seconds`` of its flow or task run passes
+while it runs."""
 _PARTIAL_OUTPUT_CHARS = 1 << 20
 # Where a stage's error carries the stage's partial result: the core's errors know no stages.
 _PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
 
 E = TypeVar("E", bound=BaseException)
+
+
+def deadline_passed() -> bool:
+    """Whether the caller is being stopped by a deadline: Prefect enforces a flow's or task's
+    ``timeout_seconds`` with an anyio cancel scope, which then cancels every await inside it
+    (not once, as `asyncio.Task.cancel` does) until the scope is left. Call it where such a
+    cancellation was caught, outside any shielded scope.
+
+    Returns:
+        True when an enclosing cancel scope's deadline passed or it was cancelled.
+    """
+    return anyio.current_effective_deadline() <= anyio.current_time()
+
+
+def shielded() -> anyio.CancelScope:
+    """A scope whose awaits a passed deadline (`deadline_passed`) does not cancel, for clean-up
+    that must finish: killing the sandbox, storing what was made. An `asyncio.Task.cancel`
+    (the CLI's on SIGINT) still reaches them."""
+    return anyio.CancelScope(shield=True)
 
 
 def prefect_api_id() -> str:
@@ -78,7 +109,7 @@ def prefect_api_id() -> str:
     return api_id(f"ephemeral:{database.get_secret_value() if database else ''}")
 
 
-@task(name="create-sandbox", cache_policy=NO_CACHE)
+@task(name="create-sandbox", cache_policy=NO_CACHE, retries=0)
 async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> SandboxHandle:
     """Make a sandbox and return its handle.
 
@@ -100,7 +131,7 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
     return sandbox.handle
 
 
-@task(name="upload-inputs", cache_policy=NO_CACHE)
+@task(name="upload-inputs", cache_policy=NO_CACHE, retries=0)
 async def upload_inputs(
     backend: SandboxBackend,
     handle: SandboxHandle,
@@ -127,10 +158,13 @@ async def upload_inputs(
 
     Raises:
         FileTransferError: an input does not exist, cannot be read, or is a link to a folder,
-            out of its own folder or to nothing (names it).
+            out of its own folder or to nothing (names it); or two would land on one path
+            (names both; `plan_inputs`).
+        UnsafePathError: an S3 key would leave its folder.
     """
-    credentials = store.credentials if isinstance(store, S3Store) else None
-    pairs, skipped = await asyncio.to_thread(fetch_inputs, inputs, Path(staging_dir), credentials)
+    pairs, skipped = await asyncio.to_thread(
+        fetch_inputs, inputs, Path(staging_dir), input_credentials(store)
+    )
     logger = get_run_logger()
     for line in skipped:
         logger.warning("Input link skipped: %s", line)
@@ -210,13 +244,21 @@ def _keeping(log: OutputCallback, budget_chars: int) -> tuple[OutputCallback, li
 
 
 def _cancelled_cell(
-    started_at: datetime, start: float, outputs: list[dict[str, Any]]
+    started_at: datetime, start: float, outputs: list[dict[str, Any]], *, timed_out: bool
 ) -> CellResult:
-    """A cell the flow run's cancellation stopped: its outputs so far, and an error saying so."""
-    error = CellError(
-        ename=CANCELLED_ENAME,
-        evalue="the flow run was cancelled during this cell; its sandbox was killed",
-    )
+    """A cell the flow run's cancellation, or a flow or task run's timeout, stopped: its
+    outputs so far, and an error saying so."""
+    if timed_out:
+        error = CellError(
+            ename=TIMED_OUT_ENAME,
+            evalue="the flow or task run's timeout (Prefect's timeout_seconds) passed during "
+            "this cell",
+        )
+    else:
+        error = CellError(
+            ename=CANCELLED_ENAME,
+            evalue="the flow run was cancelled during this cell; its sandbox was killed",
+        )
     return CellResult(
         status="error",
         outputs=[*outputs, error_output(error.ename, error.evalue, [])],
@@ -309,7 +351,7 @@ def _death_result(
     )
 
 
-@task(name="run-stage", task_run_name="run-stage-{stage.name}", cache_policy=NO_CACHE)
+@task(name="run-stage", task_run_name="run-stage-{stage.name}", cache_policy=NO_CACHE, retries=0)
 async def run_stage(
     backend: SandboxBackend,
     handle: SandboxHandle,
@@ -342,7 +384,9 @@ async def run_stage(
             produced before.
         asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
             reads from it the stage's cells so far (status ``"cancelled"``), that cell's
-            output included.
+            output included. Or the flow or task run's ``timeout_seconds`` passed
+            (`deadline_passed`): the same, status ``"failed"``, the cell's error
+            `TIMED_OUT_ENAME`; the cell is not interrupted (the flows kill the sandbox).
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -377,9 +421,12 @@ async def run_stage(
                 )
                 late_outputs.update(await sandbox.take_late_outputs())
             except asyncio.CancelledError as exc:
-                cancelled = _cancelled_cell(started_at, cell_start, seen)
-                records.append(CellRecord(index=cell.index, result=cancelled))
-                partial = stage_result(cell, cancelled).model_copy(update={"status": "cancelled"})
+                timed_out = deadline_passed()
+                stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
+                records.append(CellRecord(index=cell.index, result=stopped))
+                partial = stage_result(cell, stopped)
+                if not timed_out:
+                    partial = partial.model_copy(update={"status": "cancelled"})
                 _with_partial_stage(exc, partial)
                 raise
             except SandboxError as exc:
@@ -396,11 +443,12 @@ async def run_stage(
             error = cell_failure(stage.name, cell, result, timeout_s)
             raise _with_partial_stage(error, stage_result(cell, result))
     finally:
-        await sandbox.close()
+        with shielded():
+            await sandbox.close()
     return stage_result(None, None)
 
 
-@task(name="download-artifacts", cache_policy=NO_CACHE)
+@task(name="download-artifacts", cache_policy=NO_CACHE, retries=0)
 async def download_artifacts(
     backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
 ) -> list[str]:
@@ -461,7 +509,7 @@ async def download_artifacts(
     return downloaded
 
 
-@task(name="kill-sandbox", cache_policy=NO_CACHE)
+@task(name="kill-sandbox", cache_policy=NO_CACHE, retries=0)
 async def kill_sandbox(backend: SandboxBackend, handle: SandboxHandle) -> bool:
     """Kill the sandbox. Idempotent.
 

@@ -13,8 +13,10 @@ import asyncio
 import base64
 import hashlib
 import os
+import shutil
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
@@ -27,7 +29,7 @@ from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox.results import StoredArtifact
-from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
+from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError, UnsafePathError
 from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
     path_segment,
@@ -40,9 +42,13 @@ __all__ = [
     "MULTIPART_THRESHOLD_BYTES",
     "ArtifactStore",
     "LocalFolderStore",
+    "PlannedInput",
     "S3Store",
     "fetch_inputs",
+    "input_credentials",
+    "normalised_s3_key",
     "parse_s3_uri",
+    "plan_inputs",
     "resolve_storage",
     "store_artifacts",
     "stored_table_rows",
@@ -64,16 +70,40 @@ TABLE_ROWS_SHOWN = 500
 S3Credentials = AwsCredentials | MinIOCredentials
 
 
+def normalised_s3_key(key: str, where: str) -> str:
+    """``key`` without empty segments (``a//b``, a leading ``/``); a trailing ``/``, which
+    names a prefix, is kept. Other characters (spaces, ``?``, ``#``, any script) are kept as
+    they are: S3 keys hold them.
+
+    Args:
+        key: an S3 key or key prefix.
+        where: what it came from (a URI, a block's field), named in the error.
+
+    Raises:
+        UnsafePathError: a ``.`` or ``..`` segment, which S3 would keep in the key verbatim.
+    """
+    parts = key.split("/")
+    if "." in parts or ".." in parts:
+        raise UnsafePathError(
+            f"{where} has a '.' or '..' segment, which S3 would keep verbatim in its keys",
+            path=key,
+        )
+    kept = [part for part in parts if part]
+    return "/".join(kept) + ("/" if kept and key.endswith("/") else "")
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``.
+    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``, the key normalised by
+    `normalised_s3_key` (``s3://b//double//`` gives ``("b", "double/")``).
 
     Raises:
         ValueError: not an ``s3://`` URI with a bucket name.
+        UnsafePathError: the key has a ``.`` or ``..`` segment (also a ValueError).
     """
     if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
         raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
     bucket, _, key = uri[5:].partition("/")
-    return bucket, key
+    return bucket, normalised_s3_key(key, repr(uri))
 
 
 def _sha256_digests(path: Path, part_bytes: int) -> tuple[int, bytes, list[bytes]]:
@@ -129,6 +159,19 @@ class ArtifactStore(ABC):
 
         Raises:
             FileTransferError: they cannot (names the destination).
+        """
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every file stored under the run's location (an earlier attempt's, when the
+        flow run is retried: its folder is the same), so that ``summary.json`` lists exactly
+        the files there.
+
+        Returns:
+            How many files were removed.
+
+        Raises:
+            FileTransferError: a file could not be removed (names the location).
         """
 
     @abstractmethod
@@ -195,14 +238,38 @@ class LocalFolderStore(ArtifactStore):
                 path=str(self._folder),
             ) from exc
 
+    def clear(self) -> int:
+        removed = 0
+        try:
+            for entry in list(self._folder.iterdir()):
+                if entry.is_dir() and not entry.is_symlink():
+                    removed += sum(1 for p in entry.rglob("*") if not p.is_dir())
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                    removed += 1
+        except FileNotFoundError:
+            return removed
+        except OSError as exc:
+            raise FileTransferError(
+                f"output folder {self.location!r} cannot be emptied: {exc}", path=self.location
+            ) from exc
+        return removed
+
     def store(self, source: Path, relative: str) -> StoredArtifact:
         target = resolve_inside(self._folder, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
-        with source.open("rb") as reader, target.open("wb") as writer:
-            while chunk := reader.read(_READ_CHUNK_BYTES):
-                digest.update(chunk)
-                writer.write(chunk)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with source.open("rb") as reader, target.open("wb") as writer:
+                while chunk := reader.read(_READ_CHUNK_BYTES):
+                    digest.update(chunk)
+                    writer.write(chunk)
+        except OSError as exc:
+            raise FileTransferError(
+                f"artifact {relative!r} could not be stored in {self.location}: {_one_line(exc)}",
+                path=relative,
+            ) from exc
         return StoredArtifact(
             path=relative,
             bytes=target.stat().st_size,
@@ -260,6 +327,35 @@ class S3Store(ArtifactStore):
                 f"bucket {self._bucket.bucket_name!r} cannot be reached: {exc}",
                 path=self.location,
             ) from exc
+
+    def clear(self) -> int:
+        client = self.credentials.get_s3_client()
+        bucket = self._bucket.bucket_name
+        # The trailing slash keeps a sibling run's prefix that merely starts alike out.
+        folder = self._bucket._join_bucket_folder(self._prefix).rstrip("/") + "/"
+        removed = 0
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=folder
+            ):
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if not keys:
+                    continue
+                # One page is 1,000 keys at most, DeleteObjects' own limit.
+                answer = client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+                if answer.get("Errors"):
+                    first = answer["Errors"][0]
+                    raise FileTransferError(
+                        f"{len(answer['Errors'])} object(s) under {self.location} could not be "
+                        f"removed, e.g. {first['Key']!r}: {first.get('Message', first['Code'])}",
+                        path=self.location,
+                    )
+                removed += len(keys)
+        except (ClientError, BotoCoreError) as exc:
+            raise FileTransferError(
+                f"objects under {self.location} could not be removed: {exc}", path=self.location
+            ) from exc
+        return removed
 
     @property
     def location(self) -> str:
@@ -357,6 +453,12 @@ class S3Store(ArtifactStore):
             )
 
 
+def input_credentials(store: ArtifactStore | None) -> S3Credentials | None:
+    """The credentials ``s3://`` inputs are read with: an S3 store's; else None (the standard
+    AWS environment)."""
+    return store.credentials if isinstance(store, S3Store) else None
+
+
 def resolve_storage(
     storage: S3Bucket | str, flow_name: str, flow_run_name: str, flow_run_id: str
 ) -> ArtifactStore:
@@ -380,6 +482,8 @@ def resolve_storage(
 
     Raises:
         ValueError: a malformed ``s3://`` URI.
+        UnsafePathError: an ``s3://`` URI's key or a block's ``bucket_folder`` has a ``.`` or
+            ``..`` segment (`normalised_s3_key`; empty segments are dropped instead).
     """
     run_folder = run_folder_name(flow_run_name, flow_run_id)
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
@@ -390,6 +494,10 @@ def resolve_storage(
             bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
         )
     if isinstance(storage, S3Bucket):
+        folder = normalised_s3_key(
+            storage.bucket_folder, f"bucket_folder {storage.bucket_folder!r}"
+        )
+        storage = storage.model_copy(update={"bucket_folder": folder})
         return S3Store(storage, f"{path_segment(flow_name) or 'flow'}/{run_folder}")
     return LocalFolderStore(Path(storage) / run_folder)
 
@@ -416,7 +524,7 @@ def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]
     return rows
 
 
-@task(name="store-artifacts", cache_policy=NO_CACHE)
+@task(name="store-artifacts", cache_policy=NO_CACHE, retries=0)
 async def store_artifacts(
     staging_dir: str, paths: list[str], store: ArtifactStore
 ) -> tuple[list[StoredArtifact], list[str]]:
@@ -453,30 +561,86 @@ async def store_artifacts(
     return stored, failures
 
 
-def _s3_inputs(uri: str, credentials: S3Credentials, staging: Path) -> list[tuple[Path, str]]:
-    """Download an ``s3://`` object, or every object under a ``s3://.../`` prefix, to disk."""
+@dataclass(frozen=True)
+class PlannedInput:
+    """One file an input puts in the sandbox (`plan_inputs`).
+
+    Attributes:
+        origin: the input as given: a local path or an ``s3://`` URI.
+        dest: its POSIX path in the sandbox, relative to the working directory.
+        local: the local file; None for an S3 object.
+        key: the S3 object's key, in the bucket ``origin`` names; None for a local file.
+    """
+
+    origin: str
+    dest: str
+    local: Path | None = None
+    key: str | None = None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _s3_plan(uri: str, credentials: S3Credentials) -> list[PlannedInput]:
+    """The files an ``s3://`` object, or every object under a ``s3://.../`` prefix, puts in
+    the sandbox; a prefix is listed, nothing is downloaded."""
     bucket_name, key = parse_s3_uri(uri)
-    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
-    staging.mkdir(parents=True, exist_ok=True)
-    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     if key and not key.endswith("/"):
-        name = PurePosixPath(key).name
-        bucket.download_object_to_path(key, resolve_inside(staging, name), _sync=True)  # type: ignore[arg-type]
-        return [(staging / name, name)]
+        return [PlannedInput(uri, PurePosixPath(key).name, key=key)]
+    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
     folder = PurePosixPath(key.rstrip("/")).name or bucket_name
-    pairs = []
+    planned = []
+    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
     listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
     for item in listing:
         if item["Key"].endswith("/"):
             continue  # a console's empty "folder" marker, not a file
         relative = f"{folder}/{PurePosixPath(item['Key']).relative_to(key or '.').as_posix()}"
-        target = resolve_inside(staging, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        bucket.download_object_to_path(item["Key"], target, _sync=True)  # type: ignore[arg-type]
-        pairs.append((target, relative))
-    if not pairs:
+        checked_relative_path(relative)
+        planned.append(PlannedInput(uri, relative, key=item["Key"]))
+    if not planned:
         raise FileTransferError(f"input {uri!r} matches no object", path=uri)
-    return pairs
+    return planned
+
+
+def _shown(planned: PlannedInput) -> str:
+    if PurePosixPath(planned.dest).name == planned.dest:
+        return repr(planned.origin)
+    return f"{planned.origin!r} (its {planned.dest!r})"
+
+
+def _checked_one_path_each(planned: list[PlannedInput]) -> None:
+    """Refuse inputs that would land on one path, or need one path as a file and a folder.
+
+    Raises:
+        FileTransferError: names both inputs and the path.
+    """
+    files: dict[str, PlannedInput] = {}
+    folders: dict[str, PlannedInput] = {}
+    for item in planned:
+        parts = item.dest.split("/")
+        above = ["/".join(parts[:n]) for n in range(1, len(parts))]
+        other = files.get(item.dest)
+        if other is not None:
+            raise FileTransferError(
+                f"inputs {_shown(other)} and {_shown(item)} would both land on "
+                f"{item.dest!r} in the sandbox",
+                path=item.dest,
+            )
+        clash = folders.get(item.dest) or next((files[a] for a in above if a in files), None)
+        if clash is not None:
+            file, inside = (
+                (item, clash) if clash.dest.startswith(f"{item.dest}/") else (clash, item)
+            )
+            raise FileTransferError(
+                f"inputs {_shown(file)} and {_shown(inside)} clash in the sandbox: "
+                f"{file.dest!r} would be a file and the folder of {inside.dest!r}",
+                path=file.dest,
+            )
+        files[item.dest] = item
+        for folder in above:
+            folders.setdefault(folder, item)
 
 
 def _link_problem(link: Path, root: Path, shown_root: str) -> str | None:
@@ -518,15 +682,67 @@ def _folder_inputs(item: str, name: str) -> tuple[list[tuple[Path, str]], list[s
     return sorted(pairs, key=lambda pair: pair[1]), skipped
 
 
+def plan_inputs(
+    inputs: list[str], credentials: S3Credentials | None
+) -> tuple[list[PlannedInput], list[str]]:
+    """The files the inputs put in the sandbox, and where, checked before any is copied.
+
+    Local files keep their name; local folders their name and tree, where links that leave
+    the folder, links to folders and broken links are skipped; an ``s3://`` object keeps its
+    name, a ``s3://.../`` prefix is listed and keeps its last segment and tree. An input that
+    is itself a link is followed only to a file in the link's own folder.
+
+    Args:
+        inputs: local paths or ``s3://`` URIs.
+        credentials: AWS credentials for ``s3://`` inputs; None for the standard environment.
+
+    Returns:
+        The planned files, and one line per skipped link naming it and why.
+
+    Raises:
+        FileTransferError: an input does not exist, cannot be read or listed, or is a link to
+            a folder, out of its own folder or to nothing; or two would land on one path, or
+            need one path as a file and as a folder (names both).
+        UnsafePathError: an S3 key would leave its folder (``..``).
+    """
+    planned: list[PlannedInput] = []
+    skipped: list[str] = []
+    for item in inputs:
+        try:
+            if item.startswith("s3://"):
+                planned.extend(_s3_plan(item, credentials or AwsCredentials()))
+                continue
+            source = Path(item)
+            if source.is_symlink():
+                # As a link in a folder: followed only to a file in its own folder, so a link
+                # to "/etc" or to a key file never uploads what it points at.
+                parent = source.absolute().parent.resolve()
+                problem = _link_problem(source, parent, "its folder")
+                if problem is not None:
+                    raise FileTransferError(f"input {item!r} is {problem}", path=item)
+            # Resolved, so that "." or "../data" land under the folder's real name.
+            name = source.resolve().name
+            if source.is_dir():
+                found, refused = _folder_inputs(item, name)
+                planned.extend(PlannedInput(item, dest, local=path) for path, dest in found)
+                skipped.extend(refused)
+            elif source.is_file():
+                planned.append(PlannedInput(item, name, local=source))
+            else:
+                raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise FileTransferError(
+                f"input {item!r} could not be read: {_one_line(exc)}", path=item
+            ) from exc
+    _checked_one_path_each(planned)
+    return planned, skipped
+
+
 def fetch_inputs(
     inputs: list[str], staging: Path, credentials: S3Credentials | None
 ) -> tuple[list[tuple[Path, str]], list[str]]:
-    """Resolve inputs to local files and the paths they get inside the sandbox.
-
-    Local files keep their name; local folders their name and tree, where links that leave
-    the folder, links to folders and broken links are skipped; ``s3://`` objects and prefixes
-    are streamed to ``staging`` on disk first, keeping their relative names. An input that is
-    itself a link is followed only to a file in the link's own folder.
+    """Resolve inputs (`plan_inputs`) to local files and the paths they get inside the
+    sandbox, streaming ``s3://`` objects to ``staging`` on disk first.
 
     Args:
         inputs: local paths or ``s3://`` URIs.
@@ -538,35 +754,31 @@ def fetch_inputs(
         it and why.
 
     Raises:
-        FileTransferError: an input does not exist, or is a link to a folder, out of its own
-            folder or to nothing (names it).
+        FileTransferError: as `plan_inputs`, or an object could not be downloaded (names it).
+        UnsafePathError: as `plan_inputs`.
     """
+    planned, skipped = plan_inputs(inputs, credentials)
     pairs: list[tuple[Path, str]] = []
-    skipped: list[str] = []
-    for item in inputs:
-        if item.startswith("s3://"):
-            try:
-                pairs.extend(_s3_inputs(item, credentials or AwsCredentials(), staging))
-            except (ClientError, BotoCoreError) as exc:
-                raise FileTransferError(
-                    f"input {item!r} could not be read: {exc}", path=item
-                ) from exc
+    buckets: dict[str, S3Bucket] = {}
+    for item in planned:
+        if item.local is not None:
+            pairs.append((item.local, item.dest))
             continue
-        source = Path(item)
-        if source.is_symlink():
-            # As a link in a folder: followed only to a file in its own folder, so a link
-            # to "/etc" or to a key file never uploads what it points at.
-            problem = _link_problem(source, source.absolute().parent.resolve(), "its folder")
-            if problem is not None:
-                raise FileTransferError(f"input {item!r} is {problem}", path=item)
-        # Resolved, so that "." or "../data" land under the folder's real name.
-        name = source.resolve().name
-        if source.is_dir():
-            found, refused = _folder_inputs(item, name)
-            pairs.extend(found)
-            skipped.extend(refused)
-        elif source.is_file():
-            pairs.append((source, name))
-        else:
-            raise FileTransferError(f"input {item!r} is neither a file nor a folder", path=item)
+        bucket_name, _ = parse_s3_uri(item.origin)
+        if bucket_name not in buckets:
+            buckets[bucket_name] = S3Bucket(
+                bucket_name=bucket_name, credentials=credentials or AwsCredentials()
+            )
+        target = resolve_inside(staging, item.dest)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # _sync: prefect-aws dispatches on the run context, async inside our flows.
+            buckets[bucket_name].download_object_to_path(item.key, target, _sync=True)  # type: ignore[arg-type]
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise FileTransferError(
+                f"input {item.origin!r}: object {item.key!r} could not be downloaded: "
+                f"{_one_line(exc)}",
+                path=item.origin,
+            ) from exc
+        pairs.append((target, item.dest))
     return pairs, skipped
