@@ -57,7 +57,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -72,11 +72,6 @@ __all__ = ["EXIT_CANCELLED", "main"]
 
 EXIT_CANCELLED = 3
 """The exit status of a run cancelled through the Prefect API or UI."""
-
-EPHEMERAL_STARTUP_TIMEOUT_S = 90
-"""Seconds Prefect's temporary API server may take to start, unless the Prefect setting
-``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` says otherwise. It takes 6-11 s on a
-2-core machine; Prefect's default (20 s) is too tight when the machine is busy."""
 
 T = TypeVar("T")
 
@@ -250,8 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefect_sandbox.results import PipelineResult, SweepResult
     from prefect_sandbox.sandbox.errors import SandboxError
 
-    with _ephemeral_startup_timeout(), _SignalStop() as stopper:
-        _start_temporary_server()
+    with _SignalStop() as stopper:
+        # The flows' import gave the temporary server its start-up allowance.
+        problem = _api_problem()
+        if problem:
+            _say_last(problem)
+            return 1
         try:
             # A sweep on workers with no backend named uses the deployment's.
             backend = None if _on_workers(args) and not args.backend_block else _backend(args)
@@ -337,24 +336,27 @@ def _print_sweep(result: Any) -> None:
         print(f"  {branch.index:>4} {branch.status:<9} {name}  {branch.output_dir or ''}")
 
 
-@contextlib.contextmanager
-def _ephemeral_startup_timeout() -> Iterator[None]:
-    """Within: Prefect reads `EPHEMERAL_STARTUP_TIMEOUT_S` for its temporary server's start-up,
-    unless the user set that setting. (An environment variable set now would come too late:
-    Prefect read its settings when it was imported.)"""
-    from prefect.settings import (
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        get_current_settings,
-        temporary_settings,
-    )
+def _api_problem() -> str | None:
+    """Start the temporary API server when no API URL is set (`_start_temporary_server`),
+    else check that the API at ``PREFECT_API_URL`` answers: what is wrong, in one line, or
+    None when the API is ready."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
 
-    if "startup_timeout_seconds" in get_current_settings().server.ephemeral.model_fields_set:
-        yield
-        return
-    with temporary_settings(
-        {PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: EPHEMERAL_STARTUP_TIMEOUT_S}
-    ):
-        yield
+    url = PREFECT_API_URL.value()
+    if not url:
+        try:
+            _start_temporary_server()
+        except RuntimeError as exc:  # it timed out or exited; the message holds its output
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"Prefect's temporary API server did not start: {first}"
+        return None
+    with get_client(sync_client=True) as client:
+        failure = client.api_healthcheck()
+    if failure is None:
+        return None
+    reason = str(failure).splitlines()[0] if str(failure) else type(failure).__name__
+    return f"the Prefect API at PREFECT_API_URL={url} does not answer: {reason}"
 
 
 def _start_temporary_server() -> None:

@@ -1,0 +1,121 @@
+"""The CLI and the flows from plain Python, as a user starts them: subprocesses with their own
+Prefect API (a temporary server, or none reachable), real kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVER_DELAY_S = 25
+"""How long the temporary API server's process sleeps before it starts: past Prefect's default
+start-up allowance (20 s), within ours (90 s)."""
+
+_SLOW_SERVER = f"""
+import sys, time
+from pathlib import Path
+# Only the temporary API server's process (python -m uvicorn ... prefect.server.api.server).
+if any("prefect.server.api.server" in arg for arg in sys.orig_argv):
+    Path(__file__).with_name("server-delayed").touch()
+    time.sleep({SERVER_DELAY_S})
+"""
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without a Prefect API or a startup setting, its own Prefect
+    home (a fresh database), plus ``extra``."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("PREFECT_API_URL", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        and not name.startswith("PREFECT_SANDBOX_")
+    }
+    return {**env, "PREFECT_HOME": str(tmp_path / "prefect-home"), **extra}
+
+
+def _notebook(path: Path) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "greeting = 'hi'  # what to say", metadata={"tags": ["parameters"]}
+        ),
+        nbformat.v4.new_code_cell("print(greeting * 2)"),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_flow_from_plain_python_waits_for_a_slow_temporary_server(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_SERVER)
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    script = (
+        "from prefect_sandbox.flows import run_notebook\n"
+        f"result = run_notebook(notebook={str(notebook)!r}, storage={str(tmp_path / 'out')!r})\n"
+        "print('STORED', result.output_dir)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_env(tmp_path, PYTHONPATH=str(site)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (site / "server-delayed").exists(), "the temporary server did not start slowly"
+    run_dir = Path(done.stdout.split("STORED ", 1)[1].strip())
+    executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    assert executed.cells[-1].outputs[0]["text"] == "hihi\n"
+
+
+def _startup_allowance(tmp_path: Path, **env: str) -> str:
+    """Prefect's start-up allowance once ``prefect_sandbox.flows`` is imported, with ``env``."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import prefect_sandbox.flows\n"
+            "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S\n"
+            "print(S.value())",
+        ],
+        env=_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_the_startup_allowance_is_a_setting_and_prefects_own_wins(tmp_path: Path) -> None:
+    assert _startup_allowance(tmp_path, PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S="45") == "45"
+    both = {
+        "PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S": "45",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "7",
+    }
+    assert _startup_allowance(tmp_path, **both) == "7"
+
+
+def test_the_cli_says_in_one_line_that_the_api_does_not_answer(tmp_path: Path) -> None:
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(notebook), "--out", "out"],
+        env=_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: the Prefect API at PREFECT_API_URL=")
+    assert "127.0.0.1:9" in last
+    assert not (tmp_path / "out").exists()
