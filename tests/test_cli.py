@@ -119,3 +119,23 @@ def test_the_cli_says_in_one_line_that_the_api_does_not_answer(tmp_path: Path) -
     assert last.startswith("prefect-sandbox: the Prefect API at PREFECT_API_URL=")
     assert "127.0.0.1:9" in last
     assert not (tmp_path / "out").exists()
+
+
+def test_importing_the_flows_imports_no_vendor_sdk_and_no_dask() -> None:
+    """The E2B and Daytona SDKs load with their backend's first sandbox, Dask with a sweep on
+    it. (prefect_aws does load: the flows' ``storage: S3Bucket | str | None`` parameters need
+    the block class when Prefect builds their parameter schema, at ``@flow``.)"""
+    vendors = ["e2b", "e2b_code_interpreter", "daytona", "distributed", "dask", "prefect_dask"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, prefect_sandbox.flows, prefect_sandbox.cli\n"
+            f"print(sorted(set({vendors!r}) & set(sys.modules)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert done.stdout.strip() == "[]"
