@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,3 +140,120 @@ def test_importing_the_flows_imports_no_vendor_sdk_and_no_dask() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]"
+
+
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", *args],
+        env=env or dict(os.environ),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_version_is_the_installed_distributions(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    done = _cli("--version", cwd=tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"prefect-sandbox {version('prefect-sandbox')}"
+
+
+def test_help_shows_examples(tmp_path: Path) -> None:
+    for command in ([], ["run"], ["sweep"]):
+        done = _cli(*command, "--help", cwd=tmp_path)
+        assert done.returncode == 0
+        examples = done.stdout.split("examples:\n", 1)[1]
+        assert "prefect-sandbox run analysis.ipynb -f params.yaml -p alpha=0.6" in examples
+
+
+def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    done = _cli("run", str(ROOT / "examples/co2/forecast.ipynb"), "--help-notebook", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Parameters inferred for notebook ")
+    assert lines[1:] == [
+        '  data_path: Unknown type (default "co2.csv")',
+        '  train_end: Unknown type (default "1996-12-31")',
+        '  holdout_end: Unknown type (default "2001-12-31")',
+        '  forecast_end: Unknown type (default "2010-12-31")',
+        '  figures_dir: Unknown type (default "figures")',
+    ]
+    assert list(tmp_path.iterdir()) == []  # no output folder: nothing ran
+
+
+def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "# defaults\nn: int = 3  # how many\nalpha = 0.5  # learning rate\nname = 'x'\n",
+            metadata={"tags": ["parameters"]},
+        )
+    ]
+    nbformat.write(notebook, tmp_path / "typed.ipynb")
+    done = _cli("run", "typed.ipynb", "--help-notebook", cwd=tmp_path)
+    assert done.stdout.splitlines()[1:] == [
+        "  n: int (default 3)              how many",
+        "  alpha: Unknown type (default 0.5)",
+        "                                  learning rate",
+        "  name: Unknown type (default 'x')",
+    ]
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "none.ipynb")
+    done = _cli("run", "none.ipynb", "--help-notebook", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "No cell tagged 'parameters'" in done.stdout
+
+
+def test_a_parameters_file_that_is_no_mapping_is_a_usage_error(tmp_path: Path) -> None:
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    (tmp_path / "params.yaml").write_text("- 1\n- 2\n")
+    done = _cli("run", str(notebook), "-f", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "prefect-sandbox: params.yaml: a parameters file holds a mapping of name to value"
+    )
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_parameters_file_merges_under_p_and_quiet_prints_only_the_run_folder(
+    tmp_path: Path, suffix: str
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("a = 0\nb = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("print(a, b)"),
+    ]
+    nbformat.write(notebook, tmp_path / "ab.ipynb")
+    text = "a: 1\nb: two\n" if suffix == ".yaml" else '{"a": 1, "b": "two"}'
+    (tmp_path / f"params{suffix}").write_text(text)
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = _cli(
+        "run",
+        "ab.ipynb",
+        "-f",
+        f"params{suffix}",
+        "-p",
+        "b=3",
+        "-q",
+        "--out",
+        "out",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1
+    run_dir = Path(lines[0])
+    assert run_dir.parent == (tmp_path / "out").resolve()
+    assert " INFO " not in done.stderr  # Prefect's console log lines are off
+    executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    assert executed.cells[-1].outputs[0]["text"] == "1 3\n"
