@@ -257,3 +257,16 @@ def test_a_parameters_file_merges_under_p_and_quiet_prints_only_the_run_folder(
     assert " INFO " not in done.stderr  # Prefect's console log lines are off
     executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
     assert executed.cells[-1].outputs[0]["text"] == "1 3\n"
+
+
+def test_a_bad_startup_allowance_warns_and_the_flows_still_import(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import prefect_sandbox.flows"],
+        env=_env(tmp_path, PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S="soon"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "UserWarning" in done.stderr
+    assert "ephemeral_startup_timeout_s" in done.stderr

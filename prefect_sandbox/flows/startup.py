@@ -10,6 +10,8 @@ server" before any sandbox starts.
 
 from __future__ import annotations
 
+import warnings
+
 from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["allow_ephemeral_startup"]
@@ -25,17 +27,25 @@ def allow_ephemeral_startup() -> None:
     reads unless a ``temporary_settings`` block around it says otherwise. Called when
     `prefect_sandbox.flows` is imported; calling it again is harmless.
 
-    Raises:
-        pydantic.ValidationError: ``PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S`` (or another
-            ``PREFECT_SANDBOX_*`` variable) holds a bad value; it names the variable.
+    A ``PREFECT_SANDBOX_*`` variable with a bad value leaves Prefect's allowance as it is, with
+    a `UserWarning` naming it: importing the flows does not fail, a flow run reading that
+    setting does.
     """
     import prefect.context
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+    from pydantic import ValidationError
 
     current = prefect.context.GLOBAL_SETTINGS_CONTEXT
     if "startup_timeout_seconds" in current.settings.server.ephemeral.model_fields_set:
         return
-    allowance = PrefectSandboxSettings().ephemeral_startup_timeout_s
+    try:
+        allowance = PrefectSandboxSettings().ephemeral_startup_timeout_s
+    except ValidationError as exc:
+        warnings.warn(
+            f"Prefect's temporary API server keeps its own start-up allowance: {exc}",
+            stacklevel=2,
+        )
+        return
     prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.SettingsContext(
         profile=current.profile,
         settings=current.settings.copy_with_update(
