@@ -13,7 +13,10 @@ sandbox is killed, what it made is stored with ``summary.json``, the flow run en
 and one line on stderr says where it stopped; 3 when the flow run was cancelled through the
 Prefect API or UI, which stops it the same way within ``PREFECT_SANDBOX_CANCEL_POLL_S``.
 ``s3://`` inputs are read with the ``--out`` bucket's credentials, or else the standard AWS
-environment.
+environment. ``-f FILE`` reads parameters from a JSON or YAML mapping (``-p`` wins over it);
+``--help-notebook`` prints the parameters cell's names, defaults and comments, as papermill
+does, and runs nothing; ``-q`` shows only warnings and errors and prints only where the results
+are; an API that does not answer is one line on stderr and exit status 1.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -57,7 +60,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -73,21 +76,46 @@ __all__ = ["EXIT_CANCELLED", "main"]
 EXIT_CANCELLED = 3
 """The exit status of a run cancelled through the Prefect API or UI."""
 
-EPHEMERAL_STARTUP_TIMEOUT_S = 90
-"""Seconds Prefect's temporary API server may take to start, unless the Prefect setting
-``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` says otherwise. It takes 6-11 s on a
-2-core machine; Prefect's default (20 s) is too tight when the machine is busy."""
-
 T = TypeVar("T")
+
+
+_EXAMPLES = """examples:
+  prefect-sandbox run analysis.ipynb -p alpha=0.5 --out results
+  prefect-sandbox run analysis.ipynb -f params.yaml -p alpha=0.6 --artifact 'figures/*.png'
+  prefect-sandbox run analysis.ipynb --help-notebook
+  prefect-sandbox run analysis.ipynb --backend e2b --out s3://bucket/runs
+  prefect-sandbox sweep analysis.ipynb --grid grid.yaml --max-sandboxes 4
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="prefect-sandbox", description="Run notebooks in a sandbox, one per flow run."
+        prog="prefect-sandbox",
+        description="Run notebooks in a sandbox, one per flow run.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a notebook stage by stage and store its outputs")
+    run = commands.add_parser(
+        "run",
+        help="run a notebook stage by stage and store its outputs",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_run_options(run)
+    run.add_argument(
+        "-f",
+        "--parameters-file",
+        metavar="FILE",
+        default=None,
+        help="notebook parameters from a .json or .yaml mapping; -p wins over it",
+    )
+    run.add_argument(
+        "--help-notebook",
+        action="store_true",
+        help="show the notebook's parameters (its cell tagged 'parameters') and run nothing",
+    )
     run.add_argument(
         "-p",
         "--parameter",
@@ -97,7 +125,10 @@ def _parser() -> argparse.ArgumentParser:
         help="notebook parameter, typed as papermill's -p does",
     )
     sweep = commands.add_parser(
-        "sweep", help="run a notebook once per parameter set, each in its own sandbox"
+        "sweep",
+        help="run a notebook once per parameter set, each in its own sandbox",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_options(sweep)
     sweep.add_argument(
@@ -142,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
 def _add_run_options(command: argparse.ArgumentParser) -> None:
     """The options ``run`` and ``sweep`` share: notebook, backend, files, storage, timeout."""
     command.add_argument("notebook", help="the .ipynb to run")
+    command.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no log lines on the console (warnings and errors still show); stdout holds only "
+        "where the results are",
+    )
     command.add_argument(
         "--backend",
         choices=["local", "e2b", "daytona", "docker"],
@@ -202,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         same way).
     """
     args = _parser().parse_args(argv)
+    if getattr(args, "help_notebook", False):
+        return _help_notebook(args.notebook)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
@@ -221,7 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "run":
-            parameters = dict(parse_parameter(item) for item in args.parameter)
+            if args.parameters_file is not None:
+                from prefect_sandbox.flows.sweep import read_parameters_file
+
+                parameters = read_parameters_file(args.parameters_file)
+            parameters.update(parse_parameter(item) for item in args.parameter)
         else:
             from prefect_sandbox.flows.sweep import read_grid
 
@@ -250,8 +294,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefect_sandbox.results import PipelineResult, SweepResult
     from prefect_sandbox.sandbox.errors import SandboxError
 
-    with _ephemeral_startup_timeout(), _SignalStop() as stopper:
-        _start_temporary_server()
+    if args.quiet:
+        _quiet_prefect_console(logging.WARNING)
+    with _SignalStop() as stopper:
+        # The flows' import gave the temporary server its start-up allowance.
+        problem = _api_problem()
+        if problem:
+            _say_last(problem)
+            return 1
         try:
             # A sweep on workers with no backend named uses the deployment's.
             backend = None if _on_workers(args) and not args.backend_block else _backend(args)
@@ -309,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         except ValueError as exc:  # the sweep's deployment or blocks, found as it starts
             return _usage_error(str(exc))
+    if args.quiet:
+        print(result.output_dir)
+        return 0
     if isinstance(result, SweepResult):
         _print_sweep(result)
         return 0
@@ -316,6 +369,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stage in result.stages:
         cells = f"{stage.cell_count:>3} cell(s)"
         print(f"  {stage.name:<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s")
+    return 0
+
+
+def _version() -> str:
+    """This distribution's installed version, or "unknown" when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("prefect-sandbox")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _help_notebook(path: str) -> int:
+    """Print the notebook's parameters as papermill's ``--help-notebook`` does; run nothing.
+
+    Returns:
+        0; 1 when no cell is tagged ``parameters``; 2 when the notebook cannot be read.
+    """
+    from prefect_sandbox.sandbox.errors import NotebookError
+    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
+
+    try:
+        found = notebook_parameters(read_notebook(Path(path)))
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    print(f"Parameters inferred for notebook {strip_ansi(path)!r}:")
+    if found is None:
+        print("\n  No cell tagged 'parameters'")
+        return 1
+    if not found:
+        print("\n  Can't infer anything about this notebook's parameters.")
+    for parameter in found:
+        definition = (
+            f"  {parameter.name}: {parameter.type_name or 'Unknown type'} "
+            f"(default {parameter.default})"
+        )
+        if len(definition) <= 30:
+            print(f"{definition:<34}{parameter.help}".rstrip())
+        elif parameter.help:
+            print(f"{definition}\n{' ' * 34}{parameter.help}")
+        else:
+            print(definition)
     return 0
 
 
@@ -337,24 +433,27 @@ def _print_sweep(result: Any) -> None:
         print(f"  {branch.index:>4} {branch.status:<9} {name}  {branch.output_dir or ''}")
 
 
-@contextlib.contextmanager
-def _ephemeral_startup_timeout() -> Iterator[None]:
-    """Within: Prefect reads `EPHEMERAL_STARTUP_TIMEOUT_S` for its temporary server's start-up,
-    unless the user set that setting. (An environment variable set now would come too late:
-    Prefect read its settings when it was imported.)"""
-    from prefect.settings import (
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        get_current_settings,
-        temporary_settings,
-    )
+def _api_problem() -> str | None:
+    """Start the temporary API server when no API URL is set (`_start_temporary_server`),
+    else check that the API at ``PREFECT_API_URL`` answers: what is wrong, in one line, or
+    None when the API is ready."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
 
-    if "startup_timeout_seconds" in get_current_settings().server.ephemeral.model_fields_set:
-        yield
-        return
-    with temporary_settings(
-        {PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: EPHEMERAL_STARTUP_TIMEOUT_S}
-    ):
-        yield
+    url = PREFECT_API_URL.value()
+    if not url:
+        try:
+            _start_temporary_server()
+        except RuntimeError as exc:  # it timed out or exited; the message holds its output
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"Prefect's temporary API server did not start: {first}"
+        return None
+    with get_client(sync_client=True) as client:
+        failure = client.api_healthcheck()
+    if failure is None:
+        return None
+    reason = str(failure).splitlines()[0] if str(failure) else type(failure).__name__
+    return f"the Prefect API at PREFECT_API_URL={url} does not answer: {reason}"
 
 
 def _start_temporary_server() -> None:
@@ -446,9 +545,10 @@ class _SignalStop:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _quiet_prefect_console() -> None:
-    """Stop Prefect's log lines on the console (they still reach the API): after a signal the
-    user gets one line, ours, not the cancelled task runs' "Crash detected!" noise."""
+def _quiet_prefect_console(level: int = logging.CRITICAL + 1) -> None:
+    """Show only Prefect's log lines at ``level`` or above on the console (all still reach the
+    API): after a signal none, so the user gets one line, ours, not the cancelled task runs'
+    "Crash detected!" noise; with ``--quiet`` warnings and errors."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
     for logger in [
@@ -457,7 +557,7 @@ def _quiet_prefect_console() -> None:
     ]:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler):
-                handler.setLevel(logging.CRITICAL + 1)
+                handler.setLevel(level)
 
 
 def _usage_problem(args: argparse.Namespace) -> str | None:

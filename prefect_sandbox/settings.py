@@ -22,10 +22,18 @@ from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 from prefect_sandbox.sandbox.paths import DEFAULT_MAX_ARTIFACT_BYTES
 
-__all__ = ["DEFAULT_CELL_TIMEOUT_S", "DEFAULT_STORAGE", "PrefectSandboxSettings"]
+__all__ = [
+    "DEFAULT_CELL_TIMEOUT_S",
+    "DEFAULT_EPHEMERAL_STARTUP_TIMEOUT_S",
+    "DEFAULT_STORAGE",
+    "PrefectSandboxSettings",
+]
 
 DEFAULT_CELL_TIMEOUT_S = 600.0
 """Seconds a cell may run when neither a block, an argument nor the environment says."""
+DEFAULT_EPHEMERAL_STARTUP_TIMEOUT_S = 90
+"""Seconds Prefect's temporary API server may take to start: it takes 6-11 s on an idle 2-core
+machine and over 20 s (Prefect's default) on a busy one."""
 DEFAULT_STORAGE = "prefect-sandbox-output"
 """The folder flows and the CLI store files under when neither they nor the environment say."""
 
@@ -146,6 +154,16 @@ class PrefectSandboxSettings(BaseSettings):
             "How many ready local kernels each process keeps per kernel configuration when "
             "its block does not say: the default of LocalKernelBackend's warm_pool_size; "
             "0: none, every sandbox is a cold start."
+        ),
+    )
+    ephemeral_startup_timeout_s: int = Field(
+        default=DEFAULT_EPHEMERAL_STARTUP_TIMEOUT_S,
+        gt=0,
+        description=(
+            "Seconds Prefect's temporary API server (started when PREFECT_API_URL is unset) "
+            "may take to start, for the CLI and for flows called from Python; read when "
+            "prefect_sandbox.flows is imported. Prefect's own "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS wins when set."
         ),
     )
     input_roots: Annotated[list[str], NoDecode] = Field(

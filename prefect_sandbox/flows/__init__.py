@@ -24,7 +24,11 @@ from prefect_sandbox.flows.session import (
     SyncSandboxSession,
     sandbox_session,
 )
+from prefect_sandbox.flows.startup import allow_ephemeral_startup
 from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
+
+# Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`).
+allow_ephemeral_startup()
 
 __all__ = [
     "CellRun",

@@ -127,6 +127,7 @@ __all__ = [
     "expand_grid",
     "metrics_of",
     "read_grid",
+    "read_parameters_file",
     "sweep_notebook",
     "sweep_table",
 ]
@@ -261,10 +262,40 @@ def read_grid(path: str | Path) -> list[dict[str, Any]]:
             inside its anchor), or holds an invalid grid (names the file and entry).
     """
     source = str(path)
-    check = _GridCheck(source)
+    data = _read_data_file(path, _GridCheck(source), "grid")
+    return expand_grid(data, source)
+
+
+def read_parameters_file(path: str | Path) -> dict[str, Any]:
+    """Read a parameters file: a mapping of parameter name to value, in ``.json``, or ``.yaml``
+    / ``.yml`` read with YAML's safe loader (the CLI's ``-f``, as papermill's).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The parameters, in file order.
+
+    Raises:
+        GridError: the file has another suffix, cannot be read, is not valid JSON or YAML, is
+            not a mapping, or holds a bad name or a value with no Python literal (names the
+            file and parameter).
+    """
+    check = _GridCheck(str(path))
+    data = _read_data_file(path, check, "parameters")
+    if not isinstance(data, dict):
+        raise check.error("", "a parameters file holds a mapping of name to value")
+    for name, value in data.items():
+        check.value(value, f"{check.name(name, '')}: ")
+    return data
+
+
+def _read_data_file(path: str | Path, check: _GridCheck, what: str) -> Any:
+    """The data in a ``.json``, ``.yaml`` or ``.yml`` file; errors name the file (and the
+    line and column), ``what`` says what kind of file it should be."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
-        raise check.error("", "a grid file's name ends in .json, .yaml or .yml")
+        raise check.error("", f"a {what} file's name ends in .json, .yaml or .yml")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -283,7 +314,7 @@ def read_grid(path: str | Path) -> list[dict[str, Any]]:
         raise check.error(where, f"not valid YAML: {problem}") from None
     if _contains_itself(data):
         raise check.error("", "a value contains itself (a YAML alias inside its own anchor)")
-    return expand_grid(data, source)
+    return data
 
 
 def _contains_itself(data: Any) -> bool:

@@ -9,12 +9,14 @@ import ast
 import base64
 import copy
 import datetime
+import io
 import itertools
 import json
 import keyword
 import math
 import re
 import sys
+import tokenize
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +39,7 @@ __all__ = [
     "inline_figure_path",
     "inline_figures",
     "notebook_from_stages",
+    "notebook_parameters",
     "parameter_name_problem",
     "parse_parameter",
     "python_literal",
@@ -66,6 +69,23 @@ class CellSpec(BaseModel):
     index: int
     source: str
     tags: list[str] = Field(default_factory=list)
+
+
+class NotebookParameter(BaseModel):
+    """One assignment in a notebook's cell tagged ``parameters``, as papermill's
+    ``--help-notebook`` infers it.
+
+    Attributes:
+        name: the name assigned.
+        type_name: the annotation's source (``n: int = 3``), or None when there is none.
+        default: the assigned value's source.
+        help: the comment at the end of the assignment's last line, without ``#``; or "".
+    """
+
+    name: str
+    type_name: str | None
+    default: str
+    help: str
 
 
 class StageSpec(BaseModel):
@@ -234,6 +254,52 @@ def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any])
         }
         return [name for name in parameters if name not in assigned]
     return list(parameters)
+
+
+def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | None:
+    """The top-level assignments of one name in the notebook's cell tagged ``parameters``.
+
+    Returns:
+        Each `NotebookParameter` in source order; None when no cell is tagged ``parameters``.
+
+    Raises:
+        NotebookError: that cell is not valid Python (it names the cell and line).
+    """
+    for index, cell in enumerate(notebook.cells):
+        if PARAMETERS_TAG not in _tags(cell):
+            continue
+        source = cell.source
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            raise NotebookError(
+                f"cell {index} (tagged 'parameters') is not valid Python: line {exc.lineno}: "
+                f"{exc.msg}"
+            ) from None
+        comments = {
+            token.start[0]: token.string.lstrip("#").strip()
+            for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type == tokenize.COMMENT
+        }
+        found = []
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, annotation = node.targets[0], None
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                target, annotation = node.target, ast.unparse(node.annotation)
+            else:
+                continue
+            if isinstance(target, ast.Name):
+                found.append(
+                    NotebookParameter(
+                        name=target.id,
+                        type_name=annotation,
+                        default=ast.get_source_segment(source, node.value) or "",
+                        help=comments.get(node.end_lineno or node.lineno, ""),
+                    )
+                )
+        return found
+    return None
 
 
 def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> NotebookNode:

@@ -1,0 +1,272 @@
+"""The CLI and the flows from plain Python, as a user starts them: subprocesses with their own
+Prefect API (a temporary server, or none reachable), real kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVER_DELAY_S = 25
+"""How long the temporary API server's process sleeps before it starts: past Prefect's default
+start-up allowance (20 s), within ours (90 s)."""
+
+_SLOW_SERVER = f"""
+import sys, time
+from pathlib import Path
+# Only the temporary API server's process (python -m uvicorn ... prefect.server.api.server).
+if any("prefect.server.api.server" in arg for arg in sys.orig_argv):
+    Path(__file__).with_name("server-delayed").touch()
+    time.sleep({SERVER_DELAY_S})
+"""
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without a Prefect API or a startup setting, its own Prefect
+    home (a fresh database), plus ``extra``."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("PREFECT_API_URL", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        and not name.startswith("PREFECT_SANDBOX_")
+    }
+    return {**env, "PREFECT_HOME": str(tmp_path / "prefect-home"), **extra}
+
+
+def _notebook(path: Path) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "greeting = 'hi'  # what to say", metadata={"tags": ["parameters"]}
+        ),
+        nbformat.v4.new_code_cell("print(greeting * 2)"),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_flow_from_plain_python_waits_for_a_slow_temporary_server(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_SERVER)
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    script = (
+        "from prefect_sandbox.flows import run_notebook\n"
+        f"result = run_notebook(notebook={str(notebook)!r}, storage={str(tmp_path / 'out')!r})\n"
+        "print('STORED', result.output_dir)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_env(tmp_path, PYTHONPATH=str(site)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (site / "server-delayed").exists(), "the temporary server did not start slowly"
+    run_dir = Path(done.stdout.split("STORED ", 1)[1].strip())
+    executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    assert executed.cells[-1].outputs[0]["text"] == "hihi\n"
+
+
+def _startup_allowance(tmp_path: Path, **env: str) -> str:
+    """Prefect's start-up allowance once ``prefect_sandbox.flows`` is imported, with ``env``."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import prefect_sandbox.flows\n"
+            "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S\n"
+            "print(S.value())",
+        ],
+        env=_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_the_startup_allowance_is_a_setting_and_prefects_own_wins(tmp_path: Path) -> None:
+    assert _startup_allowance(tmp_path, PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S="45") == "45"
+    both = {
+        "PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S": "45",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "7",
+    }
+    assert _startup_allowance(tmp_path, **both) == "7"
+
+
+def test_the_cli_says_in_one_line_that_the_api_does_not_answer(tmp_path: Path) -> None:
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(notebook), "--out", "out"],
+        env=_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefect-sandbox: the Prefect API at PREFECT_API_URL=")
+    assert "127.0.0.1:9" in last
+    assert not (tmp_path / "out").exists()
+
+
+def test_importing_the_flows_imports_no_vendor_sdk_and_no_dask() -> None:
+    """The E2B and Daytona SDKs load with their backend's first sandbox, Dask with a sweep on
+    it. (prefect_aws does load: the flows' ``storage: S3Bucket | str | None`` parameters need
+    the block class when Prefect builds their parameter schema, at ``@flow``.)"""
+    vendors = ["e2b", "e2b_code_interpreter", "daytona", "distributed", "dask", "prefect_dask"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, prefect_sandbox.flows, prefect_sandbox.cli\n"
+            f"print(sorted(set({vendors!r}) & set(sys.modules)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_sandbox.cli", *args],
+        env=env or dict(os.environ),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_version_is_the_installed_distributions(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    done = _cli("--version", cwd=tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"prefect-sandbox {version('prefect-sandbox')}"
+
+
+def test_help_shows_examples(tmp_path: Path) -> None:
+    for command in ([], ["run"], ["sweep"]):
+        done = _cli(*command, "--help", cwd=tmp_path)
+        assert done.returncode == 0
+        examples = done.stdout.split("examples:\n", 1)[1]
+        assert "prefect-sandbox run analysis.ipynb -f params.yaml -p alpha=0.6" in examples
+
+
+def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    done = _cli("run", str(ROOT / "examples/co2/forecast.ipynb"), "--help-notebook", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Parameters inferred for notebook ")
+    assert lines[1:] == [
+        '  data_path: Unknown type (default "co2.csv")',
+        '  train_end: Unknown type (default "1996-12-31")',
+        '  holdout_end: Unknown type (default "2001-12-31")',
+        '  forecast_end: Unknown type (default "2010-12-31")',
+        '  figures_dir: Unknown type (default "figures")',
+    ]
+    assert list(tmp_path.iterdir()) == []  # no output folder: nothing ran
+
+
+def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "# defaults\nn: int = 3  # how many\nalpha = 0.5  # learning rate\nname = 'x'\n",
+            metadata={"tags": ["parameters"]},
+        )
+    ]
+    nbformat.write(notebook, tmp_path / "typed.ipynb")
+    done = _cli("run", "typed.ipynb", "--help-notebook", cwd=tmp_path)
+    assert done.stdout.splitlines()[1:] == [
+        "  n: int (default 3)              how many",
+        "  alpha: Unknown type (default 0.5)",
+        "                                  learning rate",
+        "  name: Unknown type (default 'x')",
+    ]
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "none.ipynb")
+    done = _cli("run", "none.ipynb", "--help-notebook", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "No cell tagged 'parameters'" in done.stdout
+
+
+def test_a_parameters_file_that_is_no_mapping_is_a_usage_error(tmp_path: Path) -> None:
+    notebook = _notebook(tmp_path / "hello.ipynb")
+    (tmp_path / "params.yaml").write_text("- 1\n- 2\n")
+    done = _cli("run", str(notebook), "-f", "params.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "prefect-sandbox: params.yaml: a parameters file holds a mapping of name to value"
+    )
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_parameters_file_merges_under_p_and_quiet_prints_only_the_run_folder(
+    tmp_path: Path, suffix: str
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("a = 0\nb = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("print(a, b)"),
+    ]
+    nbformat.write(notebook, tmp_path / "ab.ipynb")
+    text = "a: 1\nb: two\n" if suffix == ".yaml" else '{"a": 1, "b": "two"}'
+    (tmp_path / f"params{suffix}").write_text(text)
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = _cli(
+        "run",
+        "ab.ipynb",
+        "-f",
+        f"params{suffix}",
+        "-p",
+        "b=3",
+        "-q",
+        "--out",
+        "out",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1
+    run_dir = Path(lines[0])
+    assert run_dir.parent == (tmp_path / "out").resolve()
+    assert " INFO " not in done.stderr  # Prefect's console log lines are off
+    executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    assert executed.cells[-1].outputs[0]["text"] == "1 3\n"
+
+
+def test_a_bad_startup_allowance_warns_and_the_flows_still_import(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import prefect_sandbox.flows"],
+        env=_env(tmp_path, PREFECT_SANDBOX_EPHEMERAL_STARTUP_TIMEOUT_S="soon"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "UserWarning" in done.stderr
+    assert "ephemeral_startup_timeout_s" in done.stderr
