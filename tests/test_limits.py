@@ -229,3 +229,30 @@ async def test_the_slot_is_released_after_a_failed_stage_and_a_cancelled_run(
     killed = datetime.fromisoformat(by_stage["wait"]["sandbox_killed_at"])
     assert datetime.fromisoformat(by_stage["after"]["sandbox_created_at"]) >= killed
     assert (await _read_limit()).active_slots == 0
+
+
+async def test_a_capped_run_past_its_flow_timeout_stores_everything_and_frees_its_slot(
+    tmp_path: Path, no_limit: None
+) -> None:
+    # The slot's exit is shielded from the passed deadline while Prefect's own cancel scopes
+    # (its lease renewal) are left where they were entered: both must hold at once.
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(600)"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
+    state = await arun_notebook.with_options(timeout_seconds=20)(
+        notebook=str(tmp_path / "input.ipynb"),
+        backend=LocalKernelBackend(max_live_sandboxes=1),
+        artifacts=["step1.txt"],
+        storage=str(tmp_path / "out"),
+        return_state=True,
+    )
+    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
+    assert (await _read_limit()).active_slots == 0

@@ -22,6 +22,7 @@ or Prefect Cloud.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from uuid import UUID
@@ -119,13 +120,44 @@ async def live_sandbox_slot(backend: SandboxBackend, flow_run_id: str) -> AsyncI
             cap,
             name,
         )
-    async with concurrency(
-        name,
-        lease_duration=LEASE_DURATION_S,
-        strict=True,
-        holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)),
-        # A renewal that fails after its retries is logged; the run goes on rather than lose
-        # the user's work to an API hiccup.
-        raise_on_lease_renewal_failure=False,
-    ):
+    acquired = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with concurrency(
+            name,
+            lease_duration=LEASE_DURATION_S,
+            strict=True,
+            holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)),
+            # A renewal that fails after its retries is logged; the run goes on rather than
+            # lose the user's work to an API hiccup.
+            raise_on_lease_renewal_failure=False,
+        ):
+            acquired.set()
+            await release.wait()
+
+    # Prefect's slot opens cancel scopes (its lease renewal) that must be left in the task that
+    # entered them; held in a task of its own, the caller may shield its exit from a passed
+    # deadline (a flow's timeout_seconds) and still give the slot back.
+    holder = asyncio.create_task(hold())
+    try:
+        await _until_acquired(acquired, holder)
         yield
+    finally:
+        release.set()
+        await holder
+
+
+async def _until_acquired(acquired: asyncio.Event, holder: asyncio.Task[None]) -> None:
+    """Wait until ``holder`` holds its slot; raises what ``holder`` raised if it ended first.
+    Cancelled while waiting, it cancels ``holder`` (whose exit gives back a slot it took)."""
+    waiter = asyncio.create_task(acquired.wait())
+    try:
+        await asyncio.wait({waiter, holder}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        holder.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if not acquired.is_set():
+        await holder  # ended without a slot: its error is the caller's
