@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from prefect_sandbox.blocks import BackendBlock
+    from prefect_sandbox.options import RunOptions
 
 __all__ = ["EXIT_CANCELLED", "main"]
 
@@ -245,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
+    from prefect_sandbox.options import CLI_FLAGS, one_line
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import parse_parameter, read_notebook, split_stages
     from prefect_sandbox.settings import PrefectSandboxSettings
@@ -255,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(_settings_problem(exc))
     if args.out is None:
         args.out = settings.storage
+    try:
+        _options(args)
+    except ValidationError as exc:
+        return _usage_error(one_line(exc, CLI_FLAGS))
     parameters: dict[str, Any] = {}
     grid: list[dict[str, Any]] = []
     from prefect_sandbox.flows.errors import GridError
@@ -272,9 +278,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             grid = read_grid(args.grid)
     except (NotebookError, GridError) as exc:
         return _usage_error(str(exc))
-    problem = _usage_problem(args)
-    if problem:
-        return _usage_error(problem)
     if not _on_workers(args):
         try:
             split_stages(read_notebook(Path(args.notebook)))
@@ -560,92 +563,35 @@ def _quiet_prefect_console(level: int = logging.CRITICAL + 1) -> None:
                 handler.setLevel(level)
 
 
-def _usage_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, found before any flow starts; None if nothing."""
-    from prefect_sandbox.sandbox.base import checked_timeout_s
-    from prefect_sandbox.sandbox.errors import UnsafePathError
-    from prefect_sandbox.sandbox.paths import checked_relative_path
+def _options(args: argparse.Namespace) -> RunOptions:
+    """The run's or sweep's options from the arguments, validated with the CLI's context
+    (`prefect_sandbox.options`), before any flow starts or Prefect is imported.
 
-    try:
-        checked_timeout_s(args.cell_timeout, "--cell-timeout")
-    except ValueError as exc:
-        return str(exc)
-    if args.backend == "daytona":
-        try:
-            import daytona  # noqa: F401
-        except ImportError:
-            return "--backend daytona needs the daytona SDK: pip install 'prefect-sandbox[daytona]'"
-    if args.backend == "docker":
-        try:
-            import docker  # noqa: F401
-        except ImportError:
-            return "--backend docker needs the docker SDK: pip install 'prefect-sandbox[docker]'"
-        if not args.backend_block and not args.docker_image:
-            return "--backend docker needs --backend-block NAME or --docker-image IMAGE"
-    elif args.docker_image:
-        return "--docker-image needs --backend docker"
-    remote = _on_workers(args)
-    if remote and args.aws_credentials:
-        return "--deployment sends --out to the workers as text: they use their AWS environment"
-    if remote and args.backend and not args.backend_block:
-        return "--deployment needs a saved backend: --backend-block NAME (or no --backend)"
-    if getattr(args, "max_sandboxes", None) is not None:
-        if args.max_sandboxes < 1:
-            return f"--max-sandboxes must be 1 or more; got {args.max_sandboxes}"
-        if remote:
-            return (
-                "--max-sandboxes is not sent to a deployment's runs: set max_live_sandboxes "
-                "on the saved backend block they use"
-            )
-    task_runner = getattr(args, "task_runner", None)
-    if task_runner is not None:
-        if remote:
-            return "--task-runner and --deployment exclude each other"
-        try:
-            from prefect_sandbox.flows.dask import dask_task_runner
+    Raises:
+        ValidationError: a rule on them is broken (`one_line` says which, naming flags).
+    """
+    from prefect_sandbox.options import CLI, RunOptions, SweepOptions
 
-            dask_task_runner(task_runner)
-        except (ValueError, ImportError) as exc:
-            return f"--task-runner: {exc}"
-    if not remote and not os.path.isfile(args.notebook):
-        return f"notebook {args.notebook!r} is not a file"
-    for pattern in args.artifact:
-        try:
-            checked_relative_path(pattern)
-        except UnsafePathError as exc:
-            return f"--artifact {exc}"
-    for item in args.input:
-        if item.startswith("s3://"):
-            problem = _s3_problem("--input", item)
-            if problem:
-                return problem
-        elif not remote and not os.path.exists(item):
-            return f"--input {item!r} does not exist"
-    if args.out.startswith("s3://"):
-        problem = _s3_problem("--out", args.out)
-        if problem:
-            return problem
-    elif os.path.exists(args.out) and not os.path.isdir(args.out):
-        return f"--out {args.out!r} is not a folder"
-    elif args.aws_credentials:
-        return "--aws-credentials needs an s3:// --out"
-    if args.backend == "e2b" and not args.backend_block and not os.environ.get("E2B_API_KEY"):
-        return "--backend e2b needs --backend-block NAME or the E2B_API_KEY variable"
-    return None
-
-
-def _s3_problem(option: str, uri: str) -> str | None:
-    """What is wrong with an ``s3://`` URI given to ``option``: no bucket, or a key that S3
-    would store verbatim with ``..`` in it (`parse_s3_uri`); None if nothing."""
-    if not uri[5:].split("/", 1)[0]:
-        return f"{option} {uri!r} names no bucket"
-    from prefect_sandbox.tasks.storage import parse_s3_uri
-
-    try:
-        parse_s3_uri(uri)
-    except ValueError as exc:
-        return f"{option} {exc}"
-    return None
+    values: dict[str, Any] = {
+        "notebook": args.notebook,
+        "inputs": args.input,
+        "artifacts": args.artifact,
+        "storage": args.out,
+        "cell_timeout_s": args.cell_timeout,
+        "backend": args.backend,
+        "backend_block": args.backend_block,
+        "docker_image": args.docker_image,
+        "aws_credentials": args.aws_credentials,
+    }
+    if args.command == "run":
+        return RunOptions.model_validate(values, context=CLI)
+    values.update(
+        max_sandboxes=args.max_sandboxes,
+        deployment=args.deployment,
+        task_runner=args.task_runner,
+        metrics_artifact=args.metrics_artifact,
+    )
+    return SweepOptions.model_validate(values, context=CLI)
 
 
 def _settings_problem(error: ValidationError) -> str:
@@ -701,11 +647,11 @@ def _backend(args: argparse.Namespace) -> BackendBlock:
 def _storage(out: str, aws_credentials: str | None) -> Any:
     """The flow's ``storage``: an S3Bucket block for ``s3://`` (named credentials or the
     standard AWS environment), else the folder."""
-    if not out.startswith("s3://"):
+    from prefect_sandbox.s3uri import is_s3_uri, parse_s3_uri
+
+    if not is_s3_uri(out):
         return out
     from prefect_aws import AwsCredentials, S3Bucket
-
-    from prefect_sandbox.tasks.storage import parse_s3_uri
 
     bucket_name, folder = parse_s3_uri(out)
     credentials = AwsCredentials()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
 from urllib.parse import urlparse
 
 import pytest
@@ -29,9 +32,10 @@ SHIPPED = [
 
 
 def test_every_block_we_ship_is_checked_and_registrable() -> None:
+    # As `prefect block register -m prefect_sandbox` finds them: inspect.getmembers.
     exported = {
         value
-        for value in vars(prefect_sandbox).values()
+        for _, value in inspect.getmembers(prefect_sandbox)
         if isinstance(value, type) and issubclass(value, Block)
     }
     assert exported == set(SHIPPED)
@@ -46,3 +50,20 @@ class TestShippedBlocks(BlockStandardTestSuite):
         # Prefect's version downloads the logo; this machine has no internet, so check the URL.
         url = urlparse(str(block._logo_url))
         assert url.scheme == "https" and url.netloc and url.path
+
+
+def test_prefect_finds_the_blocks_when_it_loads_the_collection() -> None:
+    """As Prefect's server, workers and block lookups by slug do: the ``prefect.collections``
+    entry point imports the (otherwise lazy) package after Prefect."""
+    code = (
+        "import prefect\n"
+        "from prefect.blocks.core import Block\n"
+        "from prefect.plugins import load_prefect_collections\n"
+        "from prefect.utilities.dispatch import lookup_type\n"
+        "load_prefect_collections()\n"
+        "print(lookup_type(Block, 'local-kernel-sandbox').__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "LocalKernelBackend"

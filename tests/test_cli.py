@@ -270,3 +270,37 @@ def test_a_bad_startup_allowance_warns_and_the_flows_still_import(tmp_path: Path
     assert done.returncode == 0, done.stderr
     assert "UserWarning" in done.stderr
     assert "ephemeral_startup_timeout_s" in done.stderr
+
+
+def test_a_broken_rule_on_the_options_is_exit_2_before_prefect_is_imported(
+    tmp_path: Path,
+) -> None:
+    _notebook(tmp_path / "nb.ipynb")
+    code = (
+        "import sys\n"
+        "from prefect_sandbox.cli import main\n"
+        "status = main(sys.argv[1:])\n"
+        "print(status, sorted({'prefect', 'prefect_aws'} & set(sys.modules)))\n"
+    )
+    cases = {
+        ("run", "nb.ipynb", "--docker-image", "python:3.12"): (
+            "--docker-image needs --backend docker"
+        ),
+        ("sweep", "nb.ipynb", "--grid", "g.json", "--max-sandboxes", "0"): (
+            "--max-sandboxes must be 1 or more; got 0"
+        ),
+        ("run", "nb.ipynb", "--out", "s3://b@d/runs"): (
+            "--out 's3://b@d/runs' names no valid bucket: 'b@d' has characters other than "
+            "letters, digits, '.', '-' and '_', or is over 255 long"
+        ),
+    }
+    for args, message in cases.items():
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert (done.stdout, done.stderr) == ("2 []\n", f"prefect-sandbox: {message}\n")

@@ -38,6 +38,8 @@ from prefect.settings import (
 )
 from prefect.tasks import Task
 
+from prefect_sandbox.options import dask_address
+from prefect_sandbox.sandbox.backends import extra_hint
 from prefect_sandbox.sandbox.errors import BackendNotInstalledError
 
 try:
@@ -46,8 +48,7 @@ try:
     from prefect_dask.task_runners import DaskTaskRunner, PrefectDaskFuture
 except ImportError as exc:
     raise BackendNotInstalledError(
-        "the Dask task runner needs the dask extra: pip install 'prefect-sandbox[dask]'",
-        extra="dask",
+        extra_hint("the Dask task runner", "dask"), extra="dask"
     ) from exc
 
 __all__ = ["BRANCHES_PER_WORKER", "SandboxDaskTaskRunner", "dask_task_runner", "started"]
@@ -142,16 +143,11 @@ def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:
         A task runner, not started.
 
     Raises:
-        ValueError: another value.
+        ValueError: another value (`prefect_sandbox.options.dask_address`).
     """
-    kind, colon, address = spec.partition(":")
-    if kind != "dask" or (colon and not address.strip()):
-        raise ValueError(
-            f"task runner {spec!r} is not 'dask' or 'dask:ADDRESS' (a Dask scheduler's address, "
-            "e.g. dask:tcp://127.0.0.1:8786)"
-        )
+    address = dask_address(spec)
     if address:
-        return SandboxDaskTaskRunner(address=address.strip())
+        return SandboxDaskTaskRunner(address=address)
     processes, _ = nprocesses_nthreads()
     return SandboxDaskTaskRunner(
         cluster_class=LocalCluster,

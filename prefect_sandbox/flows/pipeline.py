@@ -67,8 +67,9 @@ from prefect_sandbox.flows.limits import live_sandbox_slot
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_dir
+from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
-from prefect_sandbox.sandbox.base import SandboxHandle, checked_timeout_s
+from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxError,
@@ -736,8 +737,10 @@ async def arun_notebook(
             value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
             ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
             sandbox starts).
-        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
-            (before any sandbox starts).
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
+            (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an ``s3://``
+            storage or input naming no valid bucket), before any sandbox starts;
+            `UnsafePathError` for an artifact pattern or ``s3://`` key that climbs.
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
         PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
             notebook, artifacts and summary.json were stored.
@@ -746,7 +749,14 @@ async def arun_notebook(
             are).
     """
     await check_deployment_run()
-    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
+    check_options(
+        RunOptions,
+        notebook=notebook,
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        storage=storage if isinstance(storage, str) else None,
+        cell_timeout_s=cell_timeout_s,
+    )
     original = read_notebook(Path(notebook))
     source = inject_parameters(original, parameters or {})
     unknown = undeclared_parameters(original, parameters or {})
@@ -810,8 +820,10 @@ async def amodeling_pipeline(
             value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
             ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
             sandbox starts).
-        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite
-            (before any sandbox starts).
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
+            (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an ``s3://``
+            storage or input naming no valid bucket), before any sandbox starts;
+            `UnsafePathError` for an artifact pattern or ``s3://`` key that climbs.
         NotebookError: a stage is empty or unnamed.
         PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
             notebook, artifacts and summary.json were stored.
@@ -820,7 +832,13 @@ async def amodeling_pipeline(
             are).
     """
     await check_deployment_run()
-    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
+    check_options(
+        RunOptions,
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        storage=storage if isinstance(storage, str) else None,
+        cell_timeout_s=cell_timeout_s,
+    )
     source = notebook_from_stages(stages)
     return await _run_pipeline(
         source,

@@ -34,6 +34,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
 from prefect_sandbox.flows.errors import ParameterRefusedError
+from prefect_sandbox.s3uri import is_s3_uri
 from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["check_deployment_run", "refused_parameters"]
@@ -49,15 +50,14 @@ def _is_reference(value: Any) -> bool:
 def _under_root(path: str, roots: list[str]) -> bool:
     """Whether ``path`` (a local path, its links resolved, or an ``s3://`` URI) lies under one
     of ``roots``."""
-    if path.startswith("s3://"):
+    if is_s3_uri(path):
         return any(
-            root.startswith("s3://") and (path == root or path.startswith(root.rstrip("/") + "/"))
+            is_s3_uri(root) and (path == root or path.startswith(root.rstrip("/") + "/"))
             for root in roots
         )
     real = Path(os.path.realpath(path))
     return any(
-        not root.startswith("s3://") and real.is_relative_to(os.path.realpath(root))
-        for root in roots
+        not is_s3_uri(root) and real.is_relative_to(os.path.realpath(root)) for root in roots
     )
 
 

@@ -29,7 +29,8 @@ from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox.results import StoredArtifact
-from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError, UnsafePathError
+from prefect_sandbox.s3uri import is_s3_uri, normalised_s3_key, parse_s3_uri
+from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
 from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
     path_segment,
@@ -68,42 +69,6 @@ TABLE_ROWS_SHOWN = 500
 """Stored files listed in the run's table artifact at most (10,000 rows weigh about 2 MB)."""
 
 S3Credentials = AwsCredentials | MinIOCredentials
-
-
-def normalised_s3_key(key: str, where: str) -> str:
-    """``key`` without empty segments (``a//b``, a leading ``/``); a trailing ``/``, which
-    names a prefix, is kept. Other characters (spaces, ``?``, ``#``, any script) are kept as
-    they are: S3 keys hold them.
-
-    Args:
-        key: an S3 key or key prefix.
-        where: what it came from (a URI, a block's field), named in the error.
-
-    Raises:
-        UnsafePathError: a ``.`` or ``..`` segment, which S3 would keep in the key verbatim.
-    """
-    parts = key.split("/")
-    if "." in parts or ".." in parts:
-        raise UnsafePathError(
-            f"{where} has a '.' or '..' segment, which S3 would keep verbatim in its keys",
-            path=key,
-        )
-    kept = [part for part in parts if part]
-    return "/".join(kept) + ("/" if kept and key.endswith("/") else "")
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/key`` into ``("bucket", "some/key")``, the key normalised by
-    `normalised_s3_key` (``s3://b//double//`` gives ``("b", "double/")``).
-
-    Raises:
-        ValueError: not an ``s3://`` URI with a bucket name.
-        UnsafePathError: the key has a ``.`` or ``..`` segment (also a ValueError).
-    """
-    if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
-        raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
-    bucket, _, key = uri[5:].partition("/")
-    return bucket, normalised_s3_key(key, repr(uri))
 
 
 def _sha256_digests(path: Path, part_bytes: int) -> tuple[int, bytes, list[bytes]]:
@@ -488,7 +453,7 @@ def resolve_storage(
     run_folder = run_folder_name(flow_run_name, flow_run_id)
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
         storage = S3Bucket.load(storage[len(S3_BLOCK_PREFIX) :])  # type: ignore[assignment]
-    elif isinstance(storage, str) and storage.startswith("s3://"):
+    elif isinstance(storage, str) and is_s3_uri(storage):
         bucket_name, folder = parse_s3_uri(storage)
         storage = S3Bucket(
             bucket_name=bucket_name, bucket_folder=folder, credentials=AwsCredentials()
@@ -709,7 +674,7 @@ def plan_inputs(
     skipped: list[str] = []
     for item in inputs:
         try:
-            if item.startswith("s3://"):
+            if is_s3_uri(item):
                 planned.extend(_s3_plan(item, credentials or AwsCredentials()))
                 continue
             source = Path(item)

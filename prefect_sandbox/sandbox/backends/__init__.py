@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from types import ModuleType
@@ -29,9 +30,32 @@ from prefect_sandbox.sandbox.errors import (
     portable_chain,
 )
 
-__all__ = ["cancel_and_wait", "import_extra", "kill_after_failed_setup", "translated"]
+__all__ = [
+    "cancel_and_wait",
+    "extra_hint",
+    "import_extra",
+    "kill_after_failed_setup",
+    "missing_extra",
+    "translated",
+]
 
 logger = logging.getLogger(__name__)
+
+
+def extra_hint(what: str, extra: str) -> str:
+    """The message for a missing extra: ``what`` (``"the Daytona backend"``) needs ``extra``,
+    and the command that installs it."""
+    return f"{what} needs the {extra} extra: pip install 'prefect-sandbox[{extra}]'"
+
+
+def missing_extra(what: str, extra: str, modules: tuple[str, ...]) -> str | None:
+    """Say (`extra_hint`) that ``extra`` is not installed when one of ``modules`` cannot be
+    found, without importing any (`importlib.util.find_spec`: an SDK's import costs seconds);
+    None when all can be."""
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            return extra_hint(what, extra)
+    return None
 
 
 def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
@@ -52,9 +76,7 @@ def import_extra(module: str, *, extra: str, backend: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise BackendNotInstalledError(
-            f"the {backend} backend needs the {extra} extra: "
-            f"pip install 'prefect-sandbox[{extra}]'",
-            extra=extra,
+            extra_hint(f"the {backend} backend", extra), extra=extra
         ) from exc
 
 
