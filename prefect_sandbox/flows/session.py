@@ -39,6 +39,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.errors import FixerError, SessionFailedError
 from prefect_sandbox.flows.pipeline import _PipelineRun, new_run
 from prefect_sandbox.flows.staging import staging_dir
+from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import CellResult, RemoteFile, SandboxHandle, checked_timeout_s
 from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxError
@@ -555,8 +556,10 @@ def sandbox_session(
         The session's context manager.
 
     Raises:
-        ValueError: ``cell_timeout_s`` is zero, negative other than -1, NaN or infinite, or
-            ``max_text_chars`` is below 100 (here, before any sandbox starts).
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
+            (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an artifact
+            pattern or ``s3://`` key that climbs, as `UnsafePathError`), or ``max_text_chars``
+            is below 100 (here, before any sandbox starts).
         RuntimeError: on entering, outside a flow run.
         FileTransferError: on entering, an input could not be uploaded (the sandbox is killed
             and ``summary.json`` stored first).
@@ -565,7 +568,13 @@ def sandbox_session(
         asyncio.CancelledError: the flow's task was cancelled; it is re-raised once the
             sandbox is killed and the files stored (``summary.json`` says ``"cancelled"``).
     """
-    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
+    check_options(
+        RunOptions,
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        storage=storage if isinstance(storage, str) else None,
+        cell_timeout_s=cell_timeout_s,
+    )
     if max_text_chars < 100:
         raise ValueError(f"max_text_chars must be at least 100, not {max_text_chars}")
     return SessionContext(
