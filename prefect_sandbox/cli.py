@@ -288,12 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.register(_print_reason)
     from prefect.exceptions import CancelledRun
 
-    from prefect_sandbox.flows import (
-        PipelineFailedError,
-        SweepFailedError,
-        arun_notebook,
-        asweep_notebook,
-    )
+    # Only the flow it runs: `prefect_sandbox.flows` imports each on first use.
+    from prefect_sandbox.flows import PipelineFailedError, SweepFailedError, arun_notebook
     from prefect_sandbox.results import PipelineResult, SweepResult
     from prefect_sandbox.sandbox.errors import SandboxError
 
@@ -327,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                 )
             else:
+                from prefect_sandbox.flows import asweep_notebook
+
                 result = stopper.run(
                     lambda: asweep_notebook(
                         notebook=args.notebook,

@@ -304,3 +304,46 @@ def test_a_broken_rule_on_the_options_is_exit_2_before_prefect_is_imported(
             timeout=300,
         )
         assert (done.stdout, done.stderr) == ("2 []\n", f"prefect-sandbox: {message}\n")
+
+
+def test_help_and_version_import_neither_prefect_nor_prefect_aws(tmp_path: Path) -> None:
+    """The CLI's answers that run nothing stay fast: Prefect costs seconds to import."""
+    code = (
+        "import sys\n"
+        "from prefect_sandbox.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code)\n"
+        "heavy = {'prefect', 'prefect_aws', 'boto3', 'prefect_sandbox.flows'}\n"
+        "print(sorted(heavy & set(sys.modules)))\n"
+    )
+    for args in (["--help"], ["--version"], ["run", "--help"], ["sweep", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        assert done.stdout.splitlines()[-2:] == ["exit 0", "[]"], args
+
+
+def test_the_run_command_imports_the_pipeline_flows_only() -> None:
+    """``prefect_sandbox.flows`` imports each flow on first use: a run pays for no sweep,
+    session or reaper module; every exported name still imports."""
+    code = (
+        "import sys\n"
+        "from prefect_sandbox.flows import PipelineFailedError, SweepFailedError, arun_notebook\n"
+        "print(sorted({'prefect_sandbox.flows.sweep', 'prefect_sandbox.flows.session',\n"
+        "    'prefect_sandbox.flows.reaper'} & set(sys.modules)))\n"
+        "import prefect_sandbox, prefect_sandbox.flows as flows\n"
+        "for module in (prefect_sandbox, flows):\n"
+        "    assert all(getattr(module, name) for name in module.__all__)\n"
+        "    assert set(module.__all__) <= set(dir(module))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "[]"

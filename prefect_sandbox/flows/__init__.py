@@ -1,34 +1,62 @@
 """Prefect flows: run a notebook or a list of stages in one sandbox per flow run, or a notebook
 once per parameter set (a sweep); run cells decided as a flow goes in a sandbox session; reap
-the sandboxes whose flow run is over."""
+the sandboxes whose flow run is over.
 
-from prefect_sandbox.flows.errors import (
-    FixerError,
-    GridError,
-    ParameterRefusedError,
-    PipelineFailedError,
-    ReapFailedError,
-    SessionFailedError,
-    SweepFailedError,
-)
-from prefect_sandbox.flows.pipeline import (
-    amodeling_pipeline,
-    arun_notebook,
-    modeling_pipeline,
-    run_notebook,
-)
-from prefect_sandbox.flows.reaper import areap_sandboxes, reap_sandboxes
-from prefect_sandbox.flows.session import (
-    CellRun,
-    SandboxSession,
-    SyncSandboxSession,
-    sandbox_session,
-)
+The names below are imported from their module on first use (module ``__getattr__``, PEP 562),
+so a caller pays only for the flows it uses (the CLI's ``run`` does not import the sweep).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from prefect_sandbox.flows.startup import allow_ephemeral_startup
-from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
+
+if TYPE_CHECKING:
+    from prefect_sandbox.flows.errors import (
+        FixerError,
+        GridError,
+        ParameterRefusedError,
+        PipelineFailedError,
+        ReapFailedError,
+        SessionFailedError,
+        SweepFailedError,
+    )
+    from prefect_sandbox.flows.pipeline import (
+        amodeling_pipeline,
+        arun_notebook,
+        modeling_pipeline,
+        run_notebook,
+    )
+    from prefect_sandbox.flows.reaper import areap_sandboxes, reap_sandboxes
+    from prefect_sandbox.flows.session import (
+        CellRun,
+        SandboxSession,
+        SyncSandboxSession,
+        sandbox_session,
+    )
+    from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
 # Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`).
 allow_ephemeral_startup()
+
+_MODULES = {
+    "errors": [
+        "FixerError",
+        "GridError",
+        "ParameterRefusedError",
+        "PipelineFailedError",
+        "ReapFailedError",
+        "SessionFailedError",
+        "SweepFailedError",
+    ],
+    "pipeline": ["amodeling_pipeline", "arun_notebook", "modeling_pipeline", "run_notebook"],
+    "reaper": ["areap_sandboxes", "reap_sandboxes"],
+    "session": ["CellRun", "SandboxSession", "SyncSandboxSession", "sandbox_session"],
+    "sweep": ["asweep_notebook", "sweep_notebook"],
+}
+_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "CellRun",
@@ -51,3 +79,14 @@ __all__ = [
     "sandbox_session",
     "sweep_notebook",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The flow, session or error ``name`` of `__all__`, imported from its module now."""
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
