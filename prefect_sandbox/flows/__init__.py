@@ -2,8 +2,9 @@
 once per parameter set (a sweep); run cells decided as a flow goes in a sandbox session; reap
 the sandboxes whose flow run is over.
 
-The names below are imported from their module on first use (module ``__getattr__``, PEP 562),
-so a caller pays only for the flows it uses (the CLI's ``run`` does not import the sweep).
+The flows and the session are imported from their module on first use (module
+``__getattr__``, PEP 562), so a caller pays only for the flows it uses (the CLI's ``run`` does
+not import the sweep).
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from prefect_sandbox.flows.errors import (
+    FixerError,
+    GridError,
+    ParameterRefusedError,
+    PipelineFailedError,
+    ReapFailedError,
+    SessionFailedError,
+    SweepFailedError,
+)
 from prefect_sandbox.flows.startup import allow_ephemeral_startup
 
 if TYPE_CHECKING:
-    from prefect_sandbox.flows.errors import (
-        FixerError,
-        GridError,
-        ParameterRefusedError,
-        PipelineFailedError,
-        ReapFailedError,
-        SessionFailedError,
-        SweepFailedError,
-    )
     from prefect_sandbox.flows.pipeline import (
         amodeling_pipeline,
         arun_notebook,
@@ -42,15 +43,6 @@ if TYPE_CHECKING:
 allow_ephemeral_startup()
 
 _MODULES = {
-    "errors": [
-        "FixerError",
-        "GridError",
-        "ParameterRefusedError",
-        "PipelineFailedError",
-        "ReapFailedError",
-        "SessionFailedError",
-        "SweepFailedError",
-    ],
     "pipeline": ["amodeling_pipeline", "arun_notebook", "modeling_pipeline", "run_notebook"],
     "reaper": ["areap_sandboxes", "reap_sandboxes"],
     "session": ["CellRun", "SandboxSession", "SyncSandboxSession", "sandbox_session"],
@@ -82,7 +74,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The flow, session or error ``name`` of `__all__`, imported from its module now."""
+    """The flow or session ``name`` of `__all__`, imported from its module now."""
     if name in _MODULE_OF:
         return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
