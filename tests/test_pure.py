@@ -875,3 +875,28 @@ def test_summary_markdown_and_table_artifact_are_capped_for_10000_files() -> Non
         f"… and {10_001 - TABLE_ROWS_SHOWN} more file(s), all listed in summary.json"
     )
     assert len(str(table).encode()) < 200_000
+
+
+def test_summary_markdown_lists_parameters_and_metrics_escaped() -> None:
+    from markdown_it import MarkdownIt
+
+    from prefect_sandbox.flows.report import summary_markdown
+
+    result = _hostile_result(0).model_copy(
+        update={
+            "parameters": {"alpha": 0.5, "path": "[x](http://evil.test)", "dates": ["2001"]},
+            "metrics": {"mae": 0.25, "<b>name</b>": "ok", "converged": True},
+        }
+    )
+    markdown = summary_markdown(result, {})
+    assert "## Parameters" in markdown and "## Metrics" in markdown
+    assert "| alpha | 0.5 |" in markdown
+    assert '| dates | \\["2001"\\] |' in markdown
+    assert "| mae | 0.25 |" in markdown and "| converged | true |" in markdown
+    html = MarkdownIt("commonmark", {"html": True}).enable("table").render(markdown)
+    assert "<a " not in html and "<b>" not in html
+    assert "&lt;b&gt;name&lt;/b&gt;" in html
+    # Empty ones add no section.
+    bare = summary_markdown(result.model_copy(update={"parameters": {}, "metrics": {}}), {})
+    assert "## Parameters" not in bare and "## Metrics" not in bare
+

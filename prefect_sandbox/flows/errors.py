@@ -20,7 +20,12 @@ its ``__cause__``. A sweep raises `SweepFailedError` after every branch ended an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prefect_sandbox.sandbox.errors import SandboxError
+
+if TYPE_CHECKING:
+    from prefect_sandbox.results import PipelineResult
 
 __all__ = [
     "FixerError",
@@ -43,6 +48,8 @@ class PipelineFailedError(SandboxError):
         cell_index: 0-based index of the failing cell in the notebook.
         output_dir: where the partial notebook, artifacts and summary were stored.
         sandbox_id: the run's sandbox, when one was made.
+        result: what ``summary.json`` says (stages, stored files, metrics), when it was
+            written.
     """
 
     def __init__(
@@ -53,11 +60,13 @@ class PipelineFailedError(SandboxError):
         cell_index: int | None = None,
         output_dir: str | None = None,
         sandbox_id: str | None = None,
+        result: PipelineResult | None = None,
     ) -> None:
         super().__init__(message, sandbox_id=sandbox_id)
         self.stage = stage
         self.cell_index = cell_index
         self.output_dir = output_dir
+        self.result = result
 
 
 class SessionFailedError(SandboxError):

@@ -110,6 +110,7 @@ from prefect_sandbox.tasks.storage import (
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
+    "METRICS_NAME",
     "RESERVED_NAMES",
     "SUMMARY_NAME",
     "amodeling_pipeline",
@@ -121,6 +122,8 @@ __all__ = [
 
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
 SUMMARY_NAME = "summary.json"
+METRICS_NAME = "metrics.json"
+"""The stored artifact whose top-level numbers ``summary.json`` carries as ``metrics``."""
 RESERVED_NAMES = (EXECUTED_NOTEBOOK_NAME, SUMMARY_NAME, INLINE_FIGURES_DIR)
 """The top-level names of the run's own files in its folder: an artifact whose path is one of
 them, or inside one, is stored under another name (`own_names_kept`)."""
@@ -472,9 +475,15 @@ class _PipelineRun:
             )
 
     async def store_summary(
-        self, outputs: Path, flow_run_id: str, flow_run_name: str, duration_s: float
+        self,
+        outputs: Path,
+        flow_run_id: str,
+        flow_run_name: str,
+        duration_s: float,
+        parameters: dict[str, Any] | None = None,
     ) -> PipelineResult:
-        """The run's result, also written to ``outputs`` as ``summary.json`` and stored."""
+        """The run's result, also written to ``outputs`` as ``summary.json`` and stored, with
+        the injected ``parameters`` and the metrics of a stored `METRICS_NAME`."""
         # One line for people; a cell's full exception text is in the notebook only.
         error = cap_text(str(self.failure)) if self.failure else None
         if self.cancelled:
@@ -503,10 +512,29 @@ class _PipelineRun:
             sandbox_id=self.sandbox_id,
             sandbox_created_at=self.sandbox_created_at,
             sandbox_killed_at=self.sandbox_killed_at,
+            parameters=parameters or {},
+            metrics=self._metrics(outputs),
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
         return result
+
+    def _metrics(self, outputs: Path) -> dict[str, float | int | bool | str | None]:
+        """The key metrics of the stored `METRICS_NAME`, read from its staged copy as a sweep
+        reads its branches' (`metrics_of`); a file that is no JSON object is a warning."""
+        # Imported here: the sweep's module imports this one.
+        from prefect_sandbox.flows.sweep import METRICS_MAX_BYTES, metrics_of
+
+        stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
+        if stored is None:
+            return {}
+        problem: str | None = f"{stored.bytes} bytes, over {METRICS_MAX_BYTES}"
+        metrics: dict[str, float | int | bool | str | None] = {}
+        if stored.bytes <= METRICS_MAX_BYTES:
+            metrics, problem = metrics_of((outputs / METRICS_NAME).read_bytes())
+        if problem:
+            get_run_logger().warning("No metrics from %r: %s", METRICS_NAME, problem)
+        return metrics
 
     async def post_summary(self, result: PipelineResult, key: str, description: str) -> None:
         """Post the run's summary as a markdown artifact and log where its files are."""
@@ -580,6 +608,7 @@ async def _run_pipeline(
     backend: SandboxBackend | None,
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
+    parameters: dict[str, Any] | None = None,
 ) -> PipelineResult:
     start = time.monotonic()
     run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
@@ -614,7 +643,7 @@ async def _run_pipeline(
             run.timed_out = True  # it passed while the files were stored
         with shielded():
             result = await run.store_summary(
-                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
+                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start, parameters
             )
     with shielded():
         await run.post_summary(result, "pipeline-summary", "Pipeline summary")
@@ -636,6 +665,7 @@ async def _run_pipeline(
             else None,
             output_dir=run.store.location,
             sandbox_id=run.sandbox_id,
+            result=result,
         ) from run.failure
     return result
 
@@ -774,6 +804,7 @@ async def arun_notebook(
         backend=backend,
         storage=storage,
         cell_timeout_s=cell_timeout_s,
+        parameters=parameters,
     )
 
 

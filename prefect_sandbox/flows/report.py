@@ -11,8 +11,10 @@ stored files: about 15 kB), plus the ``data:`` URIs of the figures the caller ch
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.outputs import strip_ansi
@@ -81,8 +83,23 @@ def _more(count: int, what: str) -> str:
     return f"… and {count} more {what}; all are listed in `summary.json`."
 
 
+def _name_value_table(title: str, column: str, values: Mapping[str, Any]) -> list[str]:
+    """A section with a two-column table of ``values`` (at most `ROWS_SHOWN` rows, each value
+    as JSON); no lines when ``values`` is empty."""
+    if not values:
+        return []
+    lines = ["", f"## {title}", "", f"| {column} | value |", "|---|---|"]
+    for name, value in list(values.items())[:ROWS_SHOWN]:
+        text = json.dumps(value, default=str)
+        lines.append(f"| {table_cell(name)} | {table_cell(text)} |")
+    if len(values) > ROWS_SHOWN:
+        lines += ["", _more(len(values) - ROWS_SHOWN, f"{column}(s)")]
+    return lines
+
+
 def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | None]) -> str:
-    """The run's summary: status, stages, errors with cell index, figures and stored files.
+    """The run's summary: status, stages, errors with cell index, injected parameters, key
+    metrics, figures and stored files.
 
     Args:
         result: the pipeline's result.
@@ -120,6 +137,8 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
         lines += ["", _more(len(result.stages) - ROWS_SHOWN, "stage(s)")]
     if result.error:
         lines += ["", f"**Error:** {table_cell(result.error)}"]
+    lines += _name_value_table("Parameters", "parameter", result.parameters)
+    lines += _name_value_table("Metrics", "metric", result.metrics)
     figures = [a for a in result.artifacts if a.path in figure_urls]
     if figures:
         lines += ["", "## Figures", ""]
