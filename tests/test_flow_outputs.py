@@ -226,3 +226,39 @@ async def test_the_cell_that_ended_the_kernel_shows_it_in_the_executed_notebook(
     assert executed.cells[2].outputs == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"][0]["ename"] == "SandboxDiedError"
+
+
+async def test_a_progress_bars_200_updates_reach_the_run_log_at_a_bounded_rate(
+    tmp_path: Path,
+) -> None:
+    """tqdm-style ``\\r`` redraws: the run log gets the bar when it starts, at most once per
+    `PROGRESS_LOG_INTERVAL_S` after, and its finished state; not one record per kernel flush
+    (about 5 a second, 10 or more here)."""
+    from prefect_sandbox.tasks.sandbox import PROGRESS_LOG_INTERVAL_S
+
+    source = _notebook(
+        tmp_path / "bar.ipynb",
+        "import sys, time\n"
+        "for n in range(1, 201):\n"
+        "    sys.stderr.write(f'\\r{n:3d}/200 ' + '#' * (n // 10))\n"
+        "    sys.stderr.flush()\n"
+        "    time.sleep(0.01)\n"
+        "sys.stderr.write('\\n')\n"
+        "print('after the bar')",
+    )
+    result = await arun_notebook(notebook=str(source), storage=str(tmp_path / "out"))
+    messages = [
+        log.message
+        for log in await flow_run_logs(result.flow_run_id)
+        if log.message.startswith("[setup cell 0]")
+    ]
+    bar = [m for m in messages if "/200" in m]
+    seconds = result.stages[0].duration_s
+    assert 2 <= len(bar) <= 2 + int(seconds / PROGRESS_LOG_INTERVAL_S), (seconds, bar)
+    assert bar[0] == "[setup cell 0]   1/200 "
+    assert bar[-1] == "[setup cell 0] 200/200 " + "#" * 20
+    assert "[setup cell 0] after the bar" in messages
+    assert messages[-1].startswith("[setup cell 0] ok in ")
+    executed = nbformat.read(Path(result.output_dir) / "executed.ipynb", as_version=4)
+    shown = "".join(o["text"] for o in executed.cells[0].outputs if o.get("name") == "stderr")
+    assert shown == "200/200 " + "#" * 20 + "\n"

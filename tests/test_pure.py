@@ -900,3 +900,35 @@ def test_summary_markdown_lists_parameters_and_metrics_escaped() -> None:
     bare = summary_markdown(result.model_copy(update={"parameters": {}, "metrics": {}}), {})
     assert "## Parameters" not in bare and "## Metrics" not in bare
 
+
+def test_a_progress_bars_200_updates_reach_the_log_as_its_first_and_last_state() -> None:
+    from prefect_sandbox.sandbox.outputs import StreamLogThrottle
+
+    throttle = StreamLogThrottle(interval_s=5.0, max_chars=1000)
+    logged = [
+        text
+        for n in range(1, 201)
+        if (text := throttle.feed(f"\r{n:3d}/200 \x1b[32m|{'#' * (n // 20)}", n * 0.01))
+    ]
+    assert logged == ["  1/200 |"]
+    assert throttle.feed("\n", 2.5) == "200/200 |##########"
+    assert throttle.flush() is None
+
+
+def test_an_unfinished_line_is_logged_once_per_interval_then_flushed_at_the_cells_end() -> None:
+    from prefect_sandbox.sandbox.outputs import StreamLogThrottle
+
+    throttle = StreamLogThrottle(interval_s=5.0, max_chars=1000)
+    assert throttle.feed("line 1\nline 2\nwork", 0.0) == "line 1\nline 2\nwork"
+    assert throttle.feed("ing", 1.0) is None  # within the interval
+    assert throttle.feed(".", 4.9) is None
+    assert throttle.feed(".", 5.0) == "working.."
+    assert throttle.feed("\r10%", 6.0) is None
+    assert throttle.flush() == "10%king.."  # as a terminal shows it
+    assert throttle.flush() is None
+    # A line that never ends is logged when it passes max_chars, and starts anew.
+    long = StreamLogThrottle(interval_s=5.0, max_chars=10)
+    assert long.feed("x" * 4, 0.0) == "xxxx"
+    assert long.feed("y" * 8, 1.0) == "xxxxyyyyyyyy"
+    assert long.feed("z", 2.0) == "z"
+

@@ -23,6 +23,7 @@ __all__ = [
     "TRACEBACK_CHARS",
     "CellOutputs",
     "OutputCollector",
+    "StreamLogThrottle",
     "cap_text",
     "cap_traceback",
     "collapse_carriage_returns",
@@ -122,6 +123,68 @@ def collapse_carriage_returns(text: str) -> str:
         if len(cursor) < len(lines[-1]):
             lines[-1] = f"{lines[-1]}\r{cursor}"
     return "\n".join(lines)
+
+
+class StreamLogThrottle:
+    """What of one stream's text to log, and when: complete lines at once; the unfinished last
+    line (a progress bar that redraws itself with ``\r``, as tqdm does) when first seen, then
+    at most once per ``interval_s`` while it changes, and its last state when it ends or the
+    cell does (`flush`).
+
+    A cell printing 200 ``\r`` updates of a bar within ``interval_s`` then gives two records,
+    the bar's first and last states, instead of one per kernel flush (about 5 a second). Pure:
+    the caller passes the time. Text is ANSI-stripped and each line shown as a terminal ends up
+    showing it.
+
+    Args:
+        interval_s: least seconds between two records of one unfinished line.
+        max_chars: an unfinished line longer than this is logged at once, as if it ended.
+    """
+
+    def __init__(self, interval_s: float, max_chars: int) -> None:
+        self._interval_s = interval_s
+        self._max_chars = max_chars
+        self._pending = ""
+        self._logged = ""
+        self._logged_at: float | None = None
+
+    def feed(self, text: str, now: float) -> str | None:
+        """Take a stream message's text, received at ``now`` (monotonic seconds).
+
+        Returns:
+            The text to log now (lines joined by ``\n``, no trailing newline), or None.
+        """
+        pending = collapse_carriage_returns(self._pending + strip_ansi(text))
+        complete, newline, unfinished = pending.rpartition("\n")
+        out = []
+        if newline:
+            out.append(complete)
+            self._logged, self._logged_at = "", None
+        self._pending = unfinished
+        shown = _shown(unfinished)
+        if len(shown) > self._max_chars:
+            out.append(shown)
+            self._pending, self._logged, self._logged_at = "", "", None
+        elif (
+            shown
+            and shown != self._logged
+            and (self._logged_at is None or now - self._logged_at >= self._interval_s)
+        ):
+            out.append(shown)
+            self._logged, self._logged_at = shown, now
+        return "\n".join(out) if out else None
+
+    def flush(self) -> str | None:
+        """The unfinished line's last state, when it was not logged yet (the cell ended)."""
+        shown = _shown(self._pending)
+        logged = self._logged
+        self._pending, self._logged, self._logged_at = "", "", None
+        return shown if shown and shown != logged else None
+
+
+def _shown(line: str) -> str:
+    """What a terminal shows of a line `collapse_carriage_returns` left unfinished."""
+    return line.split("\r", 1)[0]
 
 
 def output_from_content(msg_type: str, content: dict[str, Any]) -> dict[str, Any]:

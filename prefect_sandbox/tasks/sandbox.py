@@ -14,7 +14,7 @@ import copy
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 from prefect import get_run_logger, task
@@ -42,6 +42,7 @@ from prefect_sandbox.sandbox.errors import (
 from prefect_sandbox.sandbox.labels import API_LABEL, api_id, with_created_at
 from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 from prefect_sandbox.sandbox.outputs import (
+    StreamLogThrottle,
     cap_text,
     collapse_carriage_returns,
     error_output,
@@ -52,6 +53,9 @@ from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import ArtifactStore, fetch_inputs, input_credentials
 
 __all__ = [
+    "CELL_DONE_ATTRIBUTE",
+    "PROGRESS_LOG_INTERVAL_S",
+    "CellDone",
     "cell_failure",
     "create_sandbox",
     "deadline_passed",
@@ -178,52 +182,115 @@ async def upload_inputs(
     return [dest for _, dest in pairs]
 
 
-def _output_logger(stage: str, cell: CellSpec, budget_chars: int | None) -> OutputCallback:
-    """A callback that sends a cell's outputs to the run logger as they arrive.
+PROGRESS_LOG_INTERVAL_S = 5.0
+"""Least seconds between two run-log records of a cell's unfinished output line (a progress
+bar redrawn with ``\r``); its last state is logged when the line ends or the cell does."""
+
+
+class CellDone(NamedTuple):
+    """What the record that a cell ended carries, under `CELL_DONE_ATTRIBUTE`, for a handler
+    of the run logger (the CLI's progress display).
+
+    Attributes:
+        stage: the cell's stage.
+        cell_index: the cell's 0-based index in the notebook.
+        status: ``"ok"``, ``"error"`` or ``"timeout"`` (`CellResult.status`).
+        duration_s: seconds the cell ran.
+    """
+
+    stage: str
+    cell_index: int
+    status: str
+    duration_s: float
+
+
+CELL_DONE_ATTRIBUTE = "prefect_sandbox_cell_done"
+"""The log record attribute holding a `CellDone`, on the run-stage task's record that a cell
+ended (``[stage cell N] ok in 0.40 s``)."""
+
+
+class _OutputLog:
+    """Sends a cell's outputs to the run logger as they arrive; `flush` when the cell ends.
 
     Each line is ANSI-stripped, shown as a terminal ends up showing it and cut at
-    `_LOG_LINE_CHARS` characters; one record holds at most `_LOG_RECORD_CHARS`. What is logged
-    counts against ``budget_chars``: once a cell's budget is used up, one marker line says the
-    rest is in the notebook only. An error is logged with its traceback, capped as in
-    `CellError`, whatever the budget.
+    `_LOG_LINE_CHARS` characters; one record holds at most `_LOG_RECORD_CHARS`. A stream's
+    unfinished line reaches the log at most once per `PROGRESS_LOG_INTERVAL_S`
+    (`StreamLogThrottle`). What is logged counts against ``budget_chars``: once a cell's
+    budget is used up, one marker line says the rest is in the notebook only. An error is
+    logged with its traceback, capped as in `CellError`, whatever the budget.
     """
-    logger = get_run_logger()
-    prefix = f"[{stage} cell {cell.index}]"
-    logged = 0
 
-    def log(output: dict[str, Any]) -> None:
-        nonlocal logged
+    def __init__(self, stage: str, cell: CellSpec, budget_chars: int | None) -> None:
+        self._logger = get_run_logger()
+        self._prefix = f"[{stage} cell {cell.index}]"
+        self._budget_chars = budget_chars
+        self._logged = 0
+        self._streams: dict[str, StreamLogThrottle] = {}
+
+    def __call__(self, output: dict[str, Any]) -> None:
         kind = output["output_type"]
         if kind == "error":
+            self.flush()
             error = CellError(
                 ename=output["ename"], evalue=output["evalue"], traceback=output["traceback"]
             )
             traceback = "".join(f"\n{line}" for line in error.traceback)
-            logger.error("%s %s: %s%s", prefix, error.ename, error.evalue, traceback)
-            return
-        if budget_chars is not None and logged >= budget_chars:
+            self._logger.error("%s %s: %s%s", self._prefix, error.ename, error.evalue, traceback)
             return
         if kind == "stream":
-            text = output["text"]
+            name = output.get("name", "stdout")
+            throttle = self._streams.setdefault(
+                name, StreamLogThrottle(PROGRESS_LOG_INTERVAL_S, _LOG_RECORD_CHARS)
+            )
+            text = throttle.feed(output["text"], time.monotonic())
+            if text is not None:
+                self._log(text)
         else:
-            text = output.get("data", {}).get("text/plain", f"<{kind}>")
-        # Each line as a terminal ends up showing it: a progress bar's updates as one line.
-        lines = collapse_carriage_returns(strip_ansi(text)).split("\n")
-        text = "\n".join(cap_text(line.split("\r", 1)[0], _LOG_LINE_CHARS) for line in lines).strip(
-            "\n"
-        )
+            self._log(
+                collapse_carriage_returns(
+                    strip_ansi(output.get("data", {}).get("text/plain", f"<{kind}>"))
+                )
+            )
+
+    def flush(self) -> None:
+        """Log what the streams' unfinished lines show last, if not logged yet."""
+        for throttle in self._streams.values():
+            text = throttle.flush()
+            if text is not None:
+                self._log(text)
+
+    def _log(self, text: str) -> None:
+        budget_chars = self._budget_chars
+        if budget_chars is not None and self._logged >= budget_chars:
+            return
+        text = "\n".join(
+            cap_text(line.split("\r", 1)[0], _LOG_LINE_CHARS) for line in text.split("\n")
+        ).strip("\n")
         room = _LOG_RECORD_CHARS
         if budget_chars is not None:
-            room = min(room, budget_chars - logged)
-        logged += min(len(text), room)
+            room = min(room, budget_chars - self._logged)
+        self._logged += min(len(text), room)
         if len(text) > room:
             text = f"{text[:room]}... [{len(text) - room} more characters]"
         if text.strip():
-            logger.info("%s %s", prefix, text)
-        if budget_chars is not None and logged >= budget_chars:
-            logger.warning("%s output past %d characters is not logged", prefix, budget_chars)
+            self._logger.info("%s %s", self._prefix, text)
+        if budget_chars is not None and self._logged >= budget_chars:
+            self._logger.warning(
+                "%s output past %d characters is not logged", self._prefix, budget_chars
+            )
 
-    return log
+
+def _log_cell_done(stage: str, cell: CellSpec, result: CellResult) -> None:
+    """The run-log record that a cell ended, carrying a `CellDone`."""
+    done = CellDone(stage, cell.index, result.status, result.duration_s)
+    get_run_logger().info(
+        "[%s cell %d] %s in %.2f s",
+        stage,
+        cell.index,
+        result.status,
+        result.duration_s,
+        extra={CELL_DONE_ATTRIBUTE: done},
+    )
 
 
 def _keeping(log: OutputCallback, budget_chars: int) -> tuple[OutputCallback, list[dict[str, Any]]]:
@@ -410,17 +477,19 @@ async def run_stage(
     sandbox = await backend.attach(handle)
     try:
         for cell in stage.cells:
+            output_log = _OutputLog(stage.name, cell, backend.max_output_chars)
             on_output, seen = _keeping(
-                _output_logger(stage.name, cell, backend.max_output_chars),
-                backend.max_output_chars or _PARTIAL_OUTPUT_CHARS,
+                output_log, backend.max_output_chars or _PARTIAL_OUTPUT_CHARS
             )
             started_at, cell_start = datetime.now(UTC), time.monotonic()
             try:
                 result = await sandbox.run_cell(
                     cell.source, timeout_s=timeout_s, on_output=on_output
                 )
+                output_log.flush()
                 late_outputs.update(await sandbox.take_late_outputs())
             except asyncio.CancelledError as exc:
+                output_log.flush()
                 timed_out = deadline_passed()
                 stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
                 records.append(CellRecord(index=cell.index, result=stopped))
@@ -430,6 +499,7 @@ async def run_stage(
                 _with_partial_stage(exc, partial)
                 raise
             except SandboxError as exc:
+                output_log.flush()
                 # The cell that ended the sandbox, or lost its connection, shows it in the
                 # notebook as an error output; the stage's cells so far are kept.
                 died = _death_result(exc, seen, started_at, time.monotonic() - cell_start)
@@ -437,6 +507,7 @@ async def run_stage(
                 lost = _lost_in_cell(stage.name, cell, exc)
                 raise _with_partial_stage(lost, stage_result(cell, died)) from exc
             records.append(CellRecord(index=cell.index, result=result))
+            _log_cell_done(stage.name, cell, result)
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
