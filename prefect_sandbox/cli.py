@@ -55,12 +55,14 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
+import json
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
 
     from prefect_sandbox.blocks import BackendBlock
     from prefect_sandbox.options import RunOptions
+    from prefect_sandbox.results import PipelineResult, SweepResult
 
 __all__ = ["EXIT_CANCELLED", "main"]
 
@@ -182,6 +185,13 @@ def _add_run_options(command: argparse.ArgumentParser) -> None:
         "where the results are",
     )
     command.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout, and nothing else there: the run's summary.json "
+        "(status, output_dir, stages, artifacts with sha256 and bytes, parameters, metrics) "
+        "and exit_status",
+    )
+    command.add_argument(
         "--backend",
         choices=["local", "e2b", "daytona", "docker"],
         default=None,
@@ -286,31 +296,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
     # logs its shutdown: handlers run last-in first-out, so our reason still comes last.
     atexit.register(_print_reason)
+    if args.quiet:
+        _quiet_prefect_console(logging.WARNING)
+    from prefect_sandbox.progress import quiet_run_errors
+
+    with _stdout_to_stderr(args.json), _SignalStop() as stopper:
+        quiet = quiet_run_errors() if args.quiet else contextlib.nullcontext()
+        with quiet:
+            outcome = _run_flow(args, parameters, grid, stopper)
+    if outcome.usage_problem is not None:
+        return _usage_error(outcome.usage_problem)
+    if outcome.error is not None:
+        _say_last(outcome.error)
+    _print_outcome(args, outcome)
+    return outcome.exit_status
+
+
+@dataclass
+class _Outcome:
+    """How a run ended, for the CLI's output.
+
+    Attributes:
+        exit_status: the command's exit status.
+        result: what the flow returned, or (a failed pipeline) what its ``summary.json`` says.
+        error: the one line that stderr ends with; None on success.
+        output_dir: where the results are, when known.
+        usage_problem: a usage error found as the flow started (exit status 2, no output).
+    """
+
+    exit_status: int
+    result: PipelineResult | SweepResult | None = None
+    error: str | None = None
+    output_dir: str | None = None
+    usage_problem: str | None = None
+
+
+def _run_flow(
+    args: argparse.Namespace,
+    parameters: dict[str, Any],
+    grid: list[dict[str, Any]],
+    stopper: _SignalStop,
+) -> _Outcome:
+    """Run the command's flow with the checked arguments, and say how it ended."""
     from prefect.exceptions import CancelledRun
 
     # Only the flow it runs: `prefect_sandbox.flows` imports each on first use.
     from prefect_sandbox.flows import PipelineFailedError, SweepFailedError, arun_notebook
-    from prefect_sandbox.results import PipelineResult, SweepResult
+    from prefect_sandbox.progress import progress_mode, shown_progress
     from prefect_sandbox.sandbox.errors import SandboxError
 
-    if args.quiet:
-        _quiet_prefect_console(logging.WARNING)
-    with _SignalStop() as stopper:
-        # The flows' import gave the temporary server its start-up allowance.
-        problem = _api_problem()
-        if problem:
-            _say_last(problem)
-            return 1
-        try:
-            # A sweep on workers with no backend named uses the deployment's.
-            backend = None if _on_workers(args) and not args.backend_block else _backend(args)
-        except ValueError as exc:  # Prefect's answer to a block name it does not know
-            where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
-            return _usage_error(f"{where}{exc}")
-        # Workers get a folder or s3:// URI as text, with their own AWS environment.
-        storage = args.out if _on_workers(args) else _storage(args.out, args.aws_credentials)
-        try:
-            if args.command == "run":
+    # The flows' import gave the temporary server its start-up allowance.
+    problem = _api_problem()
+    if problem:
+        return _Outcome(1, error=problem)
+    try:
+        # A sweep on workers with no backend named uses the deployment's.
+        backend = None if _on_workers(args) and not args.backend_block else _backend(args)
+    except ValueError as exc:  # Prefect's answer to a block name it does not know
+        where = f"--backend-block {args.backend_block!r}: " if args.backend_block else ""
+        return _Outcome(2, usage_problem=f"{where}{exc}")
+    # Workers get a folder or s3:// URI as text, with their own AWS environment.
+    storage = args.out if _on_workers(args) else _storage(args.out, args.aws_credentials)
+    try:
+        if args.command == "run":
+            mode = progress_mode(args.quiet, sys.stderr)
+            total = _cell_total(args.notebook, parameters)
+            with shown_progress(mode, total, sys.stderr):
                 result: PipelineResult | SweepResult = stopper.run(
                     lambda: arun_notebook(
                         notebook=args.notebook,
@@ -322,55 +373,123 @@ def main(argv: Sequence[str] | None = None) -> int:
                         backend=backend,
                     )
                 )
-            else:
-                from prefect_sandbox.flows import asweep_notebook
+        else:
+            from prefect_sandbox.flows import asweep_notebook
 
-                result = stopper.run(
-                    lambda: asweep_notebook(
-                        notebook=args.notebook,
-                        grid=grid,
-                        inputs=args.input,
-                        artifacts=args.artifact,
-                        storage=storage,
-                        cell_timeout_s=args.cell_timeout,
-                        backend=backend,
-                        max_sandboxes=args.max_sandboxes,
-                        deployment=args.deployment,
-                        metrics_artifact=args.metrics_artifact or None,
-                        task_runner=args.task_runner,
-                    )
+            result = stopper.run(
+                lambda: asweep_notebook(
+                    notebook=args.notebook,
+                    grid=grid,
+                    inputs=args.input,
+                    artifacts=args.artifact,
+                    storage=storage,
+                    cell_timeout_s=args.cell_timeout,
+                    backend=backend,
+                    max_sandboxes=args.max_sandboxes,
+                    deployment=args.deployment,
+                    metrics_artifact=args.metrics_artifact or None,
+                    task_runner=args.task_runner,
                 )
-        except (CancelledRun, asyncio.CancelledError) as exc:
-            if stopper.signum is None and isinstance(exc, CancelledRun):
-                _say_last(f"cancelled through the Prefect API or UI: {exc}")
-                return EXIT_CANCELLED
-            if stopper.signum is None:
-                raise
-            what = str(exc) or "stopped before the flow run began"
-            _say_last(f"interrupted by {signal.Signals(stopper.signum).name}: {what}")
-            return 128 + stopper.signum
-        except PipelineFailedError as exc:
-            _say_last(f"pipeline failed: {exc} (partial results in {exc.output_dir})")
-            return 1
-        except SweepFailedError as exc:
-            _say_last(f"sweep failed: {exc}")
-            return 1
-        except SandboxError as exc:
-            _say_last(str(exc))
-            return 1
-        except ValueError as exc:  # the sweep's deployment or blocks, found as it starts
-            return _usage_error(str(exc))
+            )
+    except (CancelledRun, asyncio.CancelledError) as exc:
+        if stopper.signum is None and isinstance(exc, CancelledRun):
+            return _Outcome(EXIT_CANCELLED, error=f"cancelled through the Prefect API or UI: {exc}")
+        if stopper.signum is None:
+            raise
+        what = str(exc) or "stopped before the flow run began"
+        name = signal.Signals(stopper.signum).name
+        return _Outcome(128 + stopper.signum, error=f"interrupted by {name}: {what}")
+    except PipelineFailedError as exc:
+        return _Outcome(
+            1,
+            result=exc.result,
+            error=f"pipeline failed: {exc} (partial results in {exc.output_dir})",
+            output_dir=exc.output_dir,
+        )
+    except SweepFailedError as exc:
+        return _Outcome(1, error=f"sweep failed: {exc}", output_dir=exc.output_dir)
+    except SandboxError as exc:
+        return _Outcome(1, error=str(exc))
+    except ValueError as exc:  # the sweep's deployment or blocks, found as it starts
+        return _Outcome(2, usage_problem=str(exc))
+    return _Outcome(0, result=result, output_dir=result.output_dir)
+
+
+def _cell_total(notebook: str, parameters: dict[str, Any]) -> int | None:
+    """The code cells a run of ``notebook`` runs, its injected parameters cell included; None
+    when that cannot be told here."""
+    from prefect_sandbox.sandbox.errors import NotebookError
+    from prefect_sandbox.sandbox.notebook import inject_parameters, read_notebook, split_stages
+
+    try:
+        source = inject_parameters(read_notebook(Path(notebook)), parameters)
+        return sum(len(stage.cells) for stage in split_stages(source))
+    except NotebookError:
+        return None
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
+    """Within, when ``enabled``, whatever this process and its children write to stdout (file
+    descriptor 1) goes to stderr, so that ``--json`` leaves stdout to the one JSON object."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _print_outcome(args: argparse.Namespace, outcome: _Outcome) -> None:
+    """What stdout holds: with ``--json`` one JSON object (`_json_outcome`); with ``-q`` the
+    results' folder or URL, when the run completed; else where the results are, and a line
+    per stage (a failed run's too) or per sweep branch."""
+    if args.json:
+        print(json.dumps(_json_outcome(outcome)))
+        return
     if args.quiet:
-        print(result.output_dir)
-        return 0
-    if isinstance(result, SweepResult):
-        _print_sweep(result)
-        return 0
-    print(f"Stored {len(result.artifacts)} file(s) and summary.json in {result.output_dir}")
+        if outcome.exit_status == 0 and outcome.output_dir:
+            print(outcome.output_dir)
+        return
+    from prefect_sandbox.results import PipelineResult, SweepResult
+
+    if isinstance(outcome.result, SweepResult):
+        _print_sweep(outcome.result)
+    elif isinstance(outcome.result, PipelineResult):
+        _print_stages(outcome.result)
+
+
+def _json_outcome(outcome: _Outcome) -> dict[str, Any]:
+    """The ``--json`` object: the run's ``summary.json`` (a sweep's ``sweep.json``) when it
+    was written, else ``status``, ``error`` and ``output_dir``; with ``exit_status``."""
+    if outcome.result is not None:
+        data = outcome.result.model_dump(mode="json")
+    else:
+        status = "completed" if outcome.exit_status == 0 else "failed"
+        if outcome.exit_status not in (0, 1):
+            status = "cancelled"
+        data = {"status": status, "error": outcome.error, "output_dir": outcome.output_dir}
+    return {**data, "exit_status": outcome.exit_status}
+
+
+def _print_stages(result: PipelineResult) -> None:
+    """Where a run's files are, then its stages: status, cells, seconds, and the failing cell."""
+    print(
+        f"Stored {len(result.artifacts)} file(s) and summary.json in "
+        f"{strip_ansi(result.output_dir)}"
+    )
     for stage in result.stages:
         cells = f"{stage.cell_count:>3} cell(s)"
-        print(f"  {stage.name:<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s")
-    return 0
+        line = f"  {strip_ansi(stage.name):<12} {stage.status:<8} {cells} {stage.duration_s:8.2f} s"
+        if stage.ename:
+            line += f"  cell {stage.failed_cell_index}: {strip_ansi(stage.ename)}"
+        print(line)
 
 
 def _version() -> str:
@@ -387,7 +506,8 @@ def _help_notebook(path: str) -> int:
     """Print the notebook's parameters as papermill's ``--help-notebook`` does; run nothing.
 
     Returns:
-        0; 1 when no cell is tagged ``parameters``; 2 when the notebook cannot be read.
+        0 (a notebook with no cell tagged ``parameters`` has none, and says so); 2 when the
+        notebook cannot be read.
     """
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
@@ -398,8 +518,8 @@ def _help_notebook(path: str) -> int:
         return _usage_error(str(exc))
     print(f"Parameters inferred for notebook {strip_ansi(path)!r}:")
     if found is None:
-        print("\n  No cell tagged 'parameters'")
-        return 1
+        print("\n  No cell tagged 'parameters': this notebook takes no parameters.")
+        return 0
     if not found:
         print("\n  Can't infer anything about this notebook's parameters.")
     for parameter in found:
@@ -550,15 +670,10 @@ def _quiet_prefect_console(level: int = logging.CRITICAL + 1) -> None:
     """Show only Prefect's log lines at ``level`` or above on the console (all still reach the
     API): after a signal none, so the user gets one line, ours, not the cancelled task runs'
     "Crash detected!" noise; with ``--quiet`` warnings and errors."""
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from prefect_sandbox.progress import prefect_console_handlers
 
-    for logger in [
-        logging.getLogger(),
-        *map(logging.getLogger, list(logging.Logger.manager.loggerDict)),
-    ]:
-        for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler):
-                handler.setLevel(level)
+    for handler in prefect_console_handlers():
+        handler.setLevel(level)
 
 
 def _options(args: argparse.Namespace) -> RunOptions:

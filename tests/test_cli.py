@@ -11,6 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from prefect_sandbox.sandbox.outputs import strip_ansi
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SERVER_DELAY_S = 25
@@ -181,11 +183,11 @@ def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
     lines = done.stdout.splitlines()
     assert lines[0].startswith("Parameters inferred for notebook ")
     assert lines[1:] == [
-        '  data_path: Unknown type (default "co2.csv")',
-        '  train_end: Unknown type (default "1996-12-31")',
-        '  holdout_end: Unknown type (default "2001-12-31")',
-        '  forecast_end: Unknown type (default "2010-12-31")',
-        '  figures_dir: Unknown type (default "figures")',
+        '  data_path: str (default "co2.csv")',
+        '  train_end: str (default "1996-12-31")',
+        '  holdout_end: str (default "2001-12-31")',
+        '  forecast_end: str (default "2010-12-31")',
+        '  figures_dir: str (default "figures")',
     ]
     assert list(tmp_path.iterdir()) == []  # no output folder: nothing ran
 
@@ -194,22 +196,36 @@ def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [
         nbformat.v4.new_code_cell(
-            "# defaults\nn: int = 3  # how many\nalpha = 0.5  # learning rate\nname = 'x'\n",
+            "# defaults\nn: int = 3  # how many\nalpha = 0.5  # learning rate\nname = 'x'\n"
+            "seed = make_seed()  # a call: its type is unknown\n",
             metadata={"tags": ["parameters"]},
         )
     ]
     nbformat.write(notebook, tmp_path / "typed.ipynb")
     done = _cli("run", "typed.ipynb", "--help-notebook", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[1:] == [
         "  n: int (default 3)              how many",
-        "  alpha: Unknown type (default 0.5)",
-        "                                  learning rate",
-        "  name: Unknown type (default 'x')",
+        "  alpha: float (default 0.5)      learning rate",
+        "  name: str (default 'x')",
+        "  seed: Unknown type (default make_seed())",
+        "                                  a call: its type is unknown",
     ]
-    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "none.ipynb")
+
+
+def test_help_notebook_on_a_notebook_without_parameters_says_so_and_succeeds(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell("print(1)")]
+    nbformat.write(notebook, tmp_path / "none.ipynb")
     done = _cli("run", "none.ipynb", "--help-notebook", cwd=tmp_path)
-    assert done.returncode == 1
-    assert "No cell tagged 'parameters'" in done.stdout
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1:] == [
+        "",
+        "  No cell tagged 'parameters': this notebook takes no parameters.",
+    ]
+    assert list(tmp_path.iterdir()) == [tmp_path / "none.ipynb"]  # nothing ran
 
 
 def test_a_parameters_file_that_is_no_mapping_is_a_usage_error(tmp_path: Path) -> None:
@@ -349,3 +365,180 @@ def test_the_run_command_imports_the_pipeline_flows_only() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def _api_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The CLI against the session's Prefect API (stdout and stderr are pipes)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return _cli(*args, cwd=cwd, env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())})
+
+
+def _metrics_notebook(path: Path, *, fail: bool) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("alpha = 0.1\nlabel = 'a'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "import json\njson.dump({'mae': alpha * 2, 'label': label, 'table': [1, 2]}, "
+            "open('metrics.json', 'w'))"
+        ),
+        nbformat.v4.new_code_cell("raise ValueError('bad fit')" if fail else "print('done')"),
+    ]
+    nbformat.write(notebook, path)
+    return path
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    _metrics_notebook(tmp_path / "m.ipynb", fail=False)
+    done = _api_cli(
+        "run", "m.ipynb", "--json", "-p", "alpha=0.5", "--artifact", "metrics.json",
+        "--out", "out", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)  # the whole of stdout is one object
+    assert result["status"] == "completed" and result["exit_status"] == 0
+    assert result["parameters"] == {"alpha": 0.5}
+    assert result["metrics"] == {"mae": 1.0, "label": "a"}  # top-level scalars only
+    assert [(s["name"], s["status"], s["cell_count"]) for s in result["stages"]] == [
+        ("setup", "ok", 4)
+    ]
+    run_dir = Path(result["output_dir"])
+    assert run_dir.parent == (tmp_path / "out").resolve()
+    files = {a["path"]: a for a in result["artifacts"]}
+    assert set(files) == {"metrics.json", "executed.ipynb"}
+    for path, artifact in files.items():
+        data = (run_dir / path).read_bytes()
+        assert artifact["bytes"] == len(data)
+        assert artifact["sha256"] == hashlib.sha256(data).hexdigest()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {k: v for k, v in result.items() if k != "exit_status"}
+    # Progress went to stderr, one plain line per cell (stderr is no terminal here), and
+    # Prefect's console left out its own record of each cell's end.
+    progress = [line for line in done.stderr.splitlines() if line.startswith("prefect-sandbox: [")]
+    assert [line.split("]")[0] for line in progress] == [
+        f"prefect-sandbox: [{n}/4" for n in (1, 2, 3, 4)
+    ]
+    assert progress[2].startswith("prefect-sandbox: [3/4] stage 'setup' cell 2 ok in ")
+    assert " ok in " not in "".join(set(done.stderr.splitlines()) - set(progress))
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_json_shows_a_failed_run_with_its_stages_files_and_metrics(tmp_path: Path) -> None:
+    import json
+
+    _metrics_notebook(tmp_path / "m.ipynb", fail=True)
+    done = _api_cli(
+        "run", "m.ipynb", "--json", "--artifact", "metrics.json", "--out", "out", cwd=tmp_path
+    )
+    assert done.returncode == 1
+    result = json.loads(done.stdout)
+    assert result["status"] == "failed" and result["exit_status"] == 1
+    assert result["error"] == "stage 'setup', cell 2: ValueError: bad fit"
+    (stage,) = result["stages"]
+    assert (stage["status"], stage["failed_cell_index"], stage["ename"]) == (
+        "failed",
+        2,
+        "ValueError",
+    )
+    assert result["metrics"] == {"mae": 0.2, "label": "a"}
+    assert {a["path"] for a in result["artifacts"]} == {"metrics.json", "executed.ipynb"}
+    assert Path(result["output_dir"], "summary.json").is_file()
+    assert done.stderr.strip().splitlines()[-1].startswith("prefect-sandbox: pipeline failed:")
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_failed_run_prints_its_stage_table_and_a_quiet_one_only_its_reason(
+    tmp_path: Path,
+) -> None:
+    _metrics_notebook(tmp_path / "m.ipynb", fail=True)
+    done = _api_cli("run", "m.ipynb", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Stored 1 file(s) and summary.json in ")
+    assert lines[1].split()[:4] == ["setup", "failed", "3", "cell(s)"]
+    assert lines[1].endswith("  cell 2: ValueError")
+    quiet = _api_cli("run", "m.ipynb", "-q", "--out", "out", cwd=tmp_path)
+    assert quiet.returncode == 1
+    assert quiet.stdout == ""
+    (reason,) = [line for line in quiet.stderr.splitlines() if line.strip()]
+    assert reason.startswith(
+        "prefect-sandbox: pipeline failed: stage 'setup', cell 2: ValueError: bad fit "
+        "(partial results in "
+    )
+
+
+def test_progress_is_a_bar_on_a_terminal_lines_elsewhere_and_none_when_quiet() -> None:
+    import io
+    import pty
+
+    from prefect_sandbox.progress import progress_mode
+
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w", closefd=False) as terminal:
+            assert progress_mode(False, terminal) == "bar"
+            assert progress_mode(True, terminal) is None
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert progress_mode(False, io.StringIO()) == "lines"
+    assert progress_mode(True, io.StringIO()) is None
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
+    """The CLI with a pseudo-terminal as its stdout and stderr, as a user's shell gives it."""
+    import pty
+    import threading
+
+    from prefect.settings import PREFECT_API_URL
+
+    _metrics_notebook(tmp_path / "m.ipynb", fail=False)
+    leader, follower = pty.openpty()
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "TERM": "xterm",
+        "COLUMNS": "120",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", "m.ipynb", "--out", "out"],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+        cwd=tmp_path,
+        env=env,
+    )
+    os.close(follower)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's last writer closed it
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert process.wait(timeout=300) == 0
+    finally:
+        process.kill()
+        reader.join(timeout=30)
+        os.close(leader)
+    raw = b"".join(chunks).decode(errors="replace")
+    assert "\x1b[?25l" in raw  # rich hid the cursor to redraw the bar in place
+    shown = strip_ansi(raw)
+    assert "running " in shown and "0/3 cells" in shown, shown[-3000:]
+    assert "setup cell 2 ok " in shown and "3/3 cells" in shown
+    assert "prefect-sandbox: [" not in shown  # no plain progress lines
+    assert " ok in " not in shown  # nor Prefect's own record of each cell's end
+    assert "Stored 1 file(s) and summary.json in " in shown

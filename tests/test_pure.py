@@ -932,3 +932,29 @@ def test_an_unfinished_line_is_logged_once_per_interval_then_flushed_at_the_cell
     assert long.feed("y" * 8, 1.0) == "xxxxyyyyyyyy"
     assert long.feed("z", 2.0) == "z"
 
+
+def test_help_notebook_types_literal_defaults_and_leaves_expressions_unknown() -> None:
+    from prefect_sandbox.sandbox.notebook import notebook_parameters
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "a = 'x'\nb = 1\nc = 0.5\nd = True\ne = None\nf = [1, 2]\ng = {'k': 1}\n"
+            "h = compute()\ni: int = 'annotation wins'\nj = -3\n",
+            metadata={"tags": ["parameters"]},
+        )
+    ]
+    found = notebook_parameters(notebook)
+    assert found is not None
+    assert [(p.name, p.type_name) for p in found] == [
+        ("a", "str"),
+        ("b", "int"),
+        ("c", "float"),
+        ("d", "bool"),
+        ("e", "None"),
+        ("f", "list"),
+        ("g", "dict"),
+        ("h", None),
+        ("i", "int"),
+        ("j", "int"),
+    ]

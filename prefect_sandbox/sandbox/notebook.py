@@ -77,7 +77,8 @@ class NotebookParameter(BaseModel):
 
     Attributes:
         name: the name assigned.
-        type_name: the annotation's source (``n: int = 3``), or None when there is none.
+        type_name: the annotation's source (``n: int = 3``); else the type of a literal value
+            (``"str"`` for ``path = 'co2.csv'``); None when it is neither.
         default: the assigned value's source.
         help: the comment at the end of the assignment's last line, without ``#``; or "".
     """
@@ -256,6 +257,16 @@ def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any])
     return list(parameters)
 
 
+def _literal_type(value: ast.expr) -> str | None:
+    """The type of a literal value's source (``"str"`` for ``'co2.csv'``, ``"None"`` for
+    ``None``); None when it is no literal (a call, a name)."""
+    try:
+        literal = ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return "None" if literal is None else type(literal).__name__
+
+
 def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | None:
     """The top-level assignments of one name in the notebook's cell tagged ``parameters``.
 
@@ -284,7 +295,7 @@ def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | Non
         found = []
         for node in tree.body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                target, annotation = node.targets[0], None
+                target, annotation = node.targets[0], _literal_type(node.value)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 target, annotation = node.target, ast.unparse(node.annotation)
             else:
