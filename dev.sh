@@ -81,6 +81,7 @@ case "$command" in
         "$venv/bin/python" bench/bench_warm_pool.py
         "$venv/bin/python" bench/bench_sweep.py
         "$venv/bin/python" bench/bench_session.py
+        "$venv/bin/python" bench/bench_cli.py
         exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)
