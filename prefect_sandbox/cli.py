@@ -14,9 +14,20 @@ and one line on stderr says where it stopped; 3 when the flow run was cancelled 
 Prefect API or UI, which stops it the same way within ``PREFECT_SANDBOX_CANCEL_POLL_S``.
 ``s3://`` inputs are read with the ``--out`` bucket's credentials, or else the standard AWS
 environment. ``-f FILE`` reads parameters from a JSON or YAML mapping (``-p`` wins over it);
-``--help-notebook`` prints the parameters cell's names, defaults and comments, as papermill
-does, and runs nothing; ``-q`` shows only warnings and errors and prints only where the results
-are; an API that does not answer is one line on stderr and exit status 1.
+``--help-notebook`` prints the parameters cell's names, types (annotated, or of a literal
+default), defaults and comments, as papermill does, and runs nothing; an API that does not
+answer is one line on stderr and exit status 1.
+
+While ``run`` runs, each cell's end shows on stderr: a progress bar when stderr is a terminal,
+else one line per cell (``prefect-sandbox: [3/20] stage 'fit' cell 7 ok in 0.40 s``). Then
+stdout gets where the results are and a line per stage, on failure too (the failing cell named).
+``-q`` shows no progress and only the warnings of Prefect's console (a failing cell's traceback
+and the engine's are left out: the reason is the last stderr line) and prints only where the
+results of a completed run are. ``--json`` prints one JSON object on stdout and nothing else
+there (whatever the run's processes write to stdout goes to stderr): the run's ``summary.json``
+(a sweep's ``sweep.json``) with ``exit_status``; or, when none was written, ``status``
+(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``. A usage error
+(exit status 2) prints nothing on stdout.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
