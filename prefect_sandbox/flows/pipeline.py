@@ -522,12 +522,13 @@ class _PipelineRun:
     def _metrics(self, outputs: Path) -> dict[str, float | int | bool | str | None]:
         """The key metrics of the stored `METRICS_NAME`, read from its staged copy as a sweep
         reads its branches' (`metrics_of`); a file that is no JSON object is a warning."""
-        # Imported here: the sweep's module imports this one.
-        from prefect_sandbox.flows.sweep import METRICS_MAX_BYTES, metrics_of
-
         stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
         if stored is None:
             return {}
+        # Imported here, and only for a run that stored metrics: the sweep's module imports
+        # this one, and a run without metrics pays for no sweep module.
+        from prefect_sandbox.flows.sweep import METRICS_MAX_BYTES, metrics_of
+
         problem: str | None = f"{stored.bytes} bytes, over {METRICS_MAX_BYTES}"
         metrics: dict[str, float | int | bool | str | None] = {}
         if stored.bytes <= METRICS_MAX_BYTES:
