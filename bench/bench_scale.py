@@ -101,17 +101,34 @@ async def run_many(runs: int, sleep_s: float, storage: Path) -> dict[str, Any]:
         assert json.loads((folder / "summary.json").read_text())["status"] == "completed"
         return result.status
 
-    start = time.perf_counter()
-    outcomes = await asyncio.gather(*(one(i) for i in range(runs)), return_exceptions=True)
-    wall_s = time.perf_counter() - start
-    await drain_prefect_workers()
+    # Attached after the flows' import, whose logging set-up replaces the logger's handlers.
+    client_logger = logging.getLogger("prefect.client")
+    counter = RetryCounter()
+    saved = client_logger.level, client_logger.propagate
+    client_logger.addHandler(counter)
+    client_logger.setLevel(logging.DEBUG)
+    client_logger.propagate = False
+    try:
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(i) for i in range(runs)), return_exceptions=True)
+        wall_s = time.perf_counter() - start
+        await drain_prefect_workers()
+    finally:
+        client_logger.removeHandler(counter)
+        client_logger.setLevel(saved[0])
+        client_logger.propagate = saved[1]
     errors = collections.Counter(
         f"{type(o).__name__}: {str(o).splitlines()[0] if str(o) else ''}"[:300]
         for o in outcomes
         if isinstance(o, BaseException)
     )
     completed = sum(1 for o in outcomes if o == "completed")
-    return {"wall_s": round(wall_s, 2), "completed": completed, "errors": dict(errors)}
+    return {
+        "wall_s": round(wall_s, 2),
+        "completed": completed,
+        "errors": dict(errors),
+        "client_retries_by_code": dict(counter.codes),
+    }
 
 
 def one_database(database: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -128,9 +145,6 @@ def one_database(database: str, args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[Any, Any] = {}
     if args.client_retries is not None:
         settings[PREFECT_CLIENT_MAX_RETRIES] = args.client_retries
-    client_logger = logging.getLogger("prefect.client")
-    counter = RetryCounter()
-    saved = client_logger.level, client_logger.propagate
     connection_files_before = jupyter_connection_files()
     load_before = os.getloadavg()
     try:
@@ -138,21 +152,13 @@ def one_database(database: str, args: argparse.Namespace) -> dict[str, Any]:
         with PrefectServer(home, cluster.url if cluster else None, server_env) as server:
             server_start_s = time.perf_counter() - started
             settings[PREFECT_API_URL] = server.url
-            client_logger.addHandler(counter)
-            client_logger.setLevel(logging.DEBUG)
-            client_logger.propagate = False
-            try:
-                with (
-                    temporary_settings(settings),
-                    private_tmpdir("bench-scale-tmp-") as private_tmp,
-                    MemorySampler() as peaks,
-                ):
-                    outcome = asyncio.run(run_many(args.runs, args.sleep_s, home / "storage"))
-                left = leftovers(private_tmp, connection_files_before)
-            finally:
-                client_logger.removeHandler(counter)
-                client_logger.setLevel(saved[0])
-                client_logger.propagate = saved[1]
+            with (
+                temporary_settings(settings),
+                private_tmpdir("bench-scale-tmp-") as private_tmp,
+                MemorySampler() as peaks,
+            ):
+                outcome = asyncio.run(run_many(args.runs, args.sleep_s, home / "storage"))
+            left = leftovers(private_tmp, connection_files_before)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -161,7 +167,6 @@ def one_database(database: str, args: argparse.Namespace) -> dict[str, Any]:
         "database": database,
         **outcome,
         "server_start_s": round(server_start_s, 1),
-        "client_retries_by_code": dict(counter.codes),
         "memory": memory_summary(peaks),
         "leftovers": left,
         "loadavg_before": [round(v, 2) for v in load_before],
