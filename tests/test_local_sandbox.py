@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import tracemalloc
@@ -27,7 +28,7 @@ from prefect_sandbox.sandbox.backends.local import (
     LocalKernelConfig,
     LocalKernelSandbox,
 )
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxUnavailableError
 from prefect_sandbox.sandbox.isolation import Isolation
 from tests.conftest import kernel_processes, stream_text
 from tests.contract.test_forks import forked_child
@@ -438,3 +439,23 @@ async def test_a_forked_child_stopped_at_its_cells_end_ends_with_a_restart() -> 
         assert not child.is_running()
     finally:
         await box.kill()
+
+
+async def test_a_tmpdir_too_long_for_ipc_sockets_is_named_in_a_sandbox_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The IPC sockets' paths under it would pass the 107-byte limit of Unix socket paths.
+    long_tmp = tmp_path / ("t" * max(1, 90 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    with pytest.raises(SandboxUnavailableError) as caught:
+        await LocalKernelSandbox.create(LocalKernelConfig())
+    message = str(caught.value)
+    assert f"TMPDIR={long_tmp}" in message
+    assert "107-byte limit" in message
+    assert caught.value.operation == "create"
+    # Refused before anything started: no kernel, no runtime or work folder.
+    assert kernel_processes() == []
+    assert [p.name for p in long_tmp.iterdir()] == [f"prefect-sandbox-{os.getuid()}"]
+    assert list((long_tmp / f"prefect-sandbox-{os.getuid()}").iterdir()) == []
