@@ -459,3 +459,32 @@ async def test_a_tmpdir_too_long_for_ipc_sockets_is_named_in_a_sandbox_error(
     assert kernel_processes() == []
     assert [p.name for p in long_tmp.iterdir()] == [f"prefect-sandbox-{os.getuid()}"]
     assert list((long_tmp / f"prefect-sandbox-{os.getuid()}").iterdir()) == []
+
+
+async def test_many_simultaneous_timeouts_under_load_are_each_reported_as_timeouts() -> None:
+    # Issue 20: under load a few of 60 timeouts at once came back as "kernel sent no
+    # execute_reply within 5.0 s". Here 12 kernels spin their cores at once (load well above
+    # the machine's cores) and all pass their deadline together.
+    count = 12
+    made = await asyncio.gather(
+        *(LocalKernelSandbox.create(LocalKernelConfig()) for _ in range(count)),
+        return_exceptions=True,
+    )
+    boxes = [box for box in made if isinstance(box, LocalKernelSandbox)]
+    try:
+        assert len(boxes) == count, made
+        await asyncio.gather(*(box.run_cell("x = 41") for box in boxes))
+        results = await asyncio.gather(
+            *(box.run_cell("while True: pass", timeout_s=1.0) for box in boxes),
+            return_exceptions=True,
+        )
+        assert [type(r).__name__ for r in results if isinstance(r, BaseException)] == []
+        after = await asyncio.gather(*(box.run_cell("print(x + 1)") for box in boxes))
+        for result, later in zip(results, after, strict=True):
+            assert not isinstance(result, BaseException)
+            assert result.status == "timeout"
+            assert result.error is not None and result.error.ename == "CellTimeoutError"
+            # Stopped by the interrupt, x survives; a kernel restarted for it says so.
+            assert stream_text(later.outputs) == ("" if result.state_lost else "42\n")
+    finally:
+        await asyncio.gather(*(box.kill() for box in boxes))
