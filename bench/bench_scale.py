@@ -9,9 +9,10 @@ after a short sleep (``--sleep-s``, so that the runs overlap), the other reads i
 collected as an artifact and checked in storage (a local folder).
 
 Reported per database: wall time from the first call to the last return, runs completed, the
-errors of the others (first line, counted), the most sandboxes (kernel trees) alive at once and
-their summed RSS at that peak, the highest RSS of one sandbox, this process's peak RSS, the
-Prefect client's retries on HTTP 503 (counted from its debug log), and what was left behind: an
+errors of the others (first line, counted), the most sandboxes (kernel trees) alive at once, the
+highest sum of their RSS, the highest RSS of one sandbox, this process's peak RSS, the Prefect
+client's retries by HTTP status or exception (counted from its debug log), and what was left
+behind: an
 ipykernel child, a file or folder in the private ``TMPDIR`` (work dirs, kernel runtime dirs,
 staging folders), a new Jupyter connection file.
 
@@ -21,8 +22,8 @@ staging folders), a new Jupyter connection file.
 ``--client-retries`` sets ``PREFECT_CLIENT_MAX_RETRIES`` for this process's runs (Prefect's
 default: 5); ``--server-db-timeout-s`` sets the server's ``PREFECT_SERVER_DATABASE_TIMEOUT``
 (Prefect's default: 10 s; on SQLite it is how long a write waits for the lock). Prints a markdown
-table and writes it with the raw figures to ``bench/results/scale.json``; exit 1 when anything was
-left behind.
+table and writes it with the raw figures to ``bench/results/scale-<databases>.json``; exit 1
+when anything was left behind.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from bench_local import (
 )
 from bench_sweep import MemorySampler, memory_summary
 
-RESULTS_PATH = Path(__file__).resolve().parent / "results" / "scale.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def stages(index: int, sleep_s: float) -> dict[str, list[str]]:
@@ -244,7 +245,8 @@ def main() -> int:
             f"{r['database']}: errors {r['errors'] or 'none'}; load {r['loadavg_before']} -> "
             f"{r['loadavg_after']}; server start {r['server_start_s']} s"
         )
-    return publish(RESULTS_PATH, report, f"{args.runs} pipelines per database")
+    path = RESULTS_DIR / f"scale-{args.databases.replace(',', '-')}.json"
+    return publish(path, report, f"{args.runs} pipelines per database")
 
 
 if __name__ == "__main__":
