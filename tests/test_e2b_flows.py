@@ -363,9 +363,9 @@ async def test_a_run_whose_sandbox_cannot_be_reached_for_its_first_cell_shows_wh
     e2b_emulator: E2BEmulator, tmp_path: Path
 ) -> None:
     test_id = uuid.uuid4().hex
-    # The first stage's attach (the SDK's connect) answers 500; the create before it is served,
-    # and the kill's attach after it too.
-    e2b_emulator.inject(Fault("connect", status=500))
+    # The first stage's attach (the SDK's connect) answers 500 at each of its 4 tries (3
+    # retries); the create before it is served, and the kill's attach after it too.
+    e2b_emulator.inject(Fault("connect", status=500, times=4))
     try:
         with pytest.raises(PipelineFailedError) as failed:
             await amodeling_pipeline(
