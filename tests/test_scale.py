@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
+import psutil
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -19,7 +21,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_sandbox.flows import amodeling_pipeline
-from prefect_sandbox.testing.prefect_server import drain_prefect_workers
+from prefect_sandbox.testing.prefect_server import PostgresCluster, drain_prefect_workers
 from tests.conftest import kernel_processes
 from tests.test_deployments import PrefectStack
 
@@ -82,3 +84,25 @@ async def test_eight_pipelines_at_once_against_a_postgresql_server_complete_and_
         await asyncio.sleep(0.2)
     assert kernel_processes() == []
     assert _left_in(private_tmp) == []
+
+
+async def test_a_throwaway_postgresql_cluster_answers_on_127_0_0_1_and_leaves_nothing() -> None:
+    with PostgresCluster() as cluster:
+        assert cluster.folder is not None
+        folder = cluster.folder
+        url = cluster.url.replace("postgresql+asyncpg://", "postgresql://")
+        assert "@127.0.0.1:" in url
+        connection = await asyncpg.connect(url)
+        try:
+            assert await connection.fetchval("SELECT current_database()") == "prefect"
+        finally:
+            await connection.close()
+        # A wrong password is refused.
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            await asyncpg.connect(url.replace(cluster.password, "wrong"))
+    assert not folder.exists()
+    assert [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if str(folder) in " ".join(p.info["cmdline"] or [])
+    ] == []
