@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,7 +38,10 @@ def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="scale-"))
     monkeypatch.setenv("TMPDIR", str(path))
     monkeypatch.setattr(tempfile, "tempdir", str(path))
-    yield path
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _left_in(private_tmp: Path) -> list[str]:
