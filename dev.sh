@@ -82,6 +82,8 @@ case "$command" in
         "$venv/bin/python" bench/bench_sweep.py
         "$venv/bin/python" bench/bench_session.py
         "$venv/bin/python" bench/bench_cli.py
+        "$venv/bin/python" bench/bench_scale.py --databases sqlite --client-retries 12
+        "$venv/bin/python" bench/bench_scale.py --databases postgres
         exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)

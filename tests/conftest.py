@@ -92,6 +92,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
         stack.stop()
 
 
+@pytest.fixture(scope="module")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    """`prefect server start` on a throwaway PostgreSQL cluster (`PostgresCluster`), without a
+    worker, for one test module."""
+    from prefect_sandbox.testing.prefect_server import PostgresCluster
+    from tests.test_deployments import PrefectStack
+
+    with PostgresCluster() as cluster:
+        stack = PrefectStack(
+            tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp(), cluster.url
+        )
+        try:
+            stack.wait_until_healthy()
+            yield stack
+        finally:
+            stack.stop()
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """An empty TMPDIR for a CLI or script process, short enough for its kernels' IPC socket

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -39,10 +36,10 @@ from prefect_sandbox.flows.sweep import SWEEP_NAME
 from prefect_sandbox.results import SweepResult
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
-from prefect_sandbox.testing.s3 import MotoServer, free_port
+from prefect_sandbox.testing.prefect_server import PREFECT, PrefectServer
+from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
 
-PREFECT = [sys.executable, "-m", "prefect"]
 SECRET_KEY = "e2e-secret-Zq8xWv3Kp"
 # Two workers on the one pool, two flow runs each at most. A sweep's own run holds a slot on one;
 # of its 4 branches that one runs 1 at a time, so the other worker takes some.
@@ -50,51 +47,20 @@ WORKERS = ("worker-a", "worker-b")
 WORKER_LIMIT = 2
 
 
-class PrefectStack:
+class PrefectStack(PrefectServer):
     """`prefect server start` and process workers, in subprocesses, for one test module."""
 
-    def __init__(self, home: Path, input_roots: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}/api"
-        self.env = dict(os.environ)
-        self.env.update(
-            PREFECT_HOME=str(home),
-            # The tests' own folders: where their runs' notebooks and inputs may come from.
-            PREFECT_SANDBOX_INPUT_ROOTS=str(input_roots),
-            PREFECT_API_URL=self.url,
-            PREFECT_SERVER_ANALYTICS_ENABLED="false",
-            PREFECT_LOGGING_LEVEL="INFO",
-            # Workers poll every 2 s instead of 10: runs start sooner.
-            PREFECT_WORKER_QUERY_SECONDS="2",
+    def __init__(self, home: Path, input_roots: Path, database_url: str | None = None) -> None:
+        super().__init__(
+            home,
+            database_url,
+            env={
+                # The tests' own folders: where their runs' notebooks and inputs may come from.
+                "PREFECT_SANDBOX_INPUT_ROOTS": str(input_roots),
+                # Workers poll every 2 s instead of 10: runs start sooner.
+                "PREFECT_WORKER_QUERY_SECONDS": "2",
+            },
         )
-        self.env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
-        self._logs = home
-        port = self.url.split(":")[2].split("/")[0]
-        self.server = self._start(
-            "server", ["server", "start", "--host", "127.0.0.1", "--port", port]
-        )
-        self.workers: list[subprocess.Popen[bytes]] = []
-
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        with (self._logs / f"{name}.log").open("wb") as log:
-            return subprocess.Popen(
-                [*PREFECT, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def wait_until_healthy(self, timeout_s: float = 120) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.server.poll() is not None:
-                break
-            time.sleep(0.5)
-        raise RuntimeError((self._logs / "server.log").read_text()[-3000:])
 
     def cli(self, *args: str, cwd: Path = ROOT) -> str:
         done = subprocess.run(
@@ -106,17 +72,7 @@ class PrefectStack:
     def start_worker(self, name: str, limit: int) -> None:
         """Start a process worker called `name` on the pool, running at most `limit` flow runs."""
         args = ["--pool", "sandbox-process", "--type", "process", "--name", name]
-        self.workers.append(self._start(name, ["worker", "start", *args, "--limit", str(limit)]))
-
-    def stop(self) -> None:
-        for process in (*self.workers, self.server):
-            # Each runs in its own session: end the whole group (the worker's flow runs too).
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        self.start_process(name, ["worker", "start", *args, "--limit", str(limit)])
 
 
 @pytest.fixture(scope="module")

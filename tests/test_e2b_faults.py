@@ -118,3 +118,20 @@ async def test_lifetime_is_extended_before_and_during_cells(
         assert e2b_emulator.sandbox_ids(labels) == []
     finally:
         await sandbox.kill()
+
+
+async def test_a_500_on_connect_is_retried_so_a_kill_still_reaches_the_sandbox(
+    e2b_emulator: E2BEmulator, e2b_backend: E2BBackend, labels: dict[str, str]
+) -> None:
+    sandbox = await e2b_backend.create(labels)
+    start = time.monotonic()
+    e2b_emulator.inject(Fault("connect", status=500, times=2))
+    try:
+        # A kill task attaches first (`kill_sandbox`).
+        again = await e2b_backend.attach(sandbox.handle)
+        assert await again.kill()
+    finally:
+        e2b_emulator.clear_faults()
+        await sandbox.kill()
+    assert len(_requests(e2b_emulator, "connect", start)) == 3
+    assert e2b_emulator.sandbox_ids(labels) == []

@@ -327,3 +327,63 @@ async def test_hooks_in_the_runs_own_process_use_the_key_it_was_given_not_the_ma
 
     masked, key = await probe(_backend(e2b_emulator, uuid.uuid4().hex))
     assert (masked, key) == (MASKED_SECRET, e2b_emulator.api_key)
+
+
+@pytest.mark.parametrize(
+    ("first_cell", "ename"),
+    [
+        ("raise ValueError('bad')", "ValueError"),
+        ("while True: pass", "CellTimeoutError"),
+        ("import os; os._exit(1)", None),
+    ],
+    ids=["raises", "times out", "kills its kernel"],
+)
+async def test_a_run_failing_on_its_first_cell_shows_that_stage_failed_and_the_rest_not_run(
+    e2b_emulator: E2BEmulator, tmp_path: Path, first_cell: str, ename: str | None
+) -> None:
+    with pytest.raises(PipelineFailedError) as failed:
+        await amodeling_pipeline(
+            stages={"first": [first_cell, "print('never')"], "second": ["print('never')"]},
+            backend=_backend(e2b_emulator, uuid.uuid4().hex),
+            storage=str(tmp_path),
+            cell_timeout_s=1.0,
+        )
+    assert (failed.value.stage, failed.value.cell_index) == ("first", 0)
+    (summary_path,) = tmp_path.glob("*/summary.json")
+    stages = json.loads(summary_path.read_text())["stages"]
+    assert [(s["name"], s["status"], s["failed_cell_index"]) for s in stages] == [
+        ("first", "failed", 0),
+        ("second", "not_run", None),
+    ]
+    if ename is not None:
+        assert stages[0]["ename"] == ename
+
+
+async def test_a_run_whose_sandbox_cannot_be_reached_for_its_first_cell_shows_where_it_stopped(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    test_id = uuid.uuid4().hex
+    # The first stage's attach (the SDK's connect) answers 500 at each of its 4 tries (3
+    # retries); the create before it is served, and the kill's attach after it too.
+    e2b_emulator.inject(Fault("connect", status=500, times=4))
+    try:
+        with pytest.raises(PipelineFailedError) as failed:
+            await amodeling_pipeline(
+                stages={"first": ["x = 1"], "second": ["print(x)"]},
+                backend=_backend(e2b_emulator, test_id),
+                storage=str(tmp_path),
+            )
+    finally:
+        e2b_emulator.clear_faults()
+    assert (failed.value.stage, failed.value.cell_index) == ("first", 0)
+    (run_dir,) = tmp_path.iterdir()
+    stages = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert [(s["name"], s["status"], s["failed_cell_index"]) for s in stages] == [
+        ("first", "failed", 0),
+        ("second", "not_run", None),
+    ]
+    assert stages[0]["ename"] == "SandboxUnavailableError"
+    # The notebook shows it at the cell that was to run.
+    cells = nbformat.read(run_dir / "executed.ipynb", as_version=4).cells
+    assert [o["ename"] for o in cells[0].outputs] == ["SandboxUnavailableError"]
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []

@@ -4,6 +4,7 @@ stored, nothing is left behind, and the CLI exits 130 / 143 with one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,12 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from uuid import UUID
 
 import nbformat
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import ROOT
@@ -190,3 +192,42 @@ def test_signal_with_the_temporary_server_leaves_no_server_and_a_cancelled_run(
             "SELECT state_type FROM flow_run WHERE id = ?", (flow_run_id,)
         ).fetchone()
     assert state == "CANCELLED"
+
+
+def test_sigterm_to_a_script_run_mid_cell_cancels_it_and_leaves_no_staging_folder(
+    server: PrefectStack, tmp_path: Path, short_tmp: Path
+) -> None:
+    from tests.test_api_cancellation import Started, _check_cancelled, _sleeping_notebook
+
+    notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
+    out = tmp_path / "out"
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from prefect_sandbox.flows import run_notebook\n"
+        f"run_notebook({str(notebook)!r}, artifacts=['made.txt'], storage={str(out)!r})\n"
+    )
+    env = {**server.env, "PYTHONPATH": str(ROOT), "TMPDIR": str(short_tmp)}
+    run = Started([sys.executable, str(script)], env, tmp_path)
+    staging = list(short_tmp.glob("prefect-sandbox-staging-*"))
+    assert len(staging) == 1
+    try:
+        run.process.send_signal(signal.SIGTERM)
+        returncode = run.process.wait(timeout=180)
+    finally:
+        run.stop()
+    stderr = run.stderr_path.read_text()
+    # It exits as the CLI does on SIGTERM, after its run's clean-up.
+    assert returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    (summary_path,) = out.glob("*/summary.json")
+    flow_run_id = json.loads(summary_path.read_text())["flow_run_id"]
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        flow_run = asyncio.run(_read_flow_run(flow_run_id))
+    _check_cancelled(flow_run, out)
+    assert not staging[0].exists()
+    assert [p.name for p in short_tmp.rglob("*") if not p.is_dir()] == []
+    assert [p.name for p in short_tmp.iterdir()] in ([], [f"prefect-sandbox-{os.getuid()}"])
+
+
+async def _read_flow_run(flow_run_id: str) -> FlowRun:
+    async with get_client() as client:
+        return await client.read_flow_run(UUID(flow_run_id))

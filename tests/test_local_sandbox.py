@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import tracemalloc
@@ -27,7 +28,7 @@ from prefect_sandbox.sandbox.backends.local import (
     LocalKernelConfig,
     LocalKernelSandbox,
 )
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxUnavailableError
 from prefect_sandbox.sandbox.isolation import Isolation
 from tests.conftest import kernel_processes, stream_text
 from tests.contract.test_forks import forked_child
@@ -438,3 +439,52 @@ async def test_a_forked_child_stopped_at_its_cells_end_ends_with_a_restart() -> 
         assert not child.is_running()
     finally:
         await box.kill()
+
+
+async def test_a_tmpdir_too_long_for_ipc_sockets_is_named_in_a_sandbox_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The IPC sockets' paths under it would pass the 107-byte limit of Unix socket paths.
+    long_tmp = tmp_path / ("t" * max(1, 90 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    with pytest.raises(SandboxUnavailableError) as caught:
+        await LocalKernelSandbox.create(LocalKernelConfig())
+    message = str(caught.value)
+    assert f"TMPDIR={long_tmp}" in message
+    assert "107-byte limit" in message
+    assert caught.value.operation == "create"
+    # Refused before anything started: no kernel, no runtime or work folder.
+    assert kernel_processes() == []
+    assert [p.name for p in long_tmp.iterdir()] == [f"prefect-sandbox-{os.getuid()}"]
+    assert list((long_tmp / f"prefect-sandbox-{os.getuid()}").iterdir()) == []
+
+
+async def test_many_simultaneous_timeouts_under_load_are_each_reported_as_timeouts() -> None:
+    # Issue 20: under load a few of 60 timeouts at once came back as "kernel sent no
+    # execute_reply within 5.0 s". Here 12 kernels spin their cores at once (load well above
+    # the machine's cores) and all pass their deadline together.
+    count = 12
+    made = await asyncio.gather(
+        *(LocalKernelSandbox.create(LocalKernelConfig()) for _ in range(count)),
+        return_exceptions=True,
+    )
+    boxes = [box for box in made if isinstance(box, LocalKernelSandbox)]
+    try:
+        assert len(boxes) == count, made
+        await asyncio.gather(*(box.run_cell("x = 41") for box in boxes))
+        results = await asyncio.gather(
+            *(box.run_cell("while True: pass", timeout_s=1.0) for box in boxes),
+            return_exceptions=True,
+        )
+        assert [type(r).__name__ for r in results if isinstance(r, BaseException)] == []
+        after = await asyncio.gather(*(box.run_cell("print(x + 1)") for box in boxes))
+        for result, later in zip(results, after, strict=True):
+            assert not isinstance(result, BaseException)
+            assert result.status == "timeout"
+            assert result.error is not None and result.error.ename == "CellTimeoutError"
+            # Stopped by the interrupt, x survives; a kernel restarted for it says so.
+            assert stream_text(later.outputs) == ("" if result.state_lost else "42\n")
+    finally:
+        await asyncio.gather(*(box.kill() for box in boxes))

@@ -22,7 +22,9 @@ before the sandbox is made until after it is killed (`prefect_sandbox.flows.limi
 ``summary.json`` records when the sandbox was asked for and when its kill returned.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
-sync twins run them from plain Python.
+sync twins run them from plain Python. Called on a script's main thread, a twin takes SIGTERM
+as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the twin raises
+``SystemExit(143)``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import asyncio
 import base64
 import functools
 import shutil
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -66,6 +70,7 @@ from prefect_sandbox.flows.hooks import (
 from prefect_sandbox.flows.limits import live_sandbox_slot
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
+from prefect_sandbox.flows.signals import SignalStop
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
@@ -886,15 +891,43 @@ async def amodeling_pipeline(
 def sync_twin(async_flow: Flow[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
     """Derive the blocking twin of an async flow, for plain Python callers.
 
+    On the main thread, outside an event loop and with SIGTERM's default action, the twin runs
+    the flow on a worker thread's event loop and takes SIGTERM while it runs (`SignalStop`):
+    the flow's task is cancelled, so the run kills its sandbox, stores what it made, removes
+    its staging folder and ends Cancelled; the twin then raises ``SystemExit(143)``. Elsewhere
+    it runs the flow with Prefect's ``run_coro_as_sync``.
+
     Returns:
         A function with the flow's signature that runs the flow and returns its result.
     """
 
     @functools.wraps(async_flow.fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        return run_coro_as_sync(async_flow(*args, **kwargs))
+        if not _may_take_sigterm():
+            return run_coro_as_sync(async_flow(*args, **kwargs))
+        stop = SignalStop((signal.SIGTERM,))
+        with stop:
+            try:
+                return stop.run(lambda: async_flow(*args, **kwargs))
+            finally:
+                if stop.signum is not None:
+                    # The run has cleaned up and ended Cancelled: exit as the CLI does (143),
+                    # through the interpreter's exit handlers (Prefect's temporary server).
+                    raise SystemExit(128 + stop.signum)
 
     return run
+
+
+def _may_take_sigterm() -> bool:
+    """Whether a sync twin called here may handle SIGTERM itself: on the main thread, outside an
+    event loop, where SIGTERM still has its default action (no handler of the caller's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    return False
 
 
 run_notebook = sync_twin(arun_notebook)

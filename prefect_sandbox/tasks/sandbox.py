@@ -448,7 +448,8 @@ async def run_stage(
             SandboxUnavailableError: a cell failed, or the sandbox died, expired or could not
             be reached during it (a copy of the backend's error, raised from it); the error
             names the stage and cell, and `partial_stage_result` reads from it what the stage
-            produced before.
+            produced before. A sandbox that cannot be reached when the stage starts is
+            reported as lost in its first cell.
         asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
             reads from it the stage's cells so far (status ``"cancelled"``), that cell's
             output included. Or the flow or task run's ``timeout_seconds`` passed
@@ -474,7 +475,26 @@ async def run_stage(
             late_outputs=late_outputs,
         )
 
-    sandbox = await backend.attach(handle)
+    def lost_in(
+        cell: CellSpec,
+        exc: SandboxError,
+        seen: list[dict[str, Any]],
+        at: datetime,
+        cell_start: float,
+    ) -> SandboxError:
+        # The cell that ended the sandbox, or lost its connection (or could not reach it), shows
+        # it in the notebook as an error output; the stage's cells so far are kept.
+        died = _death_result(exc, seen, at, time.monotonic() - cell_start)
+        records.append(CellRecord(index=cell.index, result=died))
+        return _with_partial_stage(_lost_in_cell(stage.name, cell, exc), stage_result(cell, died))
+
+    try:
+        sandbox = await backend.attach(handle)
+    except SandboxError as exc:
+        if not stage.cells:
+            raise
+        # Stopped where its first cell was to run, not shown as a stage that never ran.
+        raise lost_in(stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()) from exc
     try:
         for cell in stage.cells:
             output_log = _OutputLog(stage.name, cell, backend.max_output_chars)
@@ -500,12 +520,7 @@ async def run_stage(
                 raise
             except SandboxError as exc:
                 output_log.flush()
-                # The cell that ended the sandbox, or lost its connection, shows it in the
-                # notebook as an error output; the stage's cells so far are kept.
-                died = _death_result(exc, seen, started_at, time.monotonic() - cell_start)
-                records.append(CellRecord(index=cell.index, result=died))
-                lost = _lost_in_cell(stage.name, cell, exc)
-                raise _with_partial_stage(lost, stage_result(cell, died)) from exc
+                raise lost_in(cell, exc, seen, started_at, cell_start) from exc
             records.append(CellRecord(index=cell.index, result=result))
             _log_cell_done(stage.name, cell, result)
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags

@@ -53,7 +53,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelSandbox,
     write_ipython_startup,
 )
-from prefect_sandbox.sandbox.backends.local import _new_workdir, _runtime_base
+from prefect_sandbox.sandbox.backends.local import _new_runtime_dir, _new_workdir
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -233,8 +233,7 @@ class DockerSandbox(JupyterKernelSandbox):
                 ``startup_timeout_s``.
         """
         sandbox_id = f"docker-{uuid.uuid4().hex[:12]}"
-        runtime_dir = _runtime_base() / sandbox_id
-        runtime_dir.mkdir(mode=0o700)
+        runtime_dir = _new_runtime_dir(sandbox_id)
         host_workdir = _new_workdir(sandbox_id, config.workdir_root)
         uid, gid = _container_user()
         handle = SandboxHandle(

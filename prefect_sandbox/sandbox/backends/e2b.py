@@ -519,6 +519,30 @@ def translate_error(
     return None
 
 
+async def _retrying(
+    config: E2BConfig,
+    operation: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    sandbox_id: str,
+    path: str | None = None,
+    in_cell: bool = False,
+) -> T:
+    """Run an idempotent call, retrying transient errors ``config.file_retries`` times with
+    `async_retrying`'s backoff from ``config.retry_backoff_s``; errors translated as
+    `_translated` does."""
+    retrying = async_retrying(
+        attempts=config.file_retries + 1,
+        retry_if=lambda error: isinstance(error, SandboxUnavailableError),
+        first_delay_s=config.retry_backoff_s,
+        what=f"E2B {operation}",
+    )
+    async for attempt in retrying:
+        with attempt, _translated(operation, sandbox_id=sandbox_id, path=path, in_cell=in_cell):
+            return await call()
+    raise AssertionError("unreachable: tenacity reraises")
+
+
 def _translated(
     operation: str,
     *,
@@ -663,17 +687,22 @@ class E2BSandbox(Sandbox):
         """Reach a sandbox again by its id, from any task, thread or process.
 
         Connecting extends the sandbox's lifetime to ``lifetime_s`` from now, if that is later.
+        A transient failure (5xx, a dropped connection) is retried ``file_retries`` times.
 
         Raises:
             SandboxNotFoundError: the sandbox was killed or expired.
             BackendNotInstalledError, SandboxAuthError, SandboxUnavailableError: as for
-                `create`.
+                `create` (unavailable: after the retries).
         """
         client = config.new_client()
-        with _translated("attach", sandbox_id=handle.sandbox_id):
-            sdk_sandbox = await client.AsyncSandbox.connect(
-                handle.sandbox_id, timeout=config.lifetime_s
-            )
+        # Connecting is idempotent (it only extends the lifetime); a kill starts with it, so a
+        # transient failure here must not leave a sandbox alive.
+        sdk_sandbox = await _retrying(
+            config,
+            "attach",
+            lambda: client.AsyncSandbox.connect(handle.sandbox_id, timeout=config.lifetime_s),
+            sandbox_id=handle.sandbox_id,
+        )
         return cls(sdk_sandbox, config, handle)
 
     @classmethod
@@ -786,17 +815,10 @@ class E2BSandbox(Sandbox):
         path: str | None = None,
         in_cell: bool = False,
     ) -> T:
-        """Run an idempotent call, retrying transient errors (see `async_retrying`)."""
-        retrying = async_retrying(
-            attempts=self._config.file_retries + 1,
-            retry_if=lambda error: isinstance(error, SandboxUnavailableError),
-            first_delay_s=self._config.retry_backoff_s,
-            what=f"E2B {operation}",
+        """Run an idempotent call, retrying transient errors (see `_retrying`)."""
+        return await _retrying(
+            self._config, operation, call, sandbox_id=self._id, path=path, in_cell=in_cell
         )
-        async for attempt in retrying:
-            with attempt, _translated(operation, sandbox_id=self._id, path=path, in_cell=in_cell):
-                return await call()
-        raise AssertionError("unreachable: tenacity reraises")
 
     def _remote(self, relative: PurePosixPath) -> str:
         return str(PurePosixPath(self._handle.workdir) / relative)

@@ -63,7 +63,11 @@ from prefect_sandbox.sandbox.backends.jupyter import (
 )
 from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, warm_pool
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
-from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
+from prefect_sandbox.sandbox.errors import (
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+)
 from prefect_sandbox.sandbox.isolation import (
     ISOLATION_LEVELS,
     SANDBOX_ENV,
@@ -204,6 +208,35 @@ def _runtime_base() -> Path:
     return base
 
 
+# Linux's sun_path holds 108 bytes with the terminating NUL (unix(7)); zmq refuses longer.
+UNIX_SOCKET_PATH_MAX_BYTES = 107
+# The longest socket path under a runtime folder: the host's pinned links, a two-digit port.
+_LONGEST_SOCKET = Path("sock") / "k-99"
+
+
+def _new_runtime_dir(sandbox_id: str) -> Path:
+    """A new runtime folder for a kernel's connection file and IPC sockets (mode 0700).
+
+    Raises:
+        SandboxUnavailableError: its kernel sockets' paths would pass the Unix socket limit
+            (a long TMPDIR); the message names TMPDIR, the paths' length and the limit.
+    """
+    runtime_dir = _runtime_base() / sandbox_id
+    longest = len(os.fsencode(runtime_dir / _LONGEST_SOCKET))
+    if longest > UNIX_SOCKET_PATH_MAX_BYTES:
+        temp = tempfile.gettempdir()
+        room = UNIX_SOCKET_PATH_MAX_BYTES - (longest - len(os.fsencode(temp)))
+        raise SandboxUnavailableError(
+            f"the temporary folder (TMPDIR={temp}, {len(os.fsencode(temp))} bytes) is too long "
+            f"for a local kernel's IPC sockets: their paths under it reach {longest} bytes, "
+            f"over the {UNIX_SOCKET_PATH_MAX_BYTES}-byte limit of Unix socket paths; set TMPDIR "
+            f"to a folder of at most {room} bytes (e.g. /tmp)",
+            operation="create",
+        )
+    runtime_dir.mkdir(mode=0o700)
+    return runtime_dir
+
+
 def _new_workdir(sandbox_id: str, workdir_root: Path | None) -> Path:
     """A new working directory for a sandbox: under ``workdir_root``, else in the temp dir."""
     if workdir_root is not None:
@@ -265,7 +298,8 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             SandboxError: the kernelspec is unknown, or its language is not Python.
             SandboxDiedError: the kernel exited during start-up, or did not answer within
                 ``startup_timeout_s``.
-            SandboxUnavailableError: bubblewrap cannot run here.
+            SandboxUnavailableError: bubblewrap cannot run here, or TMPDIR is too long for the
+                kernel's IPC socket paths.
         """
         if not config.warm_pool_size:
             return await cls._start(config, labels)
@@ -335,8 +369,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
     ) -> LocalKernelSandbox:
         """Start a kernel (see `create`), whatever the warm pool holds."""
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
-        runtime_dir = _runtime_base() / sandbox_id
-        runtime_dir.mkdir(mode=0o700)
+        runtime_dir = _new_runtime_dir(sandbox_id)
         # The sockets get a folder of their own: an isolated kernel may write there, but not
         # beside them (where the pid and handle files, which this side trusts, live).
         (runtime_dir / "ipc").mkdir(mode=0o700)
