@@ -3,6 +3,7 @@
 #   ./dev.sh main    run the main job: the CO2 forecast notebook on a local kernel
 #   ./dev.sh test    run the test suite
 #   ./dev.sh lint    mypy and ruff
+#   ./dev.sh docs    build the documentation site into site/ (strict: a broken link fails)
 #   ./dev.sh bench   slow scale tests, then benchmarks (bench/README.md)
 set -eu
 cd "$(dirname "$0")"
@@ -72,6 +73,11 @@ case "$command" in
         "$venv/bin/python" -m ruff check .
         "$venv/bin/python" -m ruff format --check .
         ;;
+    docs)
+        setup
+        # Material for MkDocs prints a banner about MkDocs 2.0 on every build; we pin MkDocs 1.
+        NO_MKDOCS_2_WARNING=1 exec "$venv/bin/mkdocs" build --strict "$@"
+        ;;
     bench)
         setup
         "$venv/bin/python" -m pytest -m slow -s --timeout 900
@@ -87,7 +93,7 @@ case "$command" in
         exec "$venv/bin/python" bench/bench_s3.py
         ;;
     *)
-        echo "usage: ./dev.sh main|test|lint|bench [args...]" >&2
+        echo "usage: ./dev.sh main|test|lint|docs|bench [args...]" >&2
         exit 2
         ;;
 esac

@@ -444,9 +444,10 @@ async def run_stage(
 
     Raises:
         ValueError: the timeout is zero, negative other than -1, NaN or infinite.
-        CellExecutionError, CellTimeoutError, SandboxDiedError, SandboxNotFoundError,
-            SandboxUnavailableError: a cell failed, or the sandbox died, expired or could not
-            be reached during it (a copy of the backend's error, raised from it); the error
+        SandboxError: a cell failed (`CellExecutionError`, `CellTimeoutError`), or the sandbox
+            died, expired or could not be reached during it (`SandboxDiedError`,
+            `SandboxNotFoundError`, `SandboxUnavailableError`: a copy of the backend's error,
+            raised from it); the error
             names the stage and cell, and `partial_stage_result` reads from it what the stage
             produced before. A sandbox that cannot be reached when the stage starts is
             reported as lost in its first cell.
