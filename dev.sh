@@ -16,14 +16,14 @@ say() {
     echo "dev.sh: $*" >&2
 }
 
-# Local kernels run under bubblewrap by default (README, "Isolation"); install it if we may.
+# Local kernels run under bubblewrap by default (docs/backends/local.md); install it if we may.
 ensure_bwrap() {
     command -v bwrap >/dev/null 2>&1 && return 0
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         say "installing bubblewrap (bwrap), which isolates local kernels: apt-get install -y bubblewrap"
         apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
             { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } ||
-            say "could not install bubblewrap; see the README's Isolation section"
+            say "could not install bubblewrap; see docs/troubleshooting.md"
     else
         say "bwrap not found. Local kernels run under bubblewrap by default and will not" \
             "start without it: install it (Debian/Ubuntu: sudo apt-get install bubblewrap)," \

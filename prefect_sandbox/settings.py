@@ -4,7 +4,7 @@ Blocks hold what a user saves per deployment; these settings hold the defaults o
 the flows, the blocks and the CLI read them when they are given nothing, and an explicit
 argument (a flow parameter, a block field, a CLI flag) always wins. They are read where they
 are used, by building `PrefectSandboxSettings()` there, never at import: a variable set before
-a run counts, whatever was imported earlier. The README lists every variable.
+a run counts, whatever was imported earlier. docs/reference/settings.md lists every variable.
 
 ``none`` (any case) sets a limit to None: no limit (``-1`` too, for the cell timeout).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,10 @@ def _build(root: Path) -> subprocess.CompletedProcess[str]:
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
-    shutil.copytree(ROOT / "bench", tmp_path / "bench", ignore=shutil.ignore_patterns("*.py"))
+    for page in (ROOT / "docs").rglob("*.md"):  # the files pages include, outside docs/
+        for included in re.findall(r'^--8<-- "([^":]+)', page.read_text(), re.M):
+            (tmp_path / included).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / included, tmp_path / included)
     with (tmp_path / "docs" / "index.md").open("a") as page:
         page.write("\n[gone](no-such-page.md) and [no anchor](reference/cli.md#no-such-anchor)\n")
     built = _build(tmp_path)
@@ -56,3 +60,29 @@ def test_the_cli_reference_is_the_parsers_own_help() -> None:
             check=True,
         ).stdout
         assert f"## `prefect-sandbox {command}`\n\n```text\n{help_text.rstrip()}\n```" in page
+
+
+def test_each_blocks_view_docs_link_is_a_page_of_this_site() -> None:
+    import yaml
+
+    import prefect_sandbox
+    from prefect_sandbox.blocks.base import DOCS_URL
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
+    assert config["site_url"] == DOCS_URL
+    pages = {}
+    for name in prefect_sandbox.__all__:
+        block = getattr(prefect_sandbox, name)
+        url = str(block._documentation_url)
+        assert url.startswith(DOCS_URL), (name, url)
+        page = url.removeprefix(DOCS_URL).rstrip("/")
+        assert (ROOT / "docs" / f"{page}.md").is_file(), (name, url)
+        pages[name] = page
+    assert pages == {
+        "DaytonaBackend": "backends/daytona",
+        "DaytonaCredentials": "backends/daytona",
+        "DockerBackend": "backends/docker",
+        "E2BBackend": "backends/e2b",
+        "E2BCredentials": "backends/e2b",
+        "LocalKernelBackend": "backends/local",
+    }

@@ -5,7 +5,7 @@ type, errors, magics, shell commands, top-level ``await`` and a figure. It runs 
 nbclient on a local kernel, and through the ``run-notebook`` flow on each backend; every cell's
 outputs and execution count are compared after masking memory addresses and times. On the local
 kernel they are identical; on the E2B and Daytona emulators too, but for the cells whose feature
-the README lists under "Differences between backends".
+the documentation lists under "Differences between backends" (docs/backends/index.md).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 
 FEATURE_PREFIX = "feature:"
 
-# What the README's "Differences between backends" lists: per backend, the features of the
-# cells whose outputs differ by design (not compared), and whether tracebacks differ (errors
-# then compared by ename and evalue only).
+# What docs/backends/index.md lists under "Differences between backends": per backend, the
+# features of the cells whose outputs differ by design (not compared), and whether tracebacks
+# differ (errors then compared by ename and evalue only).
 SKIPPED_FEATURES: dict[str, set[str]] = {
     "local": set(),
     "e2b": set(),

@@ -1,4 +1,4 @@
-"""Getting the project onto a machine: `dev.sh`'s set-up and the README's install commands."""
+"""Getting the project onto a machine: `dev.sh`'s set-up and the documented install commands."""
 
 from __future__ import annotations
 
@@ -60,13 +60,31 @@ def test_dev_sh_says_what_it_is_doing_before_each_long_step(tmp_path: Path) -> N
     assert (again.returncode, again.stderr) == (0, "")
 
 
-def test_readme_installs_from_a_clone_or_a_wheel_not_the_package_index() -> None:
-    readme = (ROOT / "README.md").read_text()
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    sections = dict(re.findall(r"^## (\w+).*?\n(.*?)(?=^## |\Z)", readme, re.M | re.S))
-    assert "pip install '.[e2b]'" in sections["Installing"]
-    assert f"pip install 'dist/prefect_sandbox-{version}-py3-none-any.whl[e2b]'" in readme
+def _section(page: Path, heading: str) -> str:
+    """The text under a ``## heading`` of a markdown page, up to the next ``## ``."""
+    sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", page.read_text(), re.M | re.S))
+    return sections[heading]
+
+
+def test_the_docs_install_from_a_clone_or_a_wheel_not_the_package_index() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    install = _section(ROOT / "docs" / "getting-started.md", "Installing")
+    assert "pip install '.[e2b]'" in install
+    assert "pip install '.[examples]'" in install
+    assert (
+        f"pip install 'dist/prefect_sandbox-{project['version']}-py3-none-any.whl[e2b]'" in install
+    )
     for backend in ("e2b", "daytona"):
-        section = sections["E2B" if backend == "e2b" else "Daytona"]
-        (command,) = re.findall(r"pip install '[^']*'", section)
+        set_up = _section(ROOT / "docs" / "backends" / f"{backend}.md", "Set-up")
+        (command,) = re.findall(r"pip install '[^']*'", set_up)
         assert command == f"pip install '.[{backend}]'"
+    # Every extra the README and the docs name is one pyproject.toml defines.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {
+        extra
+        for page in pages
+        for group in re.findall(r"\.\[([\w,]+)\]'", page.read_text())
+        for extra in group.split(",")
+    }
+    assert named >= {"examples", "e2b", "daytona", "docker", "dask"}
+    assert named <= set(project["optional-dependencies"])

@@ -12,8 +12,8 @@ Run it from the repository root::
 
 It leaves ``out/<run-folder>/`` holding ``executed.ipynb`` (every attempt, in order),
 ``figures/co2_agent.png``, ``metrics.json`` and ``summary.json``. To use a real model, give
-`run_agent` a model with the same two methods (see the README's "Agents: code written as it
-goes").
+`run_agent` a model with the same two methods (see docs/how-to/agents.md, "With a real
+model").
 """
 
 from __future__ import annotations

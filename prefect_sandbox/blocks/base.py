@@ -18,7 +18,24 @@ from prefect_sandbox.sandbox.base import (
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSettings
 
-__all__ = ["SandboxBackend"]
+__all__ = ["DOCS_URL", "SandboxBackend", "docs_page"]
+
+DOCS_URL = "https://prefect-sandbox.github.io/prefect-sandbox/"
+"""Where the documentation site (``docs/``, built by MkDocs) is published: ``site_url`` in
+``mkdocs.yml``. The blocks' "View Docs" link in the Prefect UI points at its pages."""
+
+
+def docs_page(path: str) -> str:
+    """The published address of a documentation page.
+
+    Args:
+        path: the page's path under ``docs/``, as MkDocs serves it (``backends/e2b/`` for
+            ``docs/backends/e2b.md``).
+
+    Returns:
+        ``DOCS_URL`` followed by ``path``.
+    """
+    return DOCS_URL + path
 
 
 class SandboxBackend(Block, ABC):

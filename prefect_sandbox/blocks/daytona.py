@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr, model_validator
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.daytona import (
     BACKEND_SLUG,
     DaytonaSandbox,
@@ -25,7 +25,7 @@ __all__ = ["DaytonaBackend", "DaytonaCredentials"]
 
 # GitHub serves an organisation's square avatar at this address.
 _LOGO_URL = "https://github.com/daytonaio.png"
-_DOCS_URL = "https://www.daytona.io/docs/en/python-sdk/"
+_DOCS_URL = docs_page("backends/daytona/")
 
 
 class DaytonaCredentials(CredentialsBlock):

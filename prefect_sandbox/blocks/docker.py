@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.docker import (
     BACKEND_SLUG,
     DockerSandbox,
@@ -42,7 +42,7 @@ class DockerBackend(SandboxBackend):
     _block_type_slug = "docker-sandbox"
     # Docker's organisation avatar, served square by GitHub.
     _logo_url = "https://github.com/docker.png"  # type: ignore[assignment]
-    _documentation_url = "https://docker-py.readthedocs.io/en/stable/"  # type: ignore[assignment]
+    _documentation_url = docs_page("backends/docker/")  # type: ignore[assignment]
     _description = "Runs notebook cells in a Docker container that lives for one flow run."
     _sandbox_class = DockerSandbox
     backend_slug = BACKEND_SLUG

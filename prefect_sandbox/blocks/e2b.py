@@ -8,7 +8,7 @@ from typing import Any, Self
 from prefect.blocks.abstract import CredentialsBlock
 from pydantic import Field, SecretStr
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.e2b import (
     BACKEND_SLUG,
     DEFAULT_INTERRUPT_SETTLE_S,
@@ -22,7 +22,7 @@ __all__ = ["E2BBackend", "E2BCredentials"]
 
 # GitHub serves an organisation's square avatar at this address.
 _LOGO_URL = "https://github.com/e2b-dev.png"
-_DOCS_URL = "https://e2b.dev/docs"
+_DOCS_URL = docs_page("backends/e2b/")
 
 
 class E2BCredentials(CredentialsBlock):

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.local import (
     BACKEND_SLUG,
     LocalKernelConfig,
@@ -55,7 +55,7 @@ class LocalKernelBackend(SandboxBackend):
     _block_type_name = "Local Kernel Sandbox"
     _block_type_slug = "local-kernel-sandbox"
     _logo_url = "https://jupyter.org/assets/homepage/main-logo.svg"  # type: ignore[assignment]
-    _documentation_url = "https://jupyter-client.readthedocs.io/en/stable/"  # type: ignore[assignment]
+    _documentation_url = docs_page("backends/local/")  # type: ignore[assignment]
     _description = "Runs notebook cells in a local Jupyter kernel that lives for one flow run."
     _sandbox_class = LocalKernelSandbox
     backend_slug = BACKEND_SLUG

@@ -378,7 +378,7 @@ class World:
             env={"IPYTHONDIR": str(ipython_dir)},
             max_output_chars=None,
             # The kernel works in the emulated sandbox's folder on this machine, outside its
-            # own working directory: a test double, not a boundary (see the README).
+            # own working directory: a test double, not a boundary (see docs/backends/e2b.md).
             isolation="none",
         )
         kernel = await LocalKernelSandbox.create(config)
