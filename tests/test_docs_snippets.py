@@ -179,9 +179,8 @@ def test_a_block_marked_run_runs_as_shown(
         command, cwd=workdir, env=env, capture_output=True, text=True, timeout=540
     )
     assert done.returncode == 0, f"{snippet.where}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    assert [
-        r["status"] for r in _stored_results(workdir, s3, moto) if r["status"] != "completed"
-    ] == []
+    stored = _stored_results(workdir, s3, moto)
+    assert [result["status"] for result in stored if result["status"] != "completed"] == []
 
 
 def _commands(code: str) -> list[list[str]]:
