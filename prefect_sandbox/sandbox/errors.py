@@ -281,10 +281,8 @@ class ForeignError(Exception):
     ``__cause__``/``__context__`` chain of a `SandboxError` (see `portable_chain`).
 
     It keeps the original's type name and message, its traceback and its own chain (made
-    portable too), so a traceback reads as before; not the original's other attributes.
-
-    Args:
-        message: ``"<module>.<qualname>: <the original's str()>"``.
+    portable too), so a traceback reads as before; not the original's other attributes. Its one
+    argument, the message, is ``"<module>.<qualname>: <the original's str()>"``.
     """
 
 
