@@ -22,7 +22,8 @@ import nbformat
 import pytest
 
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep import _block_reference, expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
 from tests.test_flows import _api_env, _cli
@@ -489,7 +490,7 @@ async def test_deployment_mode_refuses_what_it_cannot_send_before_any_branch(
     # A saved block goes by reference: a branch's parameters hold none of its fields.
     await LocalKernelBackend(env={"SECRET_ISH": "kept-out"}).save("sweep-test", overwrite=True)
     saved = await LocalKernelBackend.aload("sweep-test")
-    assert _block_reference(saved, "backend") == {
+    assert block_reference(saved, "backend") == {
         "$ref": {"block_document_id": str(saved._block_document_id)}
     }
 
