@@ -180,6 +180,34 @@ def test_the_table_caps_rows_and_metric_columns_and_keeps_its_own_columns() -> N
     assert (first["status"], first["metric status"]) == ("failed", "forged")
 
 
+def test_the_tables_column_names_are_plain_text_and_unique_and_its_values_escaped() -> None:
+    from prefect_sandbox.flows.sweep import sweep_table
+    from prefect_sandbox.results import BranchResult, SweepResult
+
+    metrics: dict[str, float | int | bool | str | None] = {
+        "mae_ppm": "a_b",
+        "\x1b[31mred\x1b[0m\nline": 1,
+        "error": 2,
+        "metric error": 3,
+        "two\tspaces": 4,
+        "two spaces": 5,
+    }
+    result = SweepResult(
+        flow_run_id="id", flow_run_name="s", status="completed", mode="subflow",
+        notebook="nb.ipynb", output_dir="out", metrics_artifact="metrics.json",
+        duration_s=1.0,
+        branches=[BranchResult(index=0, parameters={}, status="completed", metrics=metrics)],
+    )  # fmt: skip
+    (row,) = sweep_table(result)
+    # The UI shows column names as they are: no markdown escape may show in them.
+    assert list(row)[4:10] == [
+        "mae_ppm", "red line", "metric error", "metric error (2)", "two spaces", "two spaces (2)",
+    ]  # fmt: skip
+    assert row["mae_ppm"] == "a\\_b"  # values are markdown, escaped
+    assert [row[name] for name in list(row)[5:10]] == ["1", "2", "3", "4", "5"]
+    assert row["error"] == ""
+
+
 def test_the_sync_twin_has_the_flows_signature() -> None:
     assert inspect.signature(sweep_notebook) == inspect.signature(asweep_notebook.fn)
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from prefect_sandbox.flows.report import table_cell
+from prefect_sandbox.flows.report import table_cell, table_header
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME
 from prefect_sandbox.results import SweepResult
 from prefect_sandbox.sandbox.outputs import cap_text
@@ -79,13 +79,31 @@ def _parameters_text(parameters: Mapping[str, Any]) -> str:
     )
 
 
+def _metric_columns(names: list[str]) -> dict[str, str]:
+    """Each metric name to its column's name: unique, none a fixed column's."""
+    taken = set(_FIXED_COLUMNS)
+    columns = {}
+    for name in names:
+        column = table_header(name)
+        if column in _FIXED_COLUMNS:
+            column = f"metric {column}"
+        base, number = column, 2
+        while column in taken:
+            column, number = f"{base} ({number})", number + 1
+        taken.add(column)
+        columns[name] = column
+    return columns
+
+
 def sweep_table(result: SweepResult) -> list[dict[str, str]]:
     """Rows of the sweep's table artifact: one per branch (at most `TABLE_ROWS_SHOWN`, then
     one row saying how many more there are), with its parameters, status, flow run, the first
     `METRIC_COLUMNS` metric names seen as columns, its location and error.
 
-    Every text a branch could choose (parameters, metric names and values, errors, names) is
-    escaped and cut as `table_cell` does.
+    Every text a branch could choose (parameters, metric values, errors, names) is escaped and
+    cut as `table_cell` does; metric names, shown as column names (plain text), as
+    `table_header` does, a name taken already (a fixed column's included) getting a
+    ``metric`` prefix or a number.
 
     Returns:
         Rows, each a mapping of column name to text.
@@ -93,10 +111,7 @@ def sweep_table(result: SweepResult) -> list[dict[str, str]]:
     names: list[str] = []
     for branch in result.branches:
         names += [name for name in branch.metrics if name not in names]
-    columns = {
-        name: table_cell(f"metric {name}" if name in _FIXED_COLUMNS else name)
-        for name in names[:METRIC_COLUMNS]
-    }
+    columns = _metric_columns(names[:METRIC_COLUMNS])
     rows = []
     for branch in result.branches[:TABLE_ROWS_SHOWN]:
         row = {
