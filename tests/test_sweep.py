@@ -573,3 +573,55 @@ async def test_the_crash_hook_kills_the_sandboxes_of_branches_still_running() ->
         # the hook; a finished branch's and another flow run's are none of its business.
         still_alive = [await sandbox.kill() for sandbox in sandboxes]
     assert still_alive == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [
+        ({"$ref": {"block_document_id": str(uuid.uuid4())}}, "no saved block for the reference"),
+        ({"block_type_slug": "no-such-block"}, "no block type 'no-such-block' is known"),
+        ("local", "a str: neither empty, a block reference"),
+    ],
+)
+async def test_the_crash_hooks_refuse_to_guess_a_backend_they_cannot_tell(
+    given: object, missing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hook that cannot rebuild the run's backend from its parameter kills nothing and says
+    so: the default backend (a local kernel here) is not guessed, so its sandboxes live."""
+    from prefect import task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from prefect_sandbox import LocalKernelBackend
+    from prefect_sandbox.flows import arun_notebook
+    from prefect_sandbox.flows.hooks import kill_run_sandboxes
+    from prefect_sandbox.flows.sweep import cancel_branches
+    from prefect_sandbox.sandbox.labels import flow_run_labels
+
+    @task
+    def branch() -> None: ...
+
+    async with get_client() as client:
+        run = await client.create_flow_run(
+            arun_notebook, parameters={"backend": given}, state=Running()
+        )
+        sweep = await client.create_flow_run(
+            asweep_notebook, parameters={"backend": given}, state=Running()
+        )
+        parent = await client.create_task_run(branch, flow_run_id=sweep.id, dynamic_key="0")
+        child = await client.create_flow_run(
+            arun_notebook, parent_task_run_id=parent.id, state=Running()
+        )
+    default = LocalKernelBackend()
+    sandboxes = [await default.create(flow_run_labels(str(r.id), r.name)) for r in (run, child)]
+    try:
+        await kill_run_sandboxes(arun_notebook, run, Crashed())
+        await cancel_branches(asweep_notebook, sweep, Crashed())
+    finally:
+        still_alive = [await sandbox.kill() for sandbox in sandboxes]
+    assert still_alive == [True, True]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    for flow_run in (run, sweep):
+        (error,) = [e for e in errors if f"Flow run {flow_run.name} ({flow_run.id})" in e]
+        assert "its sandboxes are not killed: its 'backend' parameter gives no backend" in error
+        assert missing in error

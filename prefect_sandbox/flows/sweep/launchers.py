@@ -25,11 +25,7 @@ from prefect.deployments import arun_deployment
 from prefect.flows import Flow
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.hooks import (
-    backend_from_parameter,
-    default_backend,
-    kill_labelled_sandboxes,
-)
+from prefect_sandbox.flows.hooks import default_backend, hook_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.pipeline import arun_notebook, uncancel_current_task
 from prefect_sandbox.flows.sweep.deployment import (
     deployment_arguments,
@@ -60,8 +56,9 @@ DASK_POLL_S = 0.2
 """Seconds between two looks at whether a branch's Dask task has ended."""
 CANCELLED_WHY = "the sweep was cancelled"
 
-BackendSource = Callable[[], Awaitable[SandboxBackend]]
-"""Gives the backend whose sandboxes a branch's flow run holds (asked only when needed)."""
+BackendSource = Callable[[], Awaitable[SandboxBackend | None]]
+"""Gives the backend whose sandboxes a branch's flow run holds (asked only when needed), or
+None when it cannot be told (an error was logged: nothing is killed)."""
 
 
 async def stop_branch_run(flow_run: FlowRun, why: str, backend: BackendSource) -> None:
@@ -81,8 +78,8 @@ async def stop_branch_run(flow_run: FlowRun, why: str, backend: BackendSource) -
         return
     if flow_run.deployment_id is not None:
         await request_cancel(flow_run, why)
-    else:
-        await kill_labelled_sandboxes(await backend(), str(flow_run.id), why)
+    elif (found := await backend()) is not None:
+        await kill_labelled_sandboxes(found, str(flow_run.id), why)
 
 
 async def cancel_branches(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
@@ -90,8 +87,8 @@ async def cancel_branches(flow: Flow[Any, Any], flow_run: FlowRun, state: State[
     each by `stop_branch_run`.
 
     It may run in another process that sees only the flow-run record, as the pipeline's hooks;
-    the branches' backend is rebuilt from the sweep's ``backend`` parameter
-    (`backend_from_parameter`), once, when a branch needs it.
+    the branches' backend is found from the sweep's ``backend`` parameter (`hook_backend`:
+    never guessed), once, when a branch needs it.
     """
     async with get_client() as client:
         children = await client.read_flow_runs(
@@ -99,11 +96,11 @@ async def cancel_branches(flow: Flow[Any, Any], flow_run: FlowRun, state: State[
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id])
             )
         )
-    found: list[SandboxBackend] = []
+    found: list[SandboxBackend | None] = []
 
-    async def backend() -> SandboxBackend:
+    async def backend() -> SandboxBackend | None:
         if not found:
-            found.append(await backend_from_parameter(flow_run.parameters.get("backend")))
+            found.append(await hook_backend(flow_run))
         return found[0]
 
     why = f"sweep {flow_run.name!r} ended {state.name or state.type.value}"
