@@ -26,9 +26,10 @@ Three modes:
   process (its event loop, its GIL) is the limit, or a Dask cluster is at hand. See
   `prefect_sandbox.flows.dask` for how workers reach the API.
 
-The cap on sandboxes alive at once is the backend's global concurrency limit, held by each
-branch from its sandbox's creation to its kill, whatever mode: the sweep schedules nothing
-itself. Storage layout, in every mode::
+The caps on sandboxes alive at once are Prefect global concurrency limits
+(`prefect_sandbox.flows.limits`): the backend's, when its block has ``max_live_sandboxes``, and
+with ``max_sandboxes`` one of the sweep's own, each held by a branch from its sandbox's creation
+to its kill, whatever mode: the sweep schedules nothing itself. Storage layout, in every mode::
 
     local folder OUT:   OUT/<sweep-run-folder>/sweep.json
                         OUT/<sweep-run-folder>/<branch-run-folder>/summary.json, ...

@@ -19,9 +19,8 @@ from prefect.states import Cancelled
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
-from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.errors import SweepFailedError
-from prefect_sandbox.flows.hooks import default_backend
+from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import table_cell
@@ -135,17 +134,6 @@ def _branch_storage(storage: S3Bucket | str, store: ArtifactStore, mode: Mode) -
     return storage if isinstance(storage, S3Bucket) else store.location
 
 
-async def _branch_backend(
-    backend: SandboxBackend | None, max_sandboxes: int | None
-) -> SandboxBackend | None:
-    """The backend the branches get: ``backend``, or a copy whose ``max_live_sandboxes`` is
-    ``max_sandboxes`` (the sweep's default backend's, when none is given)."""
-    if max_sandboxes is None:
-        return backend
-    base = backend or await default_backend()
-    return base.model_copy(update={"max_live_sandboxes": max_sandboxes})
-
-
 def _launcher(plan: _Plan, options: BranchOptions, sweep_id: UUID) -> BranchLauncher:
     """The launcher of the plan's mode."""
     if plan.runner is not None:
@@ -238,10 +226,11 @@ async def asweep_notebook(
         storage: Where the sweep and its branches store files (see `arun_notebook`); when
             empty, PREFECT_SANDBOX_STORAGE, else the folder prefect-sandbox-output.
         cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's when empty.
-        max_sandboxes: Sandboxes of the backend alive at once at most, over all branches (and
-            every other run of that backend): sets ``max_live_sandboxes`` on a copy of the
-            backend the branches get. Subflow and Dask modes only: deployment runs take the
-            cap of the saved backend block they use.
+        max_sandboxes: The sweep's sandboxes alive at once at most: its branches hold a slot
+            of a limit of the sweep's own, ``prefect-sandbox:sweep:<flow run id>``, deleted
+            when they have ended (as well as their backend's limit, when the backend block has
+            ``max_live_sandboxes``). Subflow and Dask modes only: deployment runs take the cap
+            of the saved backend block they use.
         deployment: A ``run-notebook`` deployment's name (``NAME`` or ``run-notebook/NAME``)
             to run the branches as its flow runs; empty: branches are subflows.
         metrics_artifact: The file (a JSON object, relative to the sandbox's working
@@ -285,20 +274,22 @@ async def asweep_notebook(
     assert context is not None and context.flow_run is not None and context.flow is not None
     flow_run = context.flow_run
     storage, store = await _sweep_storage(storage, context.flow.name, flow_run)
-    options = BranchOptions(
-        notebook=notebook,
-        inputs=inputs,
-        artifacts=plan.artifacts,
-        backend=await _branch_backend(backend, max_sandboxes),
-        storage=_branch_storage(storage, store, plan.mode),
-        cell_timeout_s=cell_timeout_s,
-    )
-    launcher = _launcher(plan, options, flow_run.id)
     branches = _branches(plan, flow_run)
     how = _MODE_TEXT[plan.mode].format(task_runner=task_runner, deployment=plan.deployment)
     get_run_logger().info("Sweeping %d parameter set(s) as %s", len(branches), how)
-    async with launcher.started():
-        cancelled = await run_branches(branches, launcher)
+    async with sweep_limit(flow_run.id, max_sandboxes) as limit:
+        options = BranchOptions(
+            notebook=notebook,
+            inputs=inputs,
+            artifacts=plan.artifacts,
+            backend=backend,
+            storage=_branch_storage(storage, store, plan.mode),
+            cell_timeout_s=cell_timeout_s,
+            sweep_limit=limit,
+        )
+        launcher = _launcher(plan, options, flow_run.id)
+        async with launcher.started():
+            cancelled = await run_branches(branches, launcher)
     results = await collect(branches, options.storage, metrics_artifact)
     failed = [branch for branch in results if branch.status != "completed"]
     result = SweepResult(

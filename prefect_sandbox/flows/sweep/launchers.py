@@ -26,6 +26,7 @@ from prefect.flows import Flow
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.hooks import default_backend, hook_backend, kill_labelled_sandboxes
+from prefect_sandbox.flows.limits import also_holding
 from prefect_sandbox.flows.pipeline import arun_notebook, uncancel_current_task
 from prefect_sandbox.flows.sweep.deployment import (
     deployment_arguments,
@@ -147,9 +148,11 @@ class BranchLauncher(ABC):
 
 
 async def _run_notebook(options: BranchOptions, name: str, parameters: dict[str, Any]) -> State:
-    """One branch's ``run-notebook`` flow run, as a subflow of what calls it; its final state."""
+    """One branch's ``run-notebook`` flow run, as a subflow of what calls it, holding a slot of
+    the sweep's limit too while its sandbox lives; its final state."""
     run = arun_notebook.with_options(flow_run_name=name)
-    return await run(**options.arguments(), parameters=parameters, return_state=True)
+    with also_holding(options.sweep_limit):
+        return await run(**options.arguments(), parameters=parameters, return_state=True)
 
 
 class SubflowLauncher(BranchLauncher):

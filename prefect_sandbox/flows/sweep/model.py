@@ -14,6 +14,7 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.limits import LiveLimit
 
 __all__ = ["RUN_NOTEBOOK", "SWEEP_NAME", "Branch", "BranchOptions", "Mode", "sweep_mode"]
 
@@ -44,7 +45,8 @@ def sweep_mode(deployment: str | None, task_runner: str | None) -> Mode:
 
 @dataclass(frozen=True)
 class BranchOptions:
-    """The `arun_notebook` arguments every branch of a sweep shares (all but ``parameters``)."""
+    """The `arun_notebook` arguments every branch of a sweep shares (all but ``parameters``),
+    and the sweep's own limit each branch's sandbox also holds a slot of, if any."""
 
     notebook: str
     inputs: list[str] | None
@@ -52,9 +54,10 @@ class BranchOptions:
     backend: SandboxBackend | None
     storage: S3Bucket | str
     cell_timeout_s: float | None
+    sweep_limit: LiveLimit | None = None
 
     def arguments(self) -> dict[str, Any]:
-        """The options as `arun_notebook`'s keyword arguments."""
+        """The options as `arun_notebook`'s keyword arguments (the limit is not one)."""
         return {
             "notebook": self.notebook,
             "inputs": self.inputs,
