@@ -625,3 +625,85 @@ async def test_the_crash_hooks_refuse_to_guess_a_backend_they_cannot_tell(
         (error,) = [e for e in errors if f"Flow run {flow_run.name} ({flow_run.id})" in e]
         assert "its sandboxes are not killed: its 'backend' parameter gives no backend" in error
         assert missing in error
+
+
+async def cancel_sweep_through_the_api(notebook: Path) -> uuid.UUID:
+    """Set the running sweep of ``notebook`` Cancelling, as the UI's Cancel button does.
+
+    Returns:
+        Its flow run id.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.states import Cancelling
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["sweep-notebook"]))
+        )
+        (run,) = [r for r in runs if r.parameters.get("notebook") == str(notebook)]
+        await client.set_flow_run_state(run.id, Cancelling())
+    return run.id
+
+
+async def branch_run_states(sweep_id: uuid.UUID) -> list[str]:
+    """The sweep's and its branches' flow runs' state types, the sweep's first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        sweep = await client.read_flow_run(sweep_id)
+        children = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_id])
+            )
+        )
+    return [str(run.state_type.value if run.state_type else None) for run in [sweep, *children]]
+
+
+async def test_a_sweep_cancelled_through_the_api_stops_its_branches_and_ends_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run from plain Python has no runner to act on a Cancelling state: it notices it
+    itself, cancels its subflow branches (their sandboxes killed, what they made stored) and
+    ends Cancelled."""
+    import asyncio
+
+    from prefect.exceptions import CancelledRun
+
+    from prefect_sandbox import LocalKernelBackend
+
+    monkeypatch.setenv("PREFECT_SANDBOX_CANCEL_POLL_S", "0.5")
+    source = _notebook(
+        tmp_path / "nb.ipynb",
+        "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)",
+    )
+    work = tmp_path / "work"
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(source),
+            grid={"x": [300, 301]},
+            backend=LocalKernelBackend(workdir_root=str(work)),
+            storage=str(tmp_path / "out"),
+        )
+    )
+    deadline = time.monotonic() + 120
+    while len(list(work.rglob("sleeping.marker"))) < 2:
+        assert not sweep.done(), sweep.exception() if sweep.done() else None
+        assert time.monotonic() < deadline, "the branches' cells never started"
+        await asyncio.sleep(0.2)
+    sweep_id = await cancel_sweep_through_the_api(source)
+    async with asyncio.timeout(120):
+        with pytest.raises(CancelledRun, match=r"cancelled; sweep\.json in "):
+            await sweep
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    stored = json.loads((sweep_dir / "sweep.json").read_text())
+    assert (stored["status"], stored["flow_run_id"]) == ("cancelled", str(sweep_id))
+    assert [b["status"] for b in stored["branches"]] == ["cancelled", "cancelled"]
+    for branch in stored["branches"]:
+        summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+        assert summary["status"] == "cancelled"
+        assert summary["stages"][0]["status"] == "cancelled"
+        assert summary["sandbox_killed_at"] is not None
+    assert await branch_run_states(sweep_id) == ["CANCELLED"] * 3
+    assert list(work.iterdir()) == []

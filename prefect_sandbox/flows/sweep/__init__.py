@@ -42,7 +42,9 @@ run is named ``<sweep-run-name>-<index>``. (In deployment mode with an `S3Bucket
 block cannot be handed a sub-folder, so branches are stored where ``run-notebook`` stores
 under that block, ``F/run-notebook/<branch-run-folder>/``; ``sweep.json`` lists each location.)
 
-Cancelling the sweep's task (the CLI does so on SIGINT and SIGTERM) cancels every branch: a
+Cancelling the sweep's task (the CLI does so on SIGINT and SIGTERM, and the sweep itself when
+its flow run is set Cancelling through the API or UI, seen within
+``PREFECT_SANDBOX_CANCEL_POLL_S``: `prefect_sandbox.flows.cancelling`) cancels every branch: a
 subflow kills its sandbox and stores what it made; a deployment run is set Cancelling, so its
 worker stops it and its hooks kill its sandbox; a Dask task that has not started is dropped,
 and one that runs, which Dask cannot stop, has its sandbox killed, so its cell ends and it

@@ -19,6 +19,7 @@ from prefect.states import Cancelled
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
+from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline import sync_twin
@@ -262,8 +263,10 @@ async def asweep_notebook(
         SweepFailedError: a branch failed, was cancelled or crashed; every branch ran to its
             end and ``sweep.json`` was stored (the message names each such branch and where
             its partial results are).
-        prefect.exceptions.CancelledRun: the sweep's task was cancelled; every branch was
-            stopped and ``sweep.json`` stored.
+        prefect.exceptions.CancelledRun: the sweep's task was cancelled, or its flow run set
+            Cancelling through the API or UI (`cancelled_from_api`, within
+            ``PREFECT_SANDBOX_CANCEL_POLL_S``); every branch was stopped and ``sweep.json``
+            stored.
     """
     start = time.monotonic()
     plan = await _checked_parameters(
@@ -288,7 +291,8 @@ async def asweep_notebook(
             sweep_limit=limit,
         )
         launcher = _launcher(plan, options, flow_run.id)
-        async with launcher.started():
+        poll_s = PrefectSandboxSettings().cancel_poll_s
+        async with launcher.started(), cancelled_from_api(flow_run.id, poll_s=poll_s):
             cancelled = await run_branches(branches, launcher)
     results = await collect(branches, options.storage, metrics_artifact)
     failed = [branch for branch in results if branch.status != "completed"]
