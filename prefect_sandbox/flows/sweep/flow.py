@@ -37,10 +37,9 @@ from prefect_sandbox.flows.sweep.launchers import (
 )
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME, Branch, BranchOptions, Mode, sweep_mode
 from prefect_sandbox.flows.sweep.table import sweep_table
+from prefect_sandbox.options import SweepOptions, check_options
 from prefect_sandbox.results import BranchResult, SweepResult
-from prefect_sandbox.sandbox.base import checked_timeout_s
 from prefect_sandbox.sandbox.notebook import read_notebook, split_stages
-from prefect_sandbox.sandbox.paths import checked_relative_path
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import S3_BLOCK_PREFIX, ArtifactStore, resolve_storage
 
@@ -73,23 +72,32 @@ class _Plan:
 async def _checked_parameters(
     notebook: str,
     grid: Any,
+    inputs: list[str] | None,
     artifacts: list[str] | None,
+    storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
     max_sandboxes: int | None,
     deployment: str | None,
     metrics_artifact: str | None,
     task_runner: str | None,
 ) -> _Plan:
-    """Every rule on the sweep's parameters, checked before any branch starts (the flow's
+    """Every rule on the sweep's parameters (`prefect_sandbox.options.SweepOptions`, then the
+    grid, the notebook or the deployment), checked before any branch starts (the flow's
     docstring lists the errors raised)."""
     await check_deployment_run()
-    checked_timeout_s(cell_timeout_s, "cell_timeout_s")
-    if max_sandboxes is not None and max_sandboxes < 1:
-        raise ValueError(f"max_sandboxes must be 1 or more; got {max_sandboxes}")
-    if metrics_artifact:
-        checked_relative_path(metrics_artifact)
+    check_options(
+        SweepOptions,
+        notebook=notebook,
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        storage=storage if isinstance(storage, str) else None,
+        cell_timeout_s=cell_timeout_s,
+        max_sandboxes=max_sandboxes,
+        deployment=deployment,
+        task_runner=task_runner,
+        metrics_artifact=metrics_artifact,
+    )
     parameter_sets = expand_grid(grid)
-    mode = sweep_mode(deployment, task_runner)
     runner = None
     if task_runner is not None:
         from prefect_sandbox.flows.dask import dask_task_runner
@@ -97,15 +105,11 @@ async def _checked_parameters(
         runner = dask_task_runner(task_runner)
     if deployment is None:
         split_stages(read_notebook(Path(notebook)))
-    elif max_sandboxes is not None:
-        raise ValueError(
-            "max_sandboxes is not sent to a deployment's runs (their backend is a saved block): "
-            "set max_live_sandboxes on that block"
-        )
     else:
         deployment = await checked_deployment(deployment)
     if metrics_artifact and metrics_artifact not in (artifacts or []):
         artifacts = [*(artifacts or []), metrics_artifact]
+    mode = sweep_mode(deployment, task_runner)
     return _Plan(parameter_sets, mode, deployment, runner, artifacts)
 
 
@@ -251,12 +255,12 @@ async def asweep_notebook(
         ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
             value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`) or a
             Dask cluster's address as ``task_runner``.
-        ValueError: ``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value
-            (or ``max_sandboxes`` or ``task_runner`` is given with ``deployment``),
-            ``metrics_artifact`` leaves the working directory (`UnsafePathError`), the
-            deployment is unknown or of another flow, or a block to send to a deployment is
-            not saved (before any branch starts).
-        BackendNotInstalledError: ``task_runner`` is given without the ``dask`` extra.
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.SweepOptions`
+            (``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value, the
+            ``dask`` extra is missing, ``max_sandboxes`` or ``task_runner`` is given with
+            ``deployment``, ``metrics_artifact`` or a pattern leaves the working directory:
+            `UnsafePathError`), the deployment is unknown or of another flow, or a block to
+            send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
         NotebookError: the notebook is invalid (subflow and Dask modes, before any branch
             starts).
@@ -270,7 +274,7 @@ async def asweep_notebook(
     """
     start = time.monotonic()
     plan = await _checked_parameters(
-        notebook, grid, artifacts, cell_timeout_s, max_sandboxes, deployment,
+        notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_sandboxes, deployment,
         metrics_artifact, task_runner,
     )  # fmt: skip
     context = FlowRunContext.get()

@@ -28,16 +28,8 @@ of a ``run-notebook`` deployment."""
 
 
 def sweep_mode(deployment: str | None, task_runner: str | None) -> Mode:
-    """The mode the sweep's ``deployment`` and ``task_runner`` parameters choose.
-
-    Raises:
-        ValueError: both are given (a deployment's runs go to its work pool's workers).
-    """
-    if deployment is not None and task_runner is not None:
-        raise ValueError(
-            "task_runner and deployment exclude each other: a deployment's runs go to its "
-            "work pool's workers"
-        )
+    """The mode the sweep's ``deployment`` and ``task_runner`` parameters choose (checked
+    already: `prefect_sandbox.options.SweepOptions` refuses both at once)."""
     if deployment is not None:
         return "deployment"
     return "subflow" if task_runner is None else "dask"
