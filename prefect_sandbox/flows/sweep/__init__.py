@@ -55,27 +55,52 @@ The package's modules: `grid` (parameter sets, grid and parameters files), `mode
 the branches' shared arguments, a branch), `launchers` (one class per mode, and the one path
 that stops a branch's run), `deployment` (deployment runs through the API), `collection`
 (running branches side by side, reading back what they left), `table` (metrics and the table
-artifact), `flow` (the flow).
+artifact), `flow` (the flow). Each name below is imported from its module on first use
+(module ``__getattr__``, PEP 562), so reading a grid (the CLI) or a metrics file (a run) imports
+no flow or launcher.
 """
 
-from prefect_sandbox.flows.sweep.flow import asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep.grid import (
-    MAX_BRANCHES,
-    expand_grid,
-    read_grid,
-    read_parameters_file,
-)
-from prefect_sandbox.flows.sweep.launchers import cancel_branches
-from prefect_sandbox.flows.sweep.model import SWEEP_NAME
-from prefect_sandbox.flows.sweep.table import (
-    METRIC_COLUMNS,
-    TABLE_ROWS_SHOWN,
-    metrics_of,
-    sweep_table,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefect_sandbox.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from prefect_sandbox.flows.sweep.flow import asweep_notebook, sweep_notebook
+    from prefect_sandbox.flows.sweep.grid import (
+        MAX_BRANCHES,
+        expand_grid,
+        read_grid,
+        read_parameters_file,
+    )
+    from prefect_sandbox.flows.sweep.launchers import cancel_branches
+    from prefect_sandbox.flows.sweep.model import SWEEP_NAME
+    from prefect_sandbox.flows.sweep.table import (
+        METRIC_COLUMNS,
+        METRICS_MAX_BYTES,
+        TABLE_ROWS_SHOWN,
+        metrics_of,
+        sweep_table,
+    )
+
+_MODULES = {
+    "flow": ["asweep_notebook", "sweep_notebook"],
+    "grid": ["MAX_BRANCHES", "expand_grid", "read_grid", "read_parameters_file"],
+    "launchers": ["cancel_branches"],
+    "model": ["SWEEP_NAME"],
+    "table": [
+        "METRICS_MAX_BYTES",
+        "METRIC_COLUMNS",
+        "TABLE_ROWS_SHOWN",
+        "metrics_of",
+        "sweep_table",
+    ],
+}
 
 __all__ = [
     "MAX_BRANCHES",
+    "METRICS_MAX_BYTES",
     "METRIC_COLUMNS",
     "SWEEP_NAME",
     "TABLE_ROWS_SHOWN",
@@ -88,3 +113,6 @@ __all__ = [
     "sweep_notebook",
     "sweep_table",
 ]
+
+
+__getattr__, __dir__ = lazy_names(__name__, _MODULES, lambda: list(globals()))
