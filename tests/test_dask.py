@@ -58,7 +58,7 @@ from prefect_sandbox.tasks.sandbox import (
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import ROOT, max_alive_at_once, stream_text
 from tests.test_flows import _cli
-from tests.test_sweep import _notebook
+from tests.test_sweep import _notebook, branch_run_states, cancel_sweep_through_the_api
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -405,9 +405,14 @@ def test_cli_sweep_runs_branches_on_a_dask_scheduler(workers: Workers, tmp_path:
     assert "--task-runner: task runner 'ray' is not 'dask' or 'dask:ADDRESS'" in refused.stderr
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["task", "api"])
 async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_hold(
-    workers: Workers, tmp_path: Path
+    workers: Workers, tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Cancelled as the CLI does (its task), or through the API (its flow run set
+    Cancelling, which the sweep notices itself)."""
+    monkeypatch.setenv("PREFECT_SANDBOX_CANCEL_POLL_S", "0.5")
     _notebook(
         tmp_path / "nb.ipynb", "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)"
     )
@@ -427,7 +432,10 @@ async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_h
         assert time.monotonic() < deadline, "the branches' cells never started"
         await asyncio.sleep(0.2)
     started = time.monotonic()
-    sweep.cancel()
+    if how == "task":
+        sweep.cancel()
+    else:
+        sweep_id = await cancel_sweep_through_the_api(tmp_path / "nb.ipynb")
     with pytest.raises((CancelledRun, asyncio.CancelledError)):
         await sweep
     # Dask cannot stop a running task: the branches' sandboxes were killed, so their cells
@@ -441,3 +449,7 @@ async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_h
         summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
         assert summary["stages"][0]["status"] == "failed"
     assert list(work.iterdir()) == []
+    if how == "api":
+        # The sweep ends Cancelled; its branches, whose cells ended when their sandboxes
+        # were killed, Failed.
+        assert await branch_run_states(sweep_id) == ["CANCELLED", "FAILED", "FAILED"]

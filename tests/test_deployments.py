@@ -288,6 +288,63 @@ async def test_sweep_deployment_spreads_its_branches_over_both_workers(
     assert {run.labels.get("prefect.worker.name") for run in children} == set(WORKERS)
 
 
+@pytest.mark.timeout(600)
+async def test_a_sweep_deployment_cancelled_through_the_api_cancels_its_branch_runs(
+    stack: PrefectStack, client: PrefectClient, tmp_path: Path
+) -> None:
+    import nbformat
+
+    notebook = tmp_path / "sleep.ipynb"
+    nbformat.write(
+        nbformat.v4.new_notebook(
+            cells=[
+                nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("import time\ntime.sleep(x)"),
+            ]
+        ),
+        notebook,
+    )
+    parameters = {"notebook": str(notebook), "grid": {"x": [600, 601]}, "storage": str(tmp_path)}
+    with temporary_settings({PREFECT_API_URL: stack.url}):
+        sweep = await run_deployment(
+            "sweep-notebook/sweep-notebook", parameters=parameters, timeout=0
+        )
+    # Both branches' kernels alive, each in a run of the run-notebook deployment.
+    deadline = time.monotonic() + 300
+    while True:
+        children = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep.id])
+            )
+        )
+        labels = [{FLOW_RUN_ID_LABEL: str(child.id)} for child in children]
+        handles = [
+            await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) for label in labels
+        ]
+        if len(children) == 2 and all(
+            found and Path(found[0].connection["runtime_dir"], "kernel.pid").exists()
+            for found in handles
+        ):
+            break
+        assert time.monotonic() < deadline, "the branches' kernels never started"
+        await asyncio.sleep(0.5)
+
+    await client.set_flow_run_state(sweep.id, Cancelling(), force=True)
+    assert await _wait_for_state(client, sweep.id, {StateType.CANCELLED}, 120) == (
+        StateType.CANCELLED
+    )
+    for child in children:
+        assert child.deployment_id is not None
+        final = await _wait_for_state(client, child.id, {StateType.CANCELLED}, 120)
+        assert final == StateType.CANCELLED
+    deadline = time.monotonic() + 60
+    while any(
+        [await LocalKernelSandbox.list_handles(LocalKernelConfig(), label) for label in labels]
+    ):
+        assert time.monotonic() < deadline, "a branch's sandbox outlived its cancelled run"
+        await asyncio.sleep(0.5)
+
+
 @pytest.mark.timeout(400)
 async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_parameters(
     stack: PrefectStack, client: PrefectClient, tmp_path: Path

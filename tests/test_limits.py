@@ -131,23 +131,73 @@ async def test_capped_runs_never_overlap_beyond_the_cap_and_all_complete(
     assert (limit.limit, limit.active_slots) == (2, 0)
 
 
-async def test_the_blocks_cap_is_written_back_over_the_limits(
-    tmp_path: Path, no_limit: None
+async def test_two_blocks_with_different_caps_never_rewrite_the_limit_the_first_set(
+    tmp_path: Path, no_limit: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await amodeling_pipeline(
-        stages={"one": ["x = 1"]},
-        backend=LocalKernelBackend(max_live_sandboxes=1),
-        storage=str(tmp_path),
+    await LocalKernelBackend(max_live_sandboxes=1).save("cap-one", overwrite=True)
+    await LocalKernelBackend(max_live_sandboxes=3).save("cap-three", overwrite=True)
+    one, three = (
+        await LocalKernelBackend.aload("cap-one"),
+        await LocalKernelBackend.aload("cap-three"),
     )
+
+    async def run(backend: LocalKernelBackend) -> PipelineResult:
+        return await amodeling_pipeline(
+            stages={"one": ["x = 1"]}, backend=backend, storage=str(tmp_path)
+        )
+
+    await run(one)
+    assert (await _read_limit()).limit == 1
+    result = await run(three)
+    # The second block's cap did not overwrite the first's: the limit stands, and says so.
+    assert result.status == "completed"
+    limit = await _read_limit()
+    assert (limit.limit, limit.active_slots) == (1, 0)
+    assert (
+        f"Concurrency limit {LIMIT} has 1 slot(s), not 3 as the block's max_live_sandboxes "
+        f"says: it is left as it is (a run never rewrites a limit). To change it: prefect gcl "
+        f"update {LIMIT} --limit 3"
+    ) in caplog.text
+    # A size a user set stands too, for either block.
     async with get_client() as client:
         await client.update_global_concurrency_limit(LIMIT, GlobalConcurrencyLimitUpdate(limit=7))
-    await amodeling_pipeline(
-        stages={"one": ["x = 1"]},
-        backend=LocalKernelBackend(max_live_sandboxes=3),
-        storage=str(tmp_path),
+    await run(one)
+    await run(three)
+    assert (await _read_limit()).limit == 7
+
+
+async def test_a_sweeps_cap_is_a_limit_of_its_own_deleted_when_it_ends(
+    tmp_path: Path, no_limit: None
+) -> None:
+    from prefect_sandbox.flows import asweep_notebook
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(1)"),
+    ]
+    nbformat.write(notebook, tmp_path / "nb.ipynb")
+    # The block has no cap: only the sweep's limit caps the branches.
+    result = await asweep_notebook(
+        notebook=str(tmp_path / "nb.ipynb"),
+        grid={"x": [1, 2, 3]},
+        backend=LocalKernelBackend(),
+        storage=str(tmp_path / "out"),
+        max_sandboxes=1,
     )
-    limit = await _read_limit()
-    assert (limit.limit, limit.active_slots) == (3, 0)
+    assert result.status == "completed"
+    summaries = [
+        json.loads((Path(str(branch.output_dir)) / "summary.json").read_text())
+        for branch in result.branches
+    ]
+    assert max_alive_at_once(summaries) == 1
+    async with get_client() as client:
+        with pytest.raises(ObjectNotFound):
+            await client.read_global_concurrency_limit_by_name(
+                f"prefect-sandbox:sweep:{result.flow_run_id}"
+            )
+    with pytest.raises(ObjectNotFound):
+        await _read_limit()
 
 
 def _sleeping_notebook(path: Path) -> Path:

@@ -22,7 +22,8 @@ import nbformat
 import pytest
 
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep import _block_reference, expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
 from tests.test_flows import _api_env, _cli
@@ -177,6 +178,34 @@ def test_the_table_caps_rows_and_metric_columns_and_keeps_its_own_columns() -> N
     branches[0] = BranchResult(index=0, parameters={}, status="failed", metrics=metrics_first)
     first = sweep_table(result.model_copy(update={"branches": branches}))[0]
     assert (first["status"], first["metric status"]) == ("failed", "forged")
+
+
+def test_the_tables_column_names_are_plain_text_and_unique_and_its_values_escaped() -> None:
+    from prefect_sandbox.flows.sweep import sweep_table
+    from prefect_sandbox.results import BranchResult, SweepResult
+
+    metrics: dict[str, float | int | bool | str | None] = {
+        "mae_ppm": "a_b",
+        "\x1b[31mred\x1b[0m\nline": 1,
+        "error": 2,
+        "metric error": 3,
+        "two\tspaces": 4,
+        "two spaces": 5,
+    }
+    result = SweepResult(
+        flow_run_id="id", flow_run_name="s", status="completed", mode="subflow",
+        notebook="nb.ipynb", output_dir="out", metrics_artifact="metrics.json",
+        duration_s=1.0,
+        branches=[BranchResult(index=0, parameters={}, status="completed", metrics=metrics)],
+    )  # fmt: skip
+    (row,) = sweep_table(result)
+    # The UI shows column names as they are: no markdown escape may show in them.
+    assert list(row)[4:10] == [
+        "mae_ppm", "red line", "metric error", "metric error (2)", "two spaces", "two spaces (2)",
+    ]  # fmt: skip
+    assert row["mae_ppm"] == "a\\_b"  # values are markdown, escaped
+    assert [row[name] for name in list(row)[5:10]] == ["1", "2", "3", "4", "5"]
+    assert row["error"] == ""
 
 
 def test_the_sync_twin_has_the_flows_signature() -> None:
@@ -489,7 +518,7 @@ async def test_deployment_mode_refuses_what_it_cannot_send_before_any_branch(
     # A saved block goes by reference: a branch's parameters hold none of its fields.
     await LocalKernelBackend(env={"SECRET_ISH": "kept-out"}).save("sweep-test", overwrite=True)
     saved = await LocalKernelBackend.aload("sweep-test")
-    assert _block_reference(saved, "backend") == {
+    assert block_reference(saved, "backend") == {
         "$ref": {"block_document_id": str(saved._block_document_id)}
     }
 
@@ -544,3 +573,137 @@ async def test_the_crash_hook_kills_the_sandboxes_of_branches_still_running() ->
         # the hook; a finished branch's and another flow run's are none of its business.
         still_alive = [await sandbox.kill() for sandbox in sandboxes]
     assert still_alive == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [
+        ({"$ref": {"block_document_id": str(uuid.uuid4())}}, "no saved block for the reference"),
+        ({"block_type_slug": "no-such-block"}, "no block type 'no-such-block' is known"),
+        ("local", "a str: neither empty, a block reference"),
+    ],
+)
+async def test_the_crash_hooks_refuse_to_guess_a_backend_they_cannot_tell(
+    given: object, missing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hook that cannot rebuild the run's backend from its parameter kills nothing and says
+    so: the default backend (a local kernel here) is not guessed, so its sandboxes live."""
+    from prefect import task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from prefect_sandbox import LocalKernelBackend
+    from prefect_sandbox.flows import arun_notebook
+    from prefect_sandbox.flows.hooks import kill_run_sandboxes
+    from prefect_sandbox.flows.sweep import cancel_branches
+    from prefect_sandbox.sandbox.labels import flow_run_labels
+
+    @task
+    def branch() -> None: ...
+
+    async with get_client() as client:
+        run = await client.create_flow_run(
+            arun_notebook, parameters={"backend": given}, state=Running()
+        )
+        sweep = await client.create_flow_run(
+            asweep_notebook, parameters={"backend": given}, state=Running()
+        )
+        parent = await client.create_task_run(branch, flow_run_id=sweep.id, dynamic_key="0")
+        child = await client.create_flow_run(
+            arun_notebook, parent_task_run_id=parent.id, state=Running()
+        )
+    default = LocalKernelBackend()
+    sandboxes = [await default.create(flow_run_labels(str(r.id), r.name)) for r in (run, child)]
+    try:
+        await kill_run_sandboxes(arun_notebook, run, Crashed())
+        await cancel_branches(asweep_notebook, sweep, Crashed())
+    finally:
+        still_alive = [await sandbox.kill() for sandbox in sandboxes]
+    assert still_alive == [True, True]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    for flow_run in (run, sweep):
+        (error,) = [e for e in errors if f"Flow run {flow_run.name} ({flow_run.id})" in e]
+        assert "its sandboxes are not killed: its 'backend' parameter gives no backend" in error
+        assert missing in error
+
+
+async def cancel_sweep_through_the_api(notebook: Path) -> uuid.UUID:
+    """Set the running sweep of ``notebook`` Cancelling, as the UI's Cancel button does.
+
+    Returns:
+        Its flow run id.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.states import Cancelling
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["sweep-notebook"]))
+        )
+        (run,) = [r for r in runs if r.parameters.get("notebook") == str(notebook)]
+        await client.set_flow_run_state(run.id, Cancelling())
+    return run.id
+
+
+async def branch_run_states(sweep_id: uuid.UUID) -> list[str]:
+    """The sweep's and its branches' flow runs' state types, the sweep's first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        sweep = await client.read_flow_run(sweep_id)
+        children = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_id])
+            )
+        )
+    return [str(run.state_type.value if run.state_type else None) for run in [sweep, *children]]
+
+
+async def test_a_sweep_cancelled_through_the_api_stops_its_branches_and_ends_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run from plain Python has no runner to act on a Cancelling state: it notices it
+    itself, cancels its subflow branches (their sandboxes killed, what they made stored) and
+    ends Cancelled."""
+    import asyncio
+
+    from prefect.exceptions import CancelledRun
+
+    from prefect_sandbox import LocalKernelBackend
+
+    monkeypatch.setenv("PREFECT_SANDBOX_CANCEL_POLL_S", "0.5")
+    source = _notebook(
+        tmp_path / "nb.ipynb",
+        "import time\nopen('sleeping.marker', 'w').write('1')\ntime.sleep(x)",
+    )
+    work = tmp_path / "work"
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(source),
+            grid={"x": [300, 301]},
+            backend=LocalKernelBackend(workdir_root=str(work)),
+            storage=str(tmp_path / "out"),
+        )
+    )
+    deadline = time.monotonic() + 120
+    while len(list(work.rglob("sleeping.marker"))) < 2:
+        assert not sweep.done(), sweep.exception() if sweep.done() else None
+        assert time.monotonic() < deadline, "the branches' cells never started"
+        await asyncio.sleep(0.2)
+    sweep_id = await cancel_sweep_through_the_api(source)
+    async with asyncio.timeout(120):
+        with pytest.raises(CancelledRun, match=r"cancelled; sweep\.json in "):
+            await sweep
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    stored = json.loads((sweep_dir / "sweep.json").read_text())
+    assert (stored["status"], stored["flow_run_id"]) == ("cancelled", str(sweep_id))
+    assert [b["status"] for b in stored["branches"]] == ["cancelled", "cancelled"]
+    for branch in stored["branches"]:
+        summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+        assert summary["status"] == "cancelled"
+        assert summary["stages"][0]["status"] == "cancelled"
+        assert summary["sandbox_killed_at"] is not None
+    assert await branch_run_states(sweep_id) == ["CANCELLED"] * 3
+    assert list(work.iterdir()) == []

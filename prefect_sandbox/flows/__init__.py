@@ -9,8 +9,7 @@ not import the sweep).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefect_sandbox.flows.errors import (
     FixerError,
@@ -22,6 +21,7 @@ from prefect_sandbox.flows.errors import (
     SweepFailedError,
 )
 from prefect_sandbox.flows.startup import allow_ephemeral_startup
+from prefect_sandbox.lazy import lazy_names
 
 if TYPE_CHECKING:
     from prefect_sandbox.flows.pipeline import (
@@ -48,7 +48,6 @@ _MODULES = {
     "session": ["CellRun", "SandboxSession", "SyncSandboxSession", "sandbox_session"],
     "sweep": ["asweep_notebook", "sweep_notebook"],
 }
-_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "CellRun",
@@ -73,12 +72,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The flow or session ``name`` of `__all__`, imported from its module now."""
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_names(__name__, _MODULES, lambda: list(globals()))

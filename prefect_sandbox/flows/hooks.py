@@ -16,6 +16,7 @@ from prefect import Flow
 from prefect.blocks.core import Block
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
+from prefect.exceptions import ObjectNotFound
 from prefect.logging import get_logger
 from prefect.utilities.dispatch import lookup_type
 from pydantic import SecretStr
@@ -31,6 +32,7 @@ from prefect_sandbox.settings import PrefectSandboxSettings
 __all__ = [
     "backend_from_parameter",
     "default_backend",
+    "hook_backend",
     "kill_labelled_sandboxes",
     "kill_run_sandboxes",
     "run_backend",
@@ -73,23 +75,41 @@ async def backend_from_parameter(value: Any) -> SandboxBackend:
 
     Returns:
         The backend block.
+
+    Raises:
+        ValueError: ``value`` is none of those, or names no sandbox backend (a reference to
+            no saved block or to another kind of block, an unknown ``block_type_slug``, fields
+            that do not validate): the message says what is missing. Never the default
+            backend instead, whose sandboxes are not the run's.
     """
+    if value is None:
+        return await default_backend()
     if isinstance(value, SandboxBackend):
         return value
     if isinstance(value, dict) and "$ref" in value:
-        loaded = await Block.aload_from_ref(value["$ref"])
-        if isinstance(loaded, SandboxBackend):
-            return loaded
+        try:
+            block = await Block.aload_from_ref(value["$ref"])
+        except (ValueError, ObjectNotFound) as exc:
+            raise ValueError(f"no saved block for the reference {value['$ref']!r}: {exc}") from exc
     elif isinstance(value, dict) and "block_type_slug" in value:
-        block_class = lookup_type(Block, value["block_type_slug"])
+        slug = value["block_type_slug"]
+        try:
+            block_class = lookup_type(Block, slug)
+        except KeyError:
+            raise ValueError(f"no block type {slug!r} is known to this process") from None
         fields = {k: v for k, v in value.items() if k != "block_type_slug"}
-        block = block_class.model_validate(fields)
-        if isinstance(block, SandboxBackend):
-            return _unmasked(block)
-    return await default_backend()
+        block = _unmasked(block_class.model_validate(fields))
+    else:
+        raise ValueError(
+            f"a {type(value).__name__}: neither empty, a block reference ($ref) nor a block's "
+            "fields with block_type_slug"
+        )
+    if not isinstance(block, SandboxBackend):
+        raise ValueError(f"a {type(block).__name__} block, not a sandbox backend block")
+    return block
 
 
-def _unmasked(backend: SandboxBackend) -> SandboxBackend:
+def _unmasked(backend: Block) -> Block:
     """``backend``, its credentials taken from the environment (as the CLI takes them) when
     the copy it was rebuilt from had them masked; a warning when the environment has none."""
     credentials = getattr(backend, "credentials", None)
@@ -99,6 +119,7 @@ def _unmasked(backend: SandboxBackend) -> SandboxBackend:
         if isinstance(secret, SecretStr)
     }:
         return backend
+    assert isinstance(backend, SandboxBackend)
     if isinstance(backend, DaytonaBackend):
         # The SDK reads DAYTONA_API_KEY, DAYTONA_API_URL and DAYTONA_TARGET.
         return backend.model_copy(update={"credentials": None})
@@ -157,7 +178,28 @@ async def run_backend(flow_run: FlowRun) -> SandboxBackend:
     return await backend_from_parameter(flow_run.parameters.get("backend"))
 
 
+async def hook_backend(flow_run: FlowRun) -> SandboxBackend | None:
+    """The backend whose sandboxes a hook cleans for ``flow_run`` (`run_backend`), or None,
+    after an error log naming the flow run and what is missing, when it cannot be told: a
+    hook never guesses (the default backend's sandboxes are not the run's)."""
+    try:
+        return await run_backend(flow_run)
+    except ValueError as exc:
+        logger.error(
+            "Flow run %s (%s): its sandboxes are not killed: its 'backend' parameter gives no "
+            "backend to clean (%s). Kill them by their label %s=%s",
+            flow_run.name,
+            flow_run.id,
+            exc,
+            FLOW_RUN_ID_LABEL,
+            flow_run.id,
+        )
+        return None
+
+
 async def kill_run_sandboxes(flow: Flow[Any, Any], flow_run: FlowRun, state: State) -> None:
-    """Kill every sandbox labelled with this flow run's id (a cancellation or crash hook)."""
-    backend = await run_backend(flow_run)
-    await kill_labelled_sandboxes(backend, str(flow_run.id), state.name or state.type.value)
+    """Kill every sandbox labelled with this flow run's id (a cancellation or crash hook);
+    none when its backend cannot be told (`hook_backend`, which logs an error)."""
+    backend = await hook_backend(flow_run)
+    if backend is not None:
+        await kill_labelled_sandboxes(backend, str(flow_run.id), state.name or state.type.value)

@@ -1,12 +1,17 @@
-"""The cap on live sandboxes: one Prefect global concurrency limit per backend.
+"""The cap on live sandboxes: Prefect global concurrency limits held while a sandbox lives.
 
 A backend block whose ``max_live_sandboxes`` is set makes each flow run hold one slot of the
 limit named ``prefect-sandbox:<backend slug>`` (`live_sandbox_limit_name`) from before its
 sandbox is made until after it is killed (`live_sandbox_slot`), so no more than that many of the
 backend's sandboxes are alive at once across every run that uses the same Prefect API. The
-limit is created on first use with the block's value; where it exists with another limit, the
-block's value is written back (logged), since the block is where users set the cap. With no cap
-no limit is read or taken.
+limit is created on first use with the block's value. A run never rewrites a limit that exists:
+where its size differs from the block's value (another block, or a user, set it), the limit
+stands as it is and the run logs a warning naming both sizes and how to change the limit
+(``prefect gcl update NAME --limit N``). With no cap no limit is read or taken.
+
+A sweep's ``max_sandboxes`` is a limit of its own, ``prefect-sandbox:sweep:<flow run id>``
+(`sweep_limit`), made for the sweep's branches and deleted when they have ended; each branch
+holds a slot of it as well as its backend's (`also_holding` passes it to the branches' runs).
 
 Slots are Prefect's lease-based ones (`prefect.concurrency.asyncio.concurrency`), held by
 ``{"type": "flow_run", "id": <flow run id>}`` and released on the way out of the block however
@@ -23,15 +28,15 @@ or Prefect Cloud.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from uuid import UUID
 
 from prefect import get_client, get_run_logger
-from prefect.client.schemas.actions import (
-    GlobalConcurrencyLimitCreate,
-    GlobalConcurrencyLimitUpdate,
-)
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
 from prefect.concurrency.asyncio import concurrency
@@ -39,7 +44,16 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from prefect_sandbox.blocks.base import SandboxBackend
 
-__all__ = ["LEASE_DURATION_S", "LIMIT_PREFIX", "live_sandbox_limit_name", "live_sandbox_slot"]
+__all__ = [
+    "LEASE_DURATION_S",
+    "LIMIT_PREFIX",
+    "LiveLimit",
+    "also_holding",
+    "live_sandbox_limit_name",
+    "live_sandbox_slot",
+    "run_limits",
+    "sweep_limit",
+]
 
 LIMIT_PREFIX = "prefect-sandbox:"
 LEASE_DURATION_S = 120.0
@@ -48,84 +62,157 @@ run lives (with retries), and its server accepts 60 s at least: 120 s leaves a f
 30 s to retry, and frees a killed run's slot within about 2 minutes on a ``prefect server``."""
 
 
+@dataclass(frozen=True)
+class LiveLimit:
+    """A global concurrency limit a run holds one slot of while its sandbox lives.
+
+    Attributes:
+        name: the limit's name.
+        size: the slots it is created with when missing (a limit that exists keeps its own).
+        set_by: what asked for that size, for the log (e.g. ``"the block's max_live_sandboxes"``).
+    """
+
+    name: str
+    size: int
+    set_by: str
+
+
+_ALSO_HELD: ContextVar[LiveLimit | None] = ContextVar("prefect_sandbox_also_held", default=None)
+
+
 def live_sandbox_limit_name(backend: SandboxBackend) -> str:
     """The name of the global concurrency limit that caps ``backend``'s live sandboxes, e.g.
     ``"prefect-sandbox:e2b"``: one per kind of backend, whatever the block's name."""
     return f"{LIMIT_PREFIX}{backend.backend_slug}"
 
 
-async def _limit_set_to(name: str, limit: int) -> GlobalConcurrencyLimitResponse:
-    """Read the limit ``name``, creating it or writing ``limit`` back where it differs.
+def run_limits(backend: SandboxBackend) -> list[LiveLimit]:
+    """The limits a run of ``backend`` holds a slot of: its backend's, when the block has a
+    cap, and the one `also_holding` passes it (a sweep's), if any."""
+    limits = [] if (also := _ALSO_HELD.get()) is None else [also]
+    if backend.max_live_sandboxes is not None:
+        name = live_sandbox_limit_name(backend)
+        limits.insert(
+            0, LiveLimit(name, backend.max_live_sandboxes, "the block's max_live_sandboxes")
+        )
+    return limits
+
+
+@contextlib.contextmanager
+def also_holding(limit: LiveLimit | None) -> Iterator[None]:
+    """Within (this task and those it starts, a subflow's included): each run's sandbox also
+    holds a slot of ``limit`` (`run_limits`); None changes nothing."""
+    token = _ALSO_HELD.set(limit) if limit is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ALSO_HELD.reset(token)
+
+
+@asynccontextmanager
+async def sweep_limit(sweep_id: UUID, size: int | None) -> AsyncIterator[LiveLimit | None]:
+    """Within: the sweep's own limit, ``prefect-sandbox:sweep:<sweep_id>``, with ``size``
+    slots (None: no limit, nothing made); deleted on exit, however it is left.
+
+    Raises:
+        prefect.exceptions.PrefectHTTPStatusError: the API refused to make it.
+    """
+    if size is None:
+        yield None
+        return
+    limit = LiveLimit(f"{LIMIT_PREFIX}sweep:{sweep_id}", size, "the sweep's max_sandboxes")
+    async with get_client() as client:
+        await client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=limit.name, limit=size)
+        )
+    try:
+        yield limit
+    finally:
+        async with get_client() as client:
+            with contextlib.suppress(ObjectNotFound):
+                await client.delete_global_concurrency_limit_by_name(limit.name)
+
+
+async def _existing(limit: LiveLimit) -> GlobalConcurrencyLimitResponse:
+    """The limit as the API has it, created with ``limit.size`` when missing; where it exists
+    with another size it is left as it is, with a warning.
 
     Returns:
-        The limit as read before any change (``active_slots`` says how many are taken).
+        The limit as read (``active_slots`` says how many are taken).
     """
     logger = get_run_logger()
     async with get_client() as client:
         try:
-            current = await client.read_global_concurrency_limit_by_name(name)
+            return await client.read_global_concurrency_limit_by_name(limit.name)
         except ObjectNotFound:
-            try:
-                await client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=name, limit=limit)
-                )
-                logger.info("Created the concurrency limit %s with %d slot(s)", name, limit)
-            except ObjectAlreadyExists:
-                pass  # another run made it first
-            current = await client.read_global_concurrency_limit_by_name(name)
-        if current.limit != limit:
-            await client.update_global_concurrency_limit(
-                name, GlobalConcurrencyLimitUpdate(limit=limit)
+            pass
+        try:
+            await client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=limit.name, limit=limit.size)
             )
-            logger.info(
-                "Concurrency limit %s had %d slot(s); set to the block's max_live_sandboxes, %d",
-                name,
-                current.limit,
-                limit,
-            )
-        if not current.active:
-            logger.warning("Concurrency limit %s is inactive: the cap is not enforced", name)
-    return current
+            logger.info("Created the concurrency limit %s with %d slot(s)", limit.name, limit.size)
+        except ObjectAlreadyExists:
+            pass  # another run made it first
+        return await client.read_global_concurrency_limit_by_name(limit.name)
+
+
+def _check(limit: LiveLimit, current: GlobalConcurrencyLimitResponse) -> None:
+    """Warn where the limit as it is does not cap as ``limit`` asks."""
+    logger = get_run_logger()
+    if current.limit != limit.size:
+        logger.warning(
+            "Concurrency limit %s has %d slot(s), not %d as %s says: it is left as it is (a "
+            "run never rewrites a limit). To change it: prefect gcl update %s --limit %d",
+            limit.name,
+            current.limit,
+            limit.size,
+            limit.set_by,
+            limit.name,
+            limit.size,
+        )
+    if not current.active:
+        logger.warning("Concurrency limit %s is inactive: the cap is not enforced", limit.name)
+    elif current.active_slots >= current.limit:
+        logger.info(
+            "Waiting for a slot of %s: %d of %d sandbox(es) are alive. If no run holds them (a "
+            "run killed outright on Prefect's temporary API keeps its slot), free them with: "
+            "prefect gcl update %s --active-slots 0",
+            limit.name,
+            current.active_slots,
+            current.limit,
+            limit.name,
+        )
 
 
 @asynccontextmanager
-async def live_sandbox_slot(backend: SandboxBackend, flow_run_id: str) -> AsyncIterator[None]:
-    """Hold one slot of ``backend``'s live-sandbox limit for the block, when it has a cap.
+async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncIterator[None]:
+    """Hold one slot of each of ``limits`` at once (`run_limits` says which a run holds).
 
-    Waits, as long as it takes, for a free slot (logging once, at info, that it waits when the
-    limit is full on arrival); releases it on exit, however the block is left.
+    Each limit is created when missing (`LiveLimit.size`); one that exists keeps its size (a
+    warning says when it differs). Waits, as long as it takes, for a free slot of each (logging
+    once, at info, that it waits when one is full on arrival); releases them on exit, however
+    the block is left.
 
     Args:
-        backend: the backend block; with ``max_live_sandboxes`` None this holds nothing and
-            calls no Prefect API.
-        flow_run_id: the flow run's UUID as a string: the slot's holder.
+        limits: the limits; none: this holds nothing and calls no Prefect API.
+        flow_run_id: the flow run's UUID as a string: the slots' holder.
 
     Raises:
-        prefect.concurrency.asyncio.ConcurrencySlotAcquisitionError: the limit vanished before
+        prefect.concurrency.asyncio.ConcurrencySlotAcquisitionError: a limit vanished before
             a slot was taken, or the API refused the request.
     """
-    cap = backend.max_live_sandboxes
-    if cap is None:
+    if not limits:
         yield
         return
-    name = live_sandbox_limit_name(backend)
-    current = await _limit_set_to(name, cap)
-    if current.active and current.active_slots >= cap:
-        get_run_logger().info(
-            "Waiting for a slot of %s: %d of %d sandbox(es) are alive (max_live_sandboxes). "
-            "If no run holds them (a run killed outright on Prefect's temporary API keeps its "
-            "slot), free them with: prefect gcl update %s --active-slots 0",
-            name,
-            current.active_slots,
-            cap,
-            name,
-        )
+    for limit in limits:
+        _check(limit, await _existing(limit))
     acquired = asyncio.Event()
     release = asyncio.Event()
 
     async def hold() -> None:
         async with concurrency(
-            name,
+            [limit.name for limit in limits],
             lease_duration=LEASE_DURATION_S,
             strict=True,
             holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)),

@@ -17,8 +17,9 @@ the flow run's ``timeout_seconds`` passes (Prefect's cancel scope then cancels e
 until the flow returns), the same clean-up runs shielded from it, ``summary.json`` says
 ``"failed"`` and the flow run ends TimedOut. A flow retry runs the whole pipeline again in a
 fresh sandbox, after emptying the run's folder of what the earlier attempt stored. A backend
-block with ``max_live_sandboxes`` makes the run hold a slot of its live-sandbox limit from
-before the sandbox is made until after it is killed (`prefect_sandbox.flows.limits`);
+block with ``max_live_sandboxes`` (and a sweep's ``max_sandboxes``, in its branches) makes the
+run hold a slot of its live-sandbox limit from before the sandbox is made until after it is
+killed (`prefect_sandbox.flows.limits`);
 ``summary.json`` records when the sandbox was asked for and when its kill returned.
 
 The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
@@ -67,7 +68,7 @@ from prefect_sandbox.flows.hooks import (
     kill_labelled_sandboxes,
     kill_run_sandboxes,
 )
-from prefect_sandbox.flows.limits import live_sandbox_slot
+from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.flows.signals import SignalStop
@@ -279,9 +280,10 @@ class _PipelineRun:
     ) -> AsyncIterator[SandboxHandle]:
         """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on
         exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
-        when it has one (`live_sandbox_slot`). Records its id and the UTC times bracketing its
-        life."""
-        async with _exit_shielded(live_sandbox_slot(self.backend, flow_run_id)):
+        when it has one, and of a sweep's limit in a sweep's branch (`run_limits`). Records its
+        id and the UTC times bracketing its life."""
+        slot = live_sandbox_slot(run_limits(self.backend), flow_run_id)
+        async with _exit_shielded(slot):
             self.sandbox_created_at = datetime.now(UTC)
             try:
                 handle = await create_sandbox(self.backend, labels)

@@ -19,7 +19,14 @@ from typing import Any
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
-__all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "escape_markdown", "summary_markdown", "table_cell"]
+__all__ = [
+    "FIGURES_SHOWN",
+    "ROWS_SHOWN",
+    "escape_markdown",
+    "summary_markdown",
+    "table_cell",
+    "table_header",
+]
 
 ROWS_SHOWN = 100
 """Stages, and stored files, listed in the summary at most."""
@@ -72,6 +79,16 @@ def _code(text: str) -> str:
 def table_cell(text: str) -> str:
     """Untrusted text safe inside a markdown table cell, cut at `CELL_CHARS` characters."""
     return escape_markdown(strip_ansi(text)[:CELL_CHARS])
+
+
+def table_header(text: str) -> str:
+    """Untrusted text as a table artifact's column name, cut at `CELL_CHARS` characters.
+
+    The Prefect UI shows column names as plain text, not markdown, so nothing is escaped (an
+    escape would show, as ``mae\\_ppm``); ANSI codes are removed and control characters and
+    line breaks become one space.
+    """
+    return _WHITESPACE.sub(" ", strip_ansi(text))[:CELL_CHARS]
 
 
 def _url(url: str) -> str:

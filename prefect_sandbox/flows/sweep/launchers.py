@@ -1,0 +1,274 @@
+"""How a sweep runs its branches: one `BranchLauncher` per mode (subflow, Dask, deployment),
+and the one path that stops a branch's flow run still running, whatever its mode
+(`stop_branch_run`), taken by a launcher cancelled mid-branch and by the sweep's cancellation
+and crash hook (`cancel_branches`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+from uuid import UUID
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterName,
+    FlowRunFilterParentFlowRunId,
+)
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.deployments import arun_deployment
+from prefect.flows import Flow
+
+from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.flows.hooks import default_backend, hook_backend, kill_labelled_sandboxes
+from prefect_sandbox.flows.limits import also_holding
+from prefect_sandbox.flows.pipeline import arun_notebook, uncancel_current_task
+from prefect_sandbox.flows.sweep.deployment import (
+    deployment_arguments,
+    final_state,
+    request_cancel,
+)
+from prefect_sandbox.flows.sweep.model import Branch, BranchOptions, Mode
+
+if TYPE_CHECKING:
+    from prefect_dask.task_runners import PrefectDaskFuture
+
+    from prefect_sandbox.flows.dask import SandboxDaskTaskRunner
+
+__all__ = [
+    "CANCEL_WAIT_S",
+    "BranchLauncher",
+    "DaskLauncher",
+    "DeploymentLauncher",
+    "SubflowLauncher",
+    "cancel_branches",
+    "stop_branch_run",
+]
+
+CANCEL_WAIT_S = 60.0
+"""Seconds a cancelled sweep waits for its deployment runs (or Dask tasks) to end before it
+records them."""
+DASK_POLL_S = 0.2
+"""Seconds between two looks at whether a branch's Dask task has ended."""
+CANCELLED_WHY = "the sweep was cancelled"
+
+BackendSource = Callable[[], Awaitable[SandboxBackend | None]]
+"""Gives the backend whose sandboxes a branch's flow run holds (asked only when needed), or
+None when it cannot be told (an error was logged: nothing is killed)."""
+
+
+async def stop_branch_run(flow_run: FlowRun, why: str, backend: BackendSource) -> None:
+    """Stop a branch's flow run that still runs, knowing only its record.
+
+    A deployment run (it has a deployment) is cancelled through the API: at once if it has not
+    started, else set Cancelling, so that its worker stops it and its own hook kills its
+    sandbox. A subflow, in this process or on a Dask worker (which cannot stop a running task),
+    has its sandboxes killed by their flow-run label: its cell ends, and it stores what it made.
+
+    Args:
+        flow_run: the branch's flow run as read from the API.
+        why: what stopped it, for the logs and the state's message.
+        backend: the sweep's branches' backend (not asked for a deployment run).
+    """
+    if flow_run.state is not None and flow_run.state.is_final():
+        return
+    if flow_run.deployment_id is not None:
+        await request_cancel(flow_run, why)
+    elif (found := await backend()) is not None:
+        await kill_labelled_sandboxes(found, str(flow_run.id), why)
+
+
+async def cancel_branches(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """Stop a cancelled or crashed sweep's branches that still run (a flow-run state hook),
+    each by `stop_branch_run`.
+
+    It may run in another process that sees only the flow-run record, as the pipeline's hooks;
+    the branches' backend is found from the sweep's ``backend`` parameter (`hook_backend`:
+    never guessed), once, when a branch needs it.
+    """
+    async with get_client() as client:
+        children = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id])
+            )
+        )
+    found: list[SandboxBackend | None] = []
+
+    async def backend() -> SandboxBackend | None:
+        if not found:
+            found.append(await hook_backend(flow_run))
+        return found[0]
+
+    why = f"sweep {flow_run.name!r} ended {state.name or state.type.value}"
+    for child in children:
+        await stop_branch_run(child, why, backend)
+
+
+class BranchLauncher(ABC):
+    """Runs a sweep's branches in one mode.
+
+    `run` launches one branch and waits for its end; cancelled meanwhile, it has the branch
+    stop (its sandbox killed, what it made stored) and records how it ended.
+    """
+
+    mode: ClassVar[Mode]
+
+    def __init__(self, options: BranchOptions) -> None:
+        self.options = options
+
+    def started(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """Within: what the launcher needs running (a Dask cluster); nothing by default."""
+        return contextlib.nullcontext()
+
+    async def run(self, branch: Branch) -> None:
+        """Run ``branch`` to its end, setting its ``flow_run_id`` and final ``state``."""
+        try:
+            await self.launch(branch)
+        except asyncio.CancelledError:
+            uncancel_current_task()
+            await self.cancel(branch)
+
+    @abstractmethod
+    async def launch(self, branch: Branch) -> None:
+        """Start ``branch``'s flow run and wait for its end, recording it on ``branch``."""
+
+    @abstractmethod
+    async def cancel(self, branch: Branch) -> None:
+        """Stop ``branch``, whose `launch` was cancelled, and record how it ended (waiting at
+        most `CANCEL_WAIT_S` for a run in another process)."""
+
+    async def backend(self) -> SandboxBackend:
+        """The branches' backend block (the default one when the sweep was given none)."""
+        return self.options.backend or await default_backend()
+
+
+async def _run_notebook(options: BranchOptions, name: str, parameters: dict[str, Any]) -> State:
+    """One branch's ``run-notebook`` flow run, as a subflow of what calls it, holding a slot of
+    the sweep's limit too while its sandbox lives; its final state."""
+    run = arun_notebook.with_options(flow_run_name=name)
+    with also_holding(options.sweep_limit):
+        return await run(**options.arguments(), parameters=parameters, return_state=True)
+
+
+class SubflowLauncher(BranchLauncher):
+    """Branches as subflows in the sweep's process and event loop."""
+
+    mode = "subflow"
+
+    async def launch(self, branch: Branch) -> None:
+        branch.ended(await _run_notebook(self.options, branch.name, branch.parameters))
+
+    async def cancel(self, branch: Branch) -> None:
+        """Nothing left to do: the subflow, cancelled with its task, killed its sandbox and
+        stored what it made."""
+
+
+@task(name="sweep-branch", task_run_name="{name}", cache_policy=NO_CACHE)
+async def _dask_branch(
+    name: str, options: BranchOptions, parameters: dict[str, Any]
+) -> dict[str, Any]:
+    """One branch on a Dask worker: its ``run-notebook`` flow run, a subflow of this task.
+
+    Returns:
+        ``{"state": <the flow run's final state>}`` (a state returned bare would become the
+        task's own).
+    """
+    return {"state": await _run_notebook(options, name, parameters)}
+
+
+class DaskLauncher(BranchLauncher):
+    """Branches as tasks on a Dask cluster's workers, each flow run a subflow of its task."""
+
+    mode = "dask"
+
+    def __init__(
+        self, options: BranchOptions, runner: SandboxDaskTaskRunner, sweep_id: UUID
+    ) -> None:
+        super().__init__(options.with_absolute_paths())
+        self.runner = runner
+        self.sweep_id = sweep_id
+        self.futures: dict[int, PrefectDaskFuture[Any]] = {}
+
+    def started(self) -> contextlib.AbstractAsyncContextManager[object]:
+        from prefect_sandbox.flows.dask import started
+
+        return started(self.runner)
+
+    async def launch(self, branch: Branch) -> None:
+        future = self.runner.submit(
+            _dask_branch,
+            {"name": branch.name, "options": self.options, "parameters": branch.parameters},
+        )
+        self.futures[branch.index] = future
+        branch.ended(cast(State[Any], (await _dask_outcome(future))["state"]))
+
+    async def cancel(self, branch: Branch) -> None:
+        """Dask cannot stop a running task: the branch's sandbox is killed, so that its run
+        stops at its cell and stores what it made (ending Failed). A task that has not made its
+        flow run yet is dropped (if it just started, the sweep's hook stops it)."""
+        future = self.futures[branch.index]
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    name=FlowRunFilterName(any_=[branch.name]),
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[self.sweep_id]),
+                )
+            )
+        for run in runs:
+            await stop_branch_run(run, CANCELLED_WHY, self.backend)
+        if not runs:
+            future.wrapped_future.cancel()
+        try:
+            outcome = await asyncio.wait_for(_dask_outcome(future), CANCEL_WAIT_S)
+        except Exception:  # dropped, or still running: the branch counts as cancelled
+            return
+        branch.ended(cast(State[Any], outcome["state"]))
+
+
+async def _dask_outcome(future: PrefectDaskFuture[Any]) -> dict[str, Any]:
+    """What `_dask_branch` returned, once its Dask task has ended; polled every `DASK_POLL_S`
+    (a thread per waiting branch would fill the event loop's default executor)."""
+    while not future.wrapped_future.done():
+        await asyncio.sleep(DASK_POLL_S)
+    return cast(dict[str, Any], await asyncio.to_thread(future.result))
+
+
+class DeploymentLauncher(BranchLauncher):
+    """Branches as flow runs of a ``run-notebook`` deployment, on its work pool's workers."""
+
+    mode = "deployment"
+
+    def __init__(self, options: BranchOptions, deployment: str) -> None:
+        super().__init__(options)
+        self.deployment = deployment
+        self.arguments = deployment_arguments(options)
+        self.creating: dict[int, asyncio.Future[FlowRun]] = {}
+
+    async def launch(self, branch: Branch) -> None:
+        creating = asyncio.ensure_future(
+            arun_deployment(
+                self.deployment,
+                parameters={**self.arguments, "parameters": branch.parameters},
+                flow_run_name=branch.name,
+                timeout=0,
+            )
+        )
+        self.creating[branch.index] = creating
+        flow_run = await asyncio.shield(creating)
+        branch.flow_run_id = flow_run.id
+        branch.state = await final_state(flow_run.id, None)
+
+    async def cancel(self, branch: Branch) -> None:
+        """A run being made is made all the same, then cancelled, so none outlives the sweep
+        unseen."""
+        flow_run = await self.creating[branch.index]
+        branch.flow_run_id = flow_run.id
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run.id)
+        await stop_branch_run(flow_run, CANCELLED_WHY, self.backend)
+        branch.state = await final_state(flow_run.id, CANCEL_WAIT_S)
