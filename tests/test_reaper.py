@@ -5,6 +5,7 @@ on the E2B emulator, with a live run's sandbox beside it left alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -26,6 +27,7 @@ import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
@@ -33,6 +35,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Crashed, Pending, Running
 from pydantic import SecretStr
@@ -41,6 +44,7 @@ from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows import ReapFailedError, areap_sandboxes, reap_sandboxes
 from prefect_sandbox.flows.hooks import kill_labelled_sandboxes
+from prefect_sandbox.flows.limits import SWEEP_LIMIT_PREFIX, sweep_limit_name
 from prefect_sandbox.flows.reaper import (
     REAPED_ARTIFACT_KEY,
     ReapedSandbox,
@@ -61,7 +65,7 @@ from prefect_sandbox.sandbox.labels import (
 )
 from prefect_sandbox.tasks.sandbox import prefect_api_id
 from prefect_sandbox.testing.e2b import E2BEmulator, Fault
-from tests.conftest import ROOT
+from tests.conftest import ROOT, flow_run_logs
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -283,6 +287,55 @@ async def test_a_sandbox_or_backend_that_fails_does_not_stop_the_others(
     assert results[remote.handle.sandbox_id].startswith("error: ")
     assert results[""].startswith("error: ")
     assert await remote.kill()
+
+
+async def _limit_names() -> set[str]:
+    async with get_client() as client:
+        limits = await client.read_global_concurrency_limits(limit=200)
+    return {limit.name for limit in limits}
+
+
+async def test_it_deletes_the_limits_of_sweeps_crashed_or_gone_and_keeps_a_running_sweeps() -> None:
+    async with get_client() as client:
+        runs = {
+            name: await client.create_flow_run(_finished, state=Running())
+            for name in ("crashed", "deleted", "running")
+        }
+        limits = {name: sweep_limit_name(run.id) for name, run in runs.items()}
+        limits["not-a-run"] = f"{SWEEP_LIMIT_PREFIX}not-a-run-{uuid.uuid4().hex}"
+        for limit in limits.values():
+            await client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=limit, limit=2)
+            )
+        await client.set_flow_run_state(runs["crashed"].id, Crashed(), force=True)
+        await client.delete_flow_run(runs["deleted"].id)
+    # Sweep no sandbox: only the limits are at stake here.
+    nothing = {"backends": [LocalKernelBackend()], "labels": {"test-id": uuid.uuid4().hex}}
+    try:
+        await areap_sandboxes(dry_run=True, **nothing)
+        assert set(limits.values()) <= await _limit_names()
+
+        state = await areap_sandboxes(return_state=True, **nothing)
+        await state.aresult()
+        left = await _limit_names()
+        assert limits["crashed"] not in left and limits["deleted"] not in left
+        assert {limits["running"], limits["not-a-run"]} <= left
+        assert state.state_details.flow_run_id is not None
+        logged = [log.message for log in await flow_run_logs(str(state.state_details.flow_run_id))]
+        deleted = [message for message in logged if message.startswith("Deleted concurrency")]
+        assert sorted(deleted) == sorted(
+            [
+                f"Deleted concurrency limit {limits['crashed']} of sweep {runs['crashed'].id} "
+                "(flow run Crashed)",
+                f"Deleted concurrency limit {limits['deleted']} of sweep {runs['deleted'].id} "
+                "(no such flow run)",
+            ]
+        )
+    finally:
+        async with get_client() as client:
+            for limit in limits.values():
+                with contextlib.suppress(ObjectNotFound):
+                    await client.delete_global_concurrency_limit_by_name(limit)
 
 
 _VICTIM = """

@@ -12,6 +12,8 @@ stands as it is and the run logs a warning naming both sizes and how to change t
 A sweep's ``max_sandboxes`` is a limit of its own, ``prefect-sandbox:sweep:<flow run id>``
 (`sweep_limit`), made for the sweep's branches and deleted when they have ended; each branch
 holds a slot of it as well as its backend's (`also_holding` passes it to the branches' runs).
+A sweep killed outright leaves its limit behind; the reaper removes it once the sweep's flow
+run is final or gone.
 
 Slots are Prefect's lease-based ones (`prefect.concurrency.asyncio.concurrency`), held by
 ``{"type": "flow_run", "id": <flow run id>}`` and released on the way out of the block however
@@ -47,15 +49,18 @@ from prefect_sandbox.blocks.base import SandboxBackend
 __all__ = [
     "LEASE_DURATION_S",
     "LIMIT_PREFIX",
+    "SWEEP_LIMIT_PREFIX",
     "LiveLimit",
     "also_holding",
     "live_sandbox_limit_name",
     "live_sandbox_slot",
     "run_limits",
     "sweep_limit",
+    "sweep_limit_name",
 ]
 
 LIMIT_PREFIX = "prefect-sandbox:"
+SWEEP_LIMIT_PREFIX = f"{LIMIT_PREFIX}sweep:"
 LEASE_DURATION_S = 120.0
 """Seconds a slot's lease lasts without renewal. Prefect renews it every 3/4 of this while the
 run lives (with retries), and its server accepts 60 s at least: 120 s leaves a failed renewal
@@ -84,6 +89,11 @@ def live_sandbox_limit_name(backend: SandboxBackend) -> str:
     """The name of the global concurrency limit that caps ``backend``'s live sandboxes, e.g.
     ``"prefect-sandbox:e2b"``: one per kind of backend, whatever the block's name."""
     return f"{LIMIT_PREFIX}{backend.backend_slug}"
+
+
+def sweep_limit_name(sweep_id: UUID) -> str:
+    """The name of a sweep's own limit: `SWEEP_LIMIT_PREFIX` and the sweep's flow run id."""
+    return f"{SWEEP_LIMIT_PREFIX}{sweep_id}"
 
 
 def run_limits(backend: SandboxBackend) -> list[LiveLimit]:
@@ -121,7 +131,7 @@ async def sweep_limit(sweep_id: UUID, size: int | None) -> AsyncIterator[LiveLim
     if size is None:
         yield None
         return
-    limit = LiveLimit(f"{LIMIT_PREFIX}sweep:{sweep_id}", size, "the sweep's max_sandboxes")
+    limit = LiveLimit(sweep_limit_name(sweep_id), size, "the sweep's max_sandboxes")
     async with get_client() as client:
         await client.create_global_concurrency_limit(
             GlobalConcurrencyLimitCreate(name=limit.name, limit=size)

@@ -35,11 +35,21 @@ which the reaper removes.
 Pooled local kernels (the warm pool) carry the marker but no flow-run-id label: the reaper
 leaves them to their pool. It also removes this machine's pipeline staging folders whose owning
 process is gone (`prefect_sandbox.flows.staging`); a new run does too.
+
+It also deletes the global concurrency limit a sweep makes for its branches
+(`prefect_sandbox.flows.limits.sweep_limit_name`) where the sweep's flow run is final or no
+longer exists: a sweep deletes its own on the way out, unless its process was killed outright.
+A limit whose sweep is still Running is left, however silent the run (its branches may still
+hold slots); once Prefect marks it Crashed the reaper's next run removes it. Slots of a
+backend's cap (``prefect-sandbox:<backend>``) held by a killed run are not touched: the API
+does not say which run holds a slot, and the server's repossessor frees them when their lease
+expires.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -66,6 +76,7 @@ from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.errors import ReapFailedError
+from prefect_sandbox.flows.limits import SWEEP_LIMIT_PREFIX
 from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.flows.staging import orphaned_staging_dirs, remove_orphaned_staging_dirs
 from prefect_sandbox.sandbox.base import SandboxHandle
@@ -84,6 +95,7 @@ __all__ = [
     "last_heartbeats",
     "reap_reason",
     "reap_sandboxes",
+    "reap_sweep_limits",
     "saved_backends",
 ]
 
@@ -100,6 +112,9 @@ HEARTBEAT_PERIODS = 3
 """Heartbeat periods a Running flow run must miss, at least, to count as dead."""
 
 _FLOW_RUNS_PER_QUERY = 100
+_LIMITS_PER_QUERY = 200
+"""Prefect's server caps a page of global concurrency limits at ``PREFECT_API_DEFAULT_LIMIT``
+(200 by default)."""
 
 
 class ReapedSandbox(BaseModel):
@@ -226,6 +241,59 @@ async def _flow_runs(flow_run_ids: Iterable[str]) -> dict[str, FlowRun]:
             )
             found.update({str(run.id): run for run in runs})
     return found
+
+
+async def _sweep_limits() -> dict[str, UUID]:
+    """The sweeps' own global concurrency limits the API has, by name, with the sweep's flow
+    run id each names (names under `SWEEP_LIMIT_PREFIX` that end in no UUID are left out)."""
+    found: dict[str, UUID] = {}
+    async with get_client() as client:
+        offset = 0
+        while page := await client.read_global_concurrency_limits(
+            limit=_LIMITS_PER_QUERY, offset=offset
+        ):
+            offset += len(page)
+            for limit in page:
+                if not limit.name.startswith(SWEEP_LIMIT_PREFIX):
+                    continue
+                try:
+                    found[limit.name] = UUID(limit.name.removeprefix(SWEEP_LIMIT_PREFIX))
+                except ValueError:
+                    continue
+    return found
+
+
+async def reap_sweep_limits(dry_run: bool = False) -> list[str]:
+    """Delete the sweeps' own limits whose sweep is over: its flow run is in a final state or
+    no longer exists (`reap_reason` without age or heartbeats), logging each.
+
+    Args:
+        dry_run: log what would be deleted, and delete nothing.
+
+    Returns:
+        The names of the limits deleted (or that would be); one the sweep deleted meanwhile
+        counts too.
+
+    Raises:
+        prefect.exceptions.PrefectHTTPStatusError: the API refused a read or a deletion.
+    """
+    log = get_run_logger()
+    limits = await _sweep_limits()
+    runs = await _flow_runs(str(sweep) for sweep in limits.values())
+    reaped = []
+    async with get_client() as client:
+        for name, sweep in limits.items():
+            why = reap_reason(runs.get(str(sweep)), None, None)
+            if why is None:
+                continue
+            reaped.append(name)
+            if dry_run:
+                log.info("Would delete concurrency limit %s (%s)", name, why)
+                continue
+            with contextlib.suppress(ObjectNotFound):  # the sweep's own exit got there first
+                await client.delete_global_concurrency_limit_by_name(name)
+            log.info("Deleted concurrency limit %s of sweep %s (%s)", name, sweep, why)
+    return reaped
 
 
 @dataclass(frozen=True)
@@ -368,6 +436,9 @@ async def areap_sandboxes(
     on its own; one that cannot be killed is logged and the others still are. A table artifact
     (key ``reaped-sandboxes``) lists what was killed, or would be on a dry run.
 
+    It also removes orphaned staging folders and deletes the concurrency limits of sweeps
+    that are over (`reap_sweep_limits`), logging each.
+
     Sandboxes made through another Prefect API are judged by age alone. To keep two APIs that
     share a vendor account apart, give each one's blocks labels of their own (E2B's metadata,
     Daytona's labels) and pass them here.
@@ -381,7 +452,7 @@ async def areap_sandboxes(
             as dead (its process was killed or its machine lost); at least 3 heartbeat
             periods (PREFECT_FLOWS_HEARTBEAT_FREQUENCY of the flows' processes). Runs with no
             heartbeat on record are not judged by it. Empty to not judge by heartbeats.
-        dry_run: List what would be killed, and kill nothing.
+        dry_run: List what would be killed (or removed, deleted), and change nothing.
         labels: Further labels a sandbox must carry to be swept, e.g. {"team": "ml"}.
 
     Returns:
@@ -404,6 +475,7 @@ async def areap_sandboxes(
     else:
         for path in await asyncio.to_thread(remove_orphaned_staging_dirs):
             log.info("Removed staging folder %s (its process is gone)", path)
+    await reap_sweep_limits(dry_run)
     swept: list[SandboxBackend] = list(backends) if backends else await saved_backends()
     found, reaped = await _labelled_sandboxes(swept, {**(labels or {}), MARKER_LABEL: "true"})
     runs = await _flow_runs(handle.labels[FLOW_RUN_ID_LABEL] for _, handle in found)
