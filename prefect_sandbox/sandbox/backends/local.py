@@ -55,6 +55,7 @@ from jupyter_client.connect import write_connection_file
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 from jupyter_client.launcher import launch_kernel
 
+from prefect_sandbox.sandbox.backends import run_to_end_in_thread
 from prefect_sandbox.sandbox.backends.jupyter import (
     STARTUP_FILE_NAME,
     JupyterKernelConfig,
@@ -389,7 +390,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         _write_connection_files(runtime_dir, config.kernel_name)
         sandbox: LocalKernelSandbox | None = None
         try:
-            spec = _launch(handle, config)
+            spec = await run_to_end_in_thread(_launch, handle, config)
             sandbox = cls(handle, config)
             sandbox._starting = True
             await sandbox._handshake()
@@ -458,18 +459,25 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         try:
             os.killpg(self._pid, signal.SIGINT)
         except ProcessLookupError:
-            self._check_alive()
+            await self._check_alive()
 
     async def restart(self) -> None:
-        """Kill the kernel and start a new one on the same sockets and working directory."""
+        """Kill the kernel and start a new one on the same sockets and working directory.
+
+        The kill (which waits for the old kernel to end) and the launch run in a thread.
+        """
         await self.close()
+        await run_to_end_in_thread(self._relaunch)
+        self._starting = True
+        await self._reconnect()
+        self._starting = False
+
+    def _relaunch(self) -> None:
+        """Kill the kernel, wait until it is gone, and launch a new one (blocking)."""
         _kill_process_group(self._handle.sandbox_id, self._pid)
         self._clear_sockets()
         _launch(self._handle, self._config)
         self._pid = _read_pid(self._handle)
-        self._starting = True
-        await self._reconnect()
-        self._starting = False
 
     async def kill(self) -> bool:
         """Kill the kernel and its children, and remove its files. Idempotent.
@@ -480,8 +488,11 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         await self.close()
         return await asyncio.to_thread(_destroy, self._handle)
 
-    def _check_alive(self, reason: str | None = None) -> None:
-        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
+    async def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why.
+
+        Never blocks: a non-waiting ``waitpid``, or a read of ``/proc``.
+        """
         process = _launched.get(self._handle.sandbox_id)
         if process is not None:
             returncode = process.poll()
@@ -818,7 +829,8 @@ def _forget_killed_elsewhere() -> None:
     guard, which sees a zombie's group as alive, keeps running."""
     for sandbox_id, process in list(_launched.items()):
         if process.poll() is not None and not (_runtime_base() / sandbox_id).exists():
-            del _launched[sandbox_id]
+            # Launches run in threads: another one may have forgotten it meanwhile.
+            _launched.pop(sandbox_id, None)
             guard = _guards.pop(sandbox_id, None)
             if guard is not None:
                 guard.kill()
