@@ -847,7 +847,7 @@ async def test_a_task_timeout_on_run_stage_leaves_the_sandbox_to_its_flow(tmp_pa
 
     from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
     from prefect_sandbox.tasks import create_sandbox, download_artifacts, kill_sandbox, run_stage
-    from prefect_sandbox.tasks.sandbox import partial_stage_result
+    from prefect_sandbox.tasks.sandbox import partial_stage_result, stage_progress
 
     backend = LocalKernelBackend()
     stage = StageSpec(
@@ -863,19 +863,18 @@ async def test_a_task_timeout_on_run_stage_leaves_the_sandbox_to_its_flow(tmp_pa
     async def mine() -> tuple[str | None, Any, list[str], bool]:
         handle = await create_sandbox(backend, {"suite": "task-timeout"})
         try:
-            state = await run_stage.with_options(timeout_seconds=10)(
-                backend, handle, stage, return_state=True
-            )
+            with stage_progress() as progress:
+                state = await run_stage.with_options(timeout_seconds=10)(
+                    backend, handle, stage, return_state=True
+                )
             try:
                 await state.result()
             except BaseException as exc:
                 error: BaseException | None = exc
             else:
                 error = None
-            partial = None
-            while error is not None and partial is None:
-                partial = partial_stage_result(error)
-                error = error.__cause__ or error.__context__
+            assert error is not None
+            partial = partial_stage_result(error, progress)
             downloaded = await download_artifacts(backend, handle, ["*.txt"], str(tmp_path))
         finally:
             killed = await kill_sandbox(backend, handle)

@@ -10,11 +10,14 @@ the backends; a retry that makes sense is a flow retry, whose attempt gets a fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import anyio
 from prefect import get_run_logger, task
@@ -56,6 +59,7 @@ __all__ = [
     "CELL_DONE_ATTRIBUTE",
     "PROGRESS_LOG_INTERVAL_S",
     "CellDone",
+    "StageProgress",
     "cell_failure",
     "create_sandbox",
     "deadline_passed",
@@ -65,6 +69,7 @@ __all__ = [
     "prefect_api_id",
     "run_stage",
     "shielded",
+    "stage_progress",
     "upload_inputs",
 ]
 
@@ -77,10 +82,42 @@ TIMED_OUT_ENAME = "RunTimedOut"
 """The error name a cell gets when Prefect's ``timeout_seconds`` of its flow or task run passes
 while it runs."""
 _PARTIAL_OUTPUT_CHARS = 1 << 20
-# Where a stage's error carries the stage's partial result: the core's errors know no stages.
-_PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
 
-E = TypeVar("E", bound=BaseException)
+
+class StageProgress:
+    """Where `run_stage` leaves the stage's cells so far when a cancellation stops it (a
+    cancellation carries no data), for the flow that awaits the stage in this process; see
+    `stage_progress`.
+
+    Attributes:
+        stopped: the stage's result up to the cell that was running (status ``"cancelled"``,
+            or ``"failed"`` for a passed ``timeout_seconds``); None while it runs or when it
+            ended otherwise.
+    """
+
+    def __init__(self) -> None:
+        self.stopped: StageResult | None = None
+
+
+_stage_progress: ContextVar[StageProgress | None] = ContextVar(
+    "prefect_sandbox_stage_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def stage_progress() -> Iterator[StageProgress]:
+    """Watch the `run_stage` runs awaited inside (in this process and context).
+
+    Yields:
+        The progress `run_stage` fills when a cancellation stops it; read it with
+        `partial_stage_result`.
+    """
+    progress = StageProgress()
+    token = _stage_progress.set(progress)
+    try:
+        yield progress
+    finally:
+        _stage_progress.reset(token)
 
 
 def deadline_passed() -> bool:
@@ -335,20 +372,23 @@ def _cancelled_cell(
     )
 
 
-def partial_stage_result(error: BaseException) -> StageResult | None:
+def partial_stage_result(
+    error: BaseException, progress: StageProgress | None = None
+) -> StageResult | None:
     """What a stage produced before ``error``, when `run_stage` raised it; else None.
 
     The pipeline flows read it to store the cells that ran before the failing one.
+
+    Args:
+        error: what `run_stage` raised: a `SandboxError` carries the stage's cells so far in
+            its ``partial_result`` (from any process: it survives pickling); a cancellation
+            carries nothing, and they are read from ``progress``.
+        progress: the `stage_progress` the stage ran in, if any.
     """
-    partial = vars(error).get(_PARTIAL_STAGE_ATTRIBUTE)
-    return partial if isinstance(partial, StageResult) else None
-
-
-def _with_partial_stage(error: E, partial: StageResult) -> E:
-    """``error`` (new from this module, or a cancellation), carrying its stage's partial
-    result (which survives pickling: a `SandboxError` keeps every attribute)."""
-    vars(error)[_PARTIAL_STAGE_ATTRIBUTE] = partial
-    return error
+    if isinstance(error, SandboxError):
+        partial = error.partial_result
+        return partial if isinstance(partial, StageResult) else None
+    return None if progress is None else progress.stopped
 
 
 def _where(stage: str, cell: CellSpec) -> str:
@@ -362,7 +402,7 @@ def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError
     lost = copy.copy(exc)
     lost.message = f"{_where(stage, cell)}: {exc.message}"
     lost.args = (lost.message,)
-    vars(lost).update(stage=stage, cell_index=cell.index)
+    lost.stage, lost.cell_index = stage, cell.index
     return lost
 
 
@@ -447,15 +487,15 @@ async def run_stage(
         SandboxError: a cell failed (`CellExecutionError`, `CellTimeoutError`), or the sandbox
             died, expired or could not be reached during it (`SandboxDiedError`,
             `SandboxNotFoundError`, `SandboxUnavailableError`: a copy of the backend's error,
-            raised from it); the error
-            names the stage and cell, and `partial_stage_result` reads from it what the stage
-            produced before. A sandbox that cannot be reached when the stage starts is
-            reported as lost in its first cell.
-        asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
-            reads from it the stage's cells so far (status ``"cancelled"``), that cell's
-            output included. Or the flow or task run's ``timeout_seconds`` passed
-            (`deadline_passed`): the same, status ``"failed"``, the cell's error
-            `TIMED_OUT_ENAME`; the cell is not interrupted (the flows kill the sandbox).
+            raised from it); the error names the stage and cell, and its ``partial_result``
+            holds what the stage produced before (`partial_stage_result`). A sandbox that
+            cannot be reached when the stage starts is reported as lost in its first cell.
+        asyncio.CancelledError: the flow run was cancelled during a cell; the stage's cells so
+            far (status ``"cancelled"``), that cell's output included, are left in the
+            enclosing `stage_progress` (`partial_stage_result`). Or the flow or task run's
+            ``timeout_seconds`` passed (`deadline_passed`): the same, status ``"failed"``,
+            the cell's error `TIMED_OUT_ENAME`; the cell is not interrupted (the flows kill
+            the sandbox).
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -487,7 +527,9 @@ async def run_stage(
         # it in the notebook as an error output; the stage's cells so far are kept.
         died = _death_result(exc, seen, at, time.monotonic() - cell_start)
         records.append(CellRecord(index=cell.index, result=died))
-        return _with_partial_stage(_lost_in_cell(stage.name, cell, exc), stage_result(cell, died))
+        lost = _lost_in_cell(stage.name, cell, exc)
+        lost.partial_result = stage_result(cell, died)
+        return lost
 
     try:
         sandbox = await backend.attach(handle)
@@ -509,7 +551,7 @@ async def run_stage(
                 )
                 output_log.flush()
                 late_outputs.update(await sandbox.take_late_outputs())
-            except asyncio.CancelledError as exc:
+            except asyncio.CancelledError:
                 output_log.flush()
                 timed_out = deadline_passed()
                 stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
@@ -517,7 +559,9 @@ async def run_stage(
                 partial = stage_result(cell, stopped)
                 if not timed_out:
                     partial = partial.model_copy(update={"status": "cancelled"})
-                _with_partial_stage(exc, partial)
+                progress = _stage_progress.get()
+                if progress is not None:
+                    progress.stopped = partial
                 raise
             except SandboxError as exc:
                 output_log.flush()
@@ -528,7 +572,8 @@ async def run_stage(
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
             error = cell_failure(stage.name, cell, result, timeout_s)
-            raise _with_partial_stage(error, stage_result(cell, result))
+            error.partial_result = stage_result(cell, result)
+            raise error
     finally:
         with shielded():
             await sandbox.close()
