@@ -104,6 +104,17 @@ _stage_progress: ContextVar[StageProgress | None] = ContextVar(
 )
 
 
+def _leave_progress(stopped: StageResult) -> None:
+    """Leave a stopped stage's result in the enclosing `stage_progress`, if any.
+
+    A function of its own: Dask's cloudpickle sends a task's function by value, with the
+    module globals it names, and a `ContextVar` does not pickle.
+    """
+    progress = _stage_progress.get()
+    if progress is not None:
+        progress.stopped = stopped
+
+
 @contextlib.contextmanager
 def stage_progress() -> Iterator[StageProgress]:
     """Watch the `run_stage` runs awaited inside (in this process and context).
@@ -559,9 +570,7 @@ async def run_stage(
                 partial = stage_result(cell, stopped)
                 if not timed_out:
                     partial = partial.model_copy(update={"status": "cancelled"})
-                progress = _stage_progress.get()
-                if progress is not None:
-                    progress.stopped = partial
+                _leave_progress(partial)
                 raise
             except SandboxError as exc:
                 output_log.flush()
