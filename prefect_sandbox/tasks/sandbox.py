@@ -30,6 +30,7 @@ from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
     OutputCallback,
+    Sandbox,
     SandboxHandle,
     checked_timeout_s,
 )
@@ -82,6 +83,8 @@ TIMED_OUT_ENAME = "RunTimedOut"
 """The error name a cell gets when Prefect's ``timeout_seconds`` of its flow or task run passes
 while it runs."""
 _PARTIAL_OUTPUT_CHARS = 1 << 20
+_TIMEOUT_INTERRUPT_S = 10.0
+"""Seconds an interrupt of a cell stopped by Prefect's ``timeout_seconds`` may take."""
 
 
 class StageProgress:
@@ -402,6 +405,22 @@ def partial_stage_result(
     return None if progress is None else progress.stopped
 
 
+async def _interrupt_timed_out(sandbox: Sandbox, where: str) -> None:
+    """Interrupt the cell that a flow or task run's ``timeout_seconds`` stopped waiting for:
+    the kernel would run it on, and hold up what the flow does next on that sandbox (collect
+    its files, run another stage). Whether the sandbox is then killed is the flow's call. An
+    interrupt that fails, or takes over `_TIMEOUT_INTERRUPT_S`, is a warning."""
+    with shielded(), anyio.move_on_after(_TIMEOUT_INTERRUPT_S) as scope:
+        try:
+            await sandbox.interrupt()
+        except SandboxError as exc:
+            get_run_logger().warning("%s: not interrupted after the timeout: %s", where, exc)
+    if scope.cancelled_caught:
+        get_run_logger().warning(
+            "%s: not interrupted after the timeout within %s s", where, _TIMEOUT_INTERRUPT_S
+        )
+
+
 def _where(stage: str, cell: CellSpec) -> str:
     return f"stage {stage!r}, cell {cell.index}"
 
@@ -505,8 +524,8 @@ async def run_stage(
             far (status ``"cancelled"``), that cell's output included, are left in the
             enclosing `stage_progress` (`partial_stage_result`). Or the flow or task run's
             ``timeout_seconds`` passed (`deadline_passed`): the same, status ``"failed"``,
-            the cell's error `TIMED_OUT_ENAME`; the cell is not interrupted (the flows kill
-            the sandbox).
+            the cell's error `TIMED_OUT_ENAME`, and the cell is interrupted (the sandbox
+            lives on, for the flow to collect its files and kill it).
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -565,6 +584,8 @@ async def run_stage(
             except asyncio.CancelledError:
                 output_log.flush()
                 timed_out = deadline_passed()
+                if timed_out:
+                    await _interrupt_timed_out(sandbox, _where(stage.name, cell))
                 stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
                 records.append(CellRecord(index=cell.index, result=stopped))
                 partial = stage_result(cell, stopped)
