@@ -74,6 +74,7 @@ from prefect_sandbox.sandbox.paths import (
     check_size,
     checked_relative_path,
     checked_upload_source,
+    is_inside,
     listing_code,
     matching_files,
 )
@@ -979,7 +980,7 @@ class DaytonaSandbox(Sandbox):
         root, rows = json.loads(output)
         checked = []
         for given, (real, is_file) in zip(paths, rows, strict=True):
-            if real != root and not real.startswith(root.rstrip("/") + "/"):
+            if not is_inside(real, root):
                 raise UnsafePathError(
                     f"path {given!r} resolves outside the working directory (through a symlink)",
                     path=given,

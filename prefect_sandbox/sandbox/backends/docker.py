@@ -35,7 +35,6 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import tarfile
 import tempfile
 import time
@@ -49,12 +48,16 @@ from typing import IO, TYPE_CHECKING, Any
 from jupyter_client.connect import write_connection_file
 
 from prefect_sandbox.sandbox.backends import import_extra, run_to_end_in_thread, translated
+from prefect_sandbox.sandbox.backends.host import (
+    new_runtime_dir,
+    new_workdir,
+    remove_folders,
+)
 from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelConfig,
     JupyterKernelSandbox,
     write_ipython_startup,
 )
-from prefect_sandbox.sandbox.backends.local import _new_runtime_dir, _new_workdir
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -252,8 +255,8 @@ class DockerSandbox(JupyterKernelSandbox):
                 ``startup_timeout_s``.
         """
         sandbox_id = f"docker-{uuid.uuid4().hex[:12]}"
-        runtime_dir = _new_runtime_dir(sandbox_id)
-        host_workdir = _new_workdir(sandbox_id, config.workdir_root)
+        runtime_dir = new_runtime_dir(sandbox_id)
+        host_workdir = new_workdir(sandbox_id, config.workdir_root)
         uid, gid = _container_user()
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
@@ -602,7 +605,6 @@ def _destroy(handle: SandboxHandle, config: DockerSandboxConfig) -> bool:
         pass
     finally:
         client.close()
-    shutil.rmtree(runtime_dir, ignore_errors=True)
-    if handle.connection.get("owns_workdir"):
-        shutil.rmtree(handle.connection["host_workdir"], ignore_errors=True)
+    owned = handle.connection.get("owns_workdir")
+    remove_folders(runtime_dir, Path(handle.connection["host_workdir"]) if owned else None)
     return existed
