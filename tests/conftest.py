@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copyreg
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from datetime import datetime
@@ -168,3 +172,60 @@ def max_alive_at_once(summaries: list[dict[str, object]]) -> int:
         alive += change
         most = max(most, alive)
     return most
+
+
+@pytest.fixture
+def dask_pickling() -> Iterator[None]:
+    """Exceptions pickled as Dask pickles them; copyreg's reducers are restored afterwards.
+
+    ``import distributed`` and each error it ships install tblib's reducers, which carry an
+    exception's ``__cause__``, ``__context__`` and traceback along with it.
+    """
+    saved = dict(copyreg.dispatch_table)
+    try:
+        yield
+    finally:
+        copyreg.dispatch_table.clear()
+        copyreg.dispatch_table.update(saved)
+
+
+VENDOR_MODULES = frozenset(
+    {"e2b", "e2b_code_interpreter", "daytona", "docker", "requests", "urllib3", "aiohttp"}
+    | {"daytona_api_client", "daytona_api_client_async", "daytona_toolbox_api_client"}
+)
+"""The backends' SDKs and their transports (httpx aside: Prefect itself imports it)."""
+
+_UNPICKLE_WITHOUT_VENDORS = f"""
+import importlib.abc, json, pickle, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {sorted(VENDOR_MODULES)!r}:
+            raise ImportError(f"vendor module {{name}} imported while unpickling")
+
+sys.meta_path.insert(0, Refuse())
+error, chain, seen = pickle.loads(sys.stdin.buffer.read()), [], set()
+while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(f"{{type(error).__module__}}.{{type(error).__qualname__}}")
+    error = error.__cause__ or error.__context__
+print(json.dumps(chain))
+"""
+
+
+def unpickled_without_vendors(blob: bytes) -> list[str]:
+    """Unpickle an exception in a fresh process where importing any `VENDOR_MODULES` fails.
+
+    Returns:
+        The qualified class names along its ``__cause__``/``__context__`` chain, itself first.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _UNPICKLE_WITHOUT_VENDORS],
+        input=blob,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    chain: list[str] = json.loads(done.stdout)
+    return chain

@@ -35,6 +35,7 @@ from prefect.context import FlowRunContext, serialize_context
 from prefect.exceptions import CancelledRun
 from prefect.runtime import flow_run
 
+import prefect_sandbox.tasks
 from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.dask import (
@@ -243,6 +244,15 @@ async def test_a_live_local_sandbox_refuses_pickling() -> None:
             pickle.dumps(sandbox)
     finally:
         await sandbox.kill()
+
+
+@pytest.mark.parametrize("name", prefect_sandbox.tasks.__all__)
+def test_each_task_pickles_as_dask_sends_it(name: str) -> None:
+    # A task's function is no module attribute (the Task is), so cloudpickle sends it by
+    # value, with every module global it names: one that does not pickle (a ContextVar, a
+    # lock) breaks every Dask run.
+    function = getattr(prefect_sandbox.tasks, name).fn
+    assert cloudpickle.loads(cloudpickle.dumps(function)).__name__ == function.__name__
 
 
 @task(cache_policy=NO_CACHE)

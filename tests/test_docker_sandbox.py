@@ -23,11 +23,13 @@ from prefect_sandbox.sandbox.backends.docker import DockerSandbox
 from prefect_sandbox.sandbox.errors import (
     CellTimeoutError,
     SandboxDiedError,
+    SandboxError,
     SandboxNotFoundError,
+    SandboxUnavailableError,
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
-from tests.conftest import ROOT, stream_text
+from tests.conftest import ROOT, stream_text, unpickled_without_vendors
 
 EXAMPLE = ROOT / "examples" / "co2"
 ARTIFACTS = ["figures/*.png", "forecast.csv", "metrics.json"]
@@ -326,3 +328,23 @@ def test_cli_backend_docker_needs_an_image_or_a_block(
     assert "--docker-image" in capsys.readouterr().err
     assert main(["run", notebook, "--docker-image", "x", "--out", str(tmp_path)]) == 2
     assert "--backend docker" in capsys.readouterr().err
+
+
+async def test_dockers_errors_cross_a_dask_process_boundary_without_the_sdk(
+    docker_image: str, dask_pickling: None
+) -> None:
+    from distributed.core import error_message
+
+    # The docker SDK's errors for an image it cannot find (nor pull, offline) hold the
+    # daemon's HTTP response (requests'); a client that reaches no daemon raises requests'
+    # and urllib3's errors.
+    missing = DockerBackend(image=f"{docker_image}-not-built-{uuid.uuid4().hex[:8]}")
+    unreachable = DockerBackend(image=docker_image, docker_host="unix:///nonexistent/docker.sock")
+    for backend in (missing, unreachable):
+        with pytest.raises(SandboxError) as info:
+            await backend.create(_labels())
+        blob = error_message(info.value)["exception"].data
+        chain = unpickled_without_vendors(blob)
+        assert chain[0] == f"prefect_sandbox.sandbox.errors.{type(info.value).__name__}"
+        assert set(chain[1:]) == {"prefect_sandbox.sandbox.errors.ForeignError"}
+    assert isinstance(info.value, SandboxUnavailableError)

@@ -7,7 +7,6 @@ tests/test_e2b_faults.py and tests/test_daytona.py.
 
 from __future__ import annotations
 
-import copyreg
 import itertools
 import json
 import logging
@@ -39,7 +38,7 @@ from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.e2b import E2BEmulator
 from prefect_sandbox.testing.faults import Fault
-from tests.conftest import stream_text
+from tests.conftest import stream_text, unpickled_without_vendors
 
 
 @dataclass
@@ -228,21 +227,6 @@ async def test_a_refused_api_key_is_an_auth_error_that_never_shows_the_key(
     assert vendor.emulator.sandbox_ids(labels) == []
 
 
-@pytest.fixture
-def dask_pickling() -> Iterator[None]:
-    """Exceptions pickled as Dask pickles them; copyreg's reducers are restored afterwards.
-
-    ``import distributed`` and each error it ships install tblib's reducers, which carry an
-    exception's ``__cause__``, ``__context__`` and traceback along with it.
-    """
-    saved = dict(copyreg.dispatch_table)
-    try:
-        yield
-    finally:
-        copyreg.dispatch_table.clear()
-        copyreg.dispatch_table.update(saved)
-
-
 async def test_a_refused_api_key_crosses_a_dask_process_boundary_as_an_auth_error(
     vendor: Vendor, labels: dict[str, str], dask_pickling: None
 ) -> None:
@@ -260,6 +244,31 @@ async def test_a_refused_api_key_crosses_a_dask_process_boundary_as_an_auth_erro
     assert isinstance(info.value.__cause__, ForeignError)
     assert str(copy.__cause__) == str(info.value.__cause__)
     assert str(copy.__cause__).startswith(f"{vendor.name}.")
+    # ... and a process that has no vendor SDK reads it whole.
+    chain = unpickled_without_vendors(blob)
+    assert chain[0] == "prefect_sandbox.sandbox.errors.SandboxAuthError"
+    assert set(chain[1:]) == {"prefect_sandbox.sandbox.errors.ForeignError"}
+
+
+async def test_a_vanished_sandbox_crosses_a_dask_process_boundary_without_the_vendor(
+    vendor: Vendor, labels: dict[str, str], dask_pickling: None
+) -> None:
+    from distributed.core import error_message
+
+    box = await vendor.backend().create(labels)
+    vendor.emulator.expire(box.handle.sandbox_id)
+    try:
+        with pytest.raises(SandboxNotFoundError) as info:
+            await box.run_cell("print('late')")
+    finally:
+        await box.kill()
+    blob = error_message(info.value)["exception"].data
+    chain = unpickled_without_vendors(blob)
+    assert chain[0] == "prefect_sandbox.sandbox.errors.SandboxNotFoundError"
+    assert set(chain[1:]) <= {
+        "prefect_sandbox.sandbox.errors.ForeignError",
+        "prefect_sandbox.sandbox.errors.SandboxNotFoundError",
+    }
 
 
 @pytest.mark.parametrize("name", ["e2b", "daytona"])

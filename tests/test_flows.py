@@ -847,43 +847,48 @@ async def test_a_task_timeout_on_run_stage_leaves_the_sandbox_to_its_flow(tmp_pa
 
     from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
     from prefect_sandbox.tasks import create_sandbox, download_artifacts, kill_sandbox, run_stage
-    from prefect_sandbox.tasks.sandbox import partial_stage_result
+    from prefect_sandbox.tasks.sandbox import partial_stage_result, stage_progress
 
     backend = LocalKernelBackend()
     stage = StageSpec(
         name="slow",
         cells=[
             CellSpec(index=0, source="open('early.txt', 'w').write('kept'); print('early')"),
-            CellSpec(index=1, source="import time; time.sleep(600)"),
+            CellSpec(index=1, source="import time; print('sleeping', flush=True); time.sleep(600)"),
         ],
     )
     before = {p.pid for p in kernel_processes()}
 
     @flow
-    async def mine() -> tuple[str | None, Any, list[str], bool]:
+    async def mine() -> tuple[str | None, Any, list[str], bool, Any]:
         handle = await create_sandbox(backend, {"suite": "task-timeout"})
         try:
-            state = await run_stage.with_options(timeout_seconds=10)(
-                backend, handle, stage, return_state=True
-            )
+            with stage_progress() as progress:
+                state = await run_stage.with_options(timeout_seconds=10)(
+                    backend, handle, stage, return_state=True
+                )
             try:
                 await state.result()
             except BaseException as exc:
                 error: BaseException | None = exc
             else:
                 error = None
-            partial = None
-            while error is not None and partial is None:
-                partial = partial_stage_result(error)
-                error = error.__cause__ or error.__context__
+            assert error is not None
+            partial = partial_stage_result(error, progress)
             downloaded = await download_artifacts(backend, handle, ["*.txt"], str(tmp_path))
+            # The timed-out cell was interrupted: the kernel runs the next stage at once.
+            after = await run_stage(backend, handle, next_stage, cell_timeout_s=30)
         finally:
             killed = await kill_sandbox(backend, handle)
-        return state.name, partial, downloaded, killed
+        return state.name, partial, downloaded, killed, after
 
-    name, partial, downloaded, killed = await mine()
+    next_stage = StageSpec(name="next", cells=[CellSpec(index=2, source="print('next')")])
+    name, partial, downloaded, killed, after = await mine()
     assert name == "TimedOut"
     assert downloaded == ["early.txt"] and killed
     assert partial is not None and partial.status == "failed"
     assert partial.cells[-1].result.error.ename == "RunTimedOut"
+    # What the stopped cell printed before the timeout is kept.
+    assert partial.cells[-1].result.outputs[0]["text"] == "sleeping\n"
+    assert after.status == "ok" and after.cells[0].result.outputs[0]["text"] == "next\n"
     assert {p.pid for p in kernel_processes()} == before

@@ -6,6 +6,7 @@ Behaviour every backend shares is in tests/contract/.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -16,7 +17,9 @@ import tempfile
 import textwrap
 import time
 import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -488,3 +491,65 @@ async def test_many_simultaneous_timeouts_under_load_are_each_reported_as_timeou
             assert stream_text(later.outputs) == ("" if result.state_lost else "42\n")
     finally:
         await asyncio.gather(*(box.kill() for box in boxes))
+
+
+@pytest.fixture
+def slow_bwrap() -> Iterator[Path]:
+    """A bwrap that answers only after `SLOW_BWRAP_S` (a loaded machine, a cold disk), in a
+    folder the kernel's user (nobody, when the tests run as root) may read."""
+    folder = Path(tempfile.mkdtemp(prefix="prefect-sandbox-test-"))
+    folder.chmod(0o755)
+    bwrap = folder / "bwrap"
+    bwrap.write_text(f'#!/bin/sh\nsleep {SLOW_BWRAP_S}\nexec {shutil.which("bwrap")} "$@"\n')
+    bwrap.chmod(0o755)
+    yield bwrap
+    shutil.rmtree(folder)
+
+
+SLOW_BWRAP_S = 2.0
+
+
+async def test_other_kernels_output_keeps_flowing_while_a_kernel_launches(
+    slow_bwrap: Path,
+) -> None:
+    # A sweep's subflow branches share one event loop: one branch starting its kernel must not
+    # stall the others' output. Here bwrap's checks and the launch wait on a slow bwrap, and
+    # must wait off the event loop.
+    printers = [
+        await LocalKernelSandbox.create(LocalKernelConfig(isolation="none")) for _ in range(2)
+    ]
+    arrivals: list[list[float]] = [[] for _ in printers]
+    printing = [asyncio.Event() for _ in printers]
+
+    def arrived(index: int) -> Callable[[dict[str, Any]], None]:
+        def record(output: dict[str, Any]) -> None:
+            arrivals[index].append(time.monotonic())
+            printing[index].set()
+
+        return record
+
+    loop = "import os, time\nwhile not os.path.exists('stop'):\n    print('.'); time.sleep(0.02)"
+    cells = [
+        asyncio.create_task(box.run_cell(loop, timeout_s=300, on_output=arrived(index)))
+        for index, box in enumerate(printers)
+    ]
+    launched = None
+    try:
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in printing)), 60)
+        started = time.monotonic()
+        launched = await LocalKernelSandbox.create(LocalKernelConfig(bwrap_path=str(slow_bwrap)))
+        ended = time.monotonic()
+    finally:
+        for box in printers:
+            (Path(box.handle.workdir) / "stop").touch()
+        results = await asyncio.gather(*cells)
+        for box in [*printers, *([launched] if launched else [])]:
+            await box.kill()
+    assert all(result.status == "ok" for result in results)
+    launch_s = ended - started
+    # Two checks and the launch each wait on bwrap; the loop was free all along.
+    assert launch_s >= 3 * SLOW_BWRAP_S
+    for stamps in arrivals:
+        during = [started, *(t for t in stamps if started < t < ended), ended]
+        longest_gap = max(later - earlier for earlier, later in itertools.pairwise(during))
+        assert longest_gap < launch_s / 3, (longest_gap, launch_s)

@@ -38,6 +38,7 @@ from prefect.settings import (
 )
 from prefect.tasks import Task
 
+from prefect_sandbox._compat import temporary_api_server_url
 from prefect_sandbox.options import dask_address
 from prefect_sandbox.sandbox.backends import extra_hint
 from prefect_sandbox.sandbox.errors import BackendNotInstalledError
@@ -123,11 +124,7 @@ def temporary_server_url() -> str | None:
     """
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    server.start()
-    return server.api_url
+    return temporary_api_server_url()
 
 
 def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:

@@ -104,6 +104,7 @@ from prefect_sandbox.tasks.sandbox import (
     partial_stage_result,
     run_stage,
     shielded,
+    stage_progress,
     upload_inputs,
 )
 from prefect_sandbox.tasks.storage import (
@@ -433,13 +434,14 @@ class _PipelineRun:
     async def _run_stage(
         self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
     ) -> None:
-        try:
-            result = await run_stage(self.backend, handle, stage, cell_timeout_s)
-        except (SandboxError, asyncio.CancelledError) as exc:
-            partial = partial_stage_result(exc)
-            if partial is not None:
-                self.stage_results.append(partial)
-            raise
+        with stage_progress() as progress:
+            try:
+                result = await run_stage(self.backend, handle, stage, cell_timeout_s)
+            except (SandboxError, asyncio.CancelledError) as exc:
+                partial = partial_stage_result(exc, progress)
+                if partial is not None:
+                    self.stage_results.append(partial)
+                raise
         self.stage_results.append(result)
 
     def take_cancellation(self) -> None:

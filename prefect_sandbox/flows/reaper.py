@@ -72,6 +72,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.logging import get_logger
 from pydantic import BaseModel
 
+from prefect_sandbox._compat import block_document_name
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
@@ -392,7 +393,7 @@ async def _kill(backend: SandboxBackend, handle: SandboxHandle) -> bool:
 def _block_name(backend: SandboxBackend) -> str:
     """A backend block as people know it: its type's slug, and its name when saved."""
     slug = backend.get_block_type_slug()
-    name = backend._block_document_name
+    name = block_document_name(backend)
     return slug if name is None else f"{slug}/{name}"
 
 

@@ -50,6 +50,7 @@ from prefect_sandbox.tasks.sandbox import (
     download_artifacts,
     partial_stage_result,
     run_stage,
+    stage_progress,
 )
 
 __all__ = [
@@ -243,26 +244,27 @@ class SandboxSession:
         cell = CellSpec(index=index, source=code)
         spec.cells.append(cell)
         name = spec.name if attempt == 1 else f"{spec.name}-attempt-{attempt}"
-        try:
-            outcome = await _run_attempt(
-                self._run.backend,
-                self._handle,
-                StageSpec(name=name, cells=[cell]),
-                timeout_s,
-                allow_errors=True,
-            )
-        except CellTimeoutError as exc:
-            # A timeout is data for the agent too; run_stage raises it even when errors are
-            # allowed, so that a pipeline stops.
-            partial = partial_stage_result(exc)
-            if partial is None:
+        with stage_progress() as progress:
+            try:
+                outcome = await _run_attempt(
+                    self._run.backend,
+                    self._handle,
+                    StageSpec(name=name, cells=[cell]),
+                    timeout_s,
+                    allow_errors=True,
+                )
+            except CellTimeoutError as exc:
+                # A timeout is data for the agent too; run_stage raises it even when errors
+                # are allowed, so that a pipeline stops.
+                partial = partial_stage_result(exc)
+                if partial is None:
+                    raise
+                outcome = partial
+            except (SandboxError, asyncio.CancelledError) as exc:
+                partial = partial_stage_result(exc, progress)
+                if partial is not None:
+                    _merge_attempt(step_result, partial)
                 raise
-            outcome = partial
-        except (SandboxError, asyncio.CancelledError) as exc:
-            partial = partial_stage_result(exc)
-            if partial is not None:
-                _merge_attempt(step_result, partial)
-            raise
         _merge_attempt(step_result, outcome)
         ran = outcome.cells[-1].result
         return CellRun(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 
+from prefect_sandbox._compat import global_settings_context, set_global_settings_context
 from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["allow_ephemeral_startup"]
@@ -31,11 +32,11 @@ def allow_ephemeral_startup() -> None:
     a `UserWarning` naming it: importing the flows does not fail, a flow run reading that
     setting does.
     """
-    import prefect.context
+    from prefect.context import SettingsContext
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
     from pydantic import ValidationError
 
-    current = prefect.context.GLOBAL_SETTINGS_CONTEXT
+    current = global_settings_context()
     if "startup_timeout_seconds" in current.settings.server.ephemeral.model_fields_set:
         return
     try:
@@ -46,9 +47,11 @@ def allow_ephemeral_startup() -> None:
             stacklevel=2,
         )
         return
-    prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.SettingsContext(
-        profile=current.profile,
-        settings=current.settings.copy_with_update(
-            updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: allowance}
-        ),
+    set_global_settings_context(
+        SettingsContext(
+            profile=current.profile,
+            settings=current.settings.copy_with_update(
+                updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: allowance}
+            ),
+        )
     )

@@ -14,8 +14,10 @@
     ├── NotebookError             a notebook or stage list that cannot be run (also a ValueError)
     └── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
 
-Every error keeps its structured fields, and any attribute a caller added, through pickling,
-since Prefect's task runners pickle exceptions between threads and processes. A backend's error
+Every error keeps its structured fields through pickling, since Prefect's task runners pickle
+exceptions between threads and processes. Three fields of the root are for the layers above,
+which know of stages: ``stage`` and ``cell_index`` (where a pipeline was) and ``partial_result``
+(what the raising layer had made before: the tasks layer's `StageResult`). A backend's error
 leaves it with its ``__cause__``/``__context__`` chain made portable (`portable_chain`): Dask
 pickles that chain too, and a vendor's exception in it is replaced by a `ForeignError`.
 """
@@ -57,6 +59,14 @@ class SandboxError(Exception):
         message: a sentence for people.
         sandbox_id: the sandbox concerned, when known.
     """
+
+    stage: str | None = None
+    """The stage that was running, when a pipeline's cell was (set by the layer above)."""
+    cell_index: int | None = None
+    """0-based index, in its notebook's ``cells``, of the cell that was running or is at fault."""
+    partial_result: object | None = None
+    """What the layer that raised this made before it, for its caller to keep (the tasks
+    layer's ``run_stage`` puts the stage's cells so far here: a ``StageResult``)."""
 
     def __init__(self, message: str, *, sandbox_id: str | None = None) -> None:
         super().__init__(message)

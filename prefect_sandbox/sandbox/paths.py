@@ -4,10 +4,11 @@ Pure functions, no I/O but `resolve`."""
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 
@@ -17,6 +18,7 @@ __all__ = [
     "checked_relative_path",
     "checked_upload_source",
     "glob_match",
+    "is_inside",
     "is_utf8",
     "listing_code",
     "matching_files",
@@ -65,6 +67,24 @@ def checked_relative_path(path: str) -> PurePosixPath:
     return pure
 
 
+def is_inside(path: str | PurePath, root: str | PurePath) -> bool:
+    """Whether the absolute POSIX path ``path`` is ``root`` or lies below it.
+
+    Judged on the text alone, after ``.``, ``..`` and repeated slashes are normalised away
+    (a leading ``//``, which `posixpath.normpath` keeps, is taken as ``/``, as Linux does);
+    links are not followed: resolve them first (``realpath``) where they count.
+
+    Args:
+        path: an absolute path, on this machine or in a sandbox.
+        root: the absolute path of the folder it must stay in.
+    """
+
+    def normal(text: str | PurePath) -> PurePosixPath:
+        return PurePosixPath(posixpath.normpath("/" + str(text).lstrip("/")))
+
+    return normal(path).is_relative_to(normal(root))
+
+
 def resolve_inside(root: Path, path: str) -> Path:
     """Resolve ``path`` under ``root``, following symlinks, and refuse anything that leaves it.
 
@@ -82,7 +102,7 @@ def resolve_inside(root: Path, path: str) -> Path:
     relative = checked_relative_path(path)
     real_root = root.resolve()
     resolved = (real_root / relative).resolve()
-    if not resolved.is_relative_to(real_root):
+    if not is_inside(resolved, real_root):
         raise UnsafePathError(
             f"path {path!r} resolves outside the working directory (through a symlink)", path=path
         )

@@ -10,11 +10,14 @@ the backends; a retry that makes sense is a flow retry, whose attempt gets a fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import anyio
 from prefect import get_run_logger, task
@@ -27,6 +30,7 @@ from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
     OutputCallback,
+    Sandbox,
     SandboxHandle,
     checked_timeout_s,
 )
@@ -56,6 +60,7 @@ __all__ = [
     "CELL_DONE_ATTRIBUTE",
     "PROGRESS_LOG_INTERVAL_S",
     "CellDone",
+    "StageProgress",
     "cell_failure",
     "create_sandbox",
     "deadline_passed",
@@ -65,6 +70,7 @@ __all__ = [
     "prefect_api_id",
     "run_stage",
     "shielded",
+    "stage_progress",
     "upload_inputs",
 ]
 
@@ -77,10 +83,55 @@ TIMED_OUT_ENAME = "RunTimedOut"
 """The error name a cell gets when Prefect's ``timeout_seconds`` of its flow or task run passes
 while it runs."""
 _PARTIAL_OUTPUT_CHARS = 1 << 20
-# Where a stage's error carries the stage's partial result: the core's errors know no stages.
-_PARTIAL_STAGE_ATTRIBUTE = "prefect_sandbox_stage_result"
+_TIMEOUT_INTERRUPT_S = 10.0
+"""Seconds an interrupt of a cell stopped by Prefect's ``timeout_seconds`` may take."""
 
-E = TypeVar("E", bound=BaseException)
+
+class StageProgress:
+    """Where `run_stage` leaves the stage's cells so far when a cancellation stops it (a
+    cancellation carries no data), for the flow that awaits the stage in this process; see
+    `stage_progress`.
+
+    Attributes:
+        stopped: the stage's result up to the cell that was running (status ``"cancelled"``,
+            or ``"failed"`` for a passed ``timeout_seconds``); None while it runs or when it
+            ended otherwise.
+    """
+
+    def __init__(self) -> None:
+        self.stopped: StageResult | None = None
+
+
+_stage_progress: ContextVar[StageProgress | None] = ContextVar(
+    "prefect_sandbox_stage_progress", default=None
+)
+
+
+def _leave_progress(stopped: StageResult) -> None:
+    """Leave a stopped stage's result in the enclosing `stage_progress`, if any.
+
+    A function of its own: Dask's cloudpickle sends a task's function by value, with the
+    module globals it names, and a `ContextVar` does not pickle.
+    """
+    progress = _stage_progress.get()
+    if progress is not None:
+        progress.stopped = stopped
+
+
+@contextlib.contextmanager
+def stage_progress() -> Iterator[StageProgress]:
+    """Watch the `run_stage` runs awaited inside (in this process and context).
+
+    Yields:
+        The progress `run_stage` fills when a cancellation stops it; read it with
+        `partial_stage_result`.
+    """
+    progress = StageProgress()
+    token = _stage_progress.set(progress)
+    try:
+        yield progress
+    finally:
+        _stage_progress.reset(token)
 
 
 def deadline_passed() -> bool:
@@ -335,20 +386,39 @@ def _cancelled_cell(
     )
 
 
-def partial_stage_result(error: BaseException) -> StageResult | None:
+def partial_stage_result(
+    error: BaseException, progress: StageProgress | None = None
+) -> StageResult | None:
     """What a stage produced before ``error``, when `run_stage` raised it; else None.
 
     The pipeline flows read it to store the cells that ran before the failing one.
+
+    Args:
+        error: what `run_stage` raised: a `SandboxError` carries the stage's cells so far in
+            its ``partial_result`` (from any process: it survives pickling); a cancellation
+            carries nothing, and they are read from ``progress``.
+        progress: the `stage_progress` the stage ran in, if any.
     """
-    partial = vars(error).get(_PARTIAL_STAGE_ATTRIBUTE)
-    return partial if isinstance(partial, StageResult) else None
+    if isinstance(error, SandboxError):
+        partial = error.partial_result
+        return partial if isinstance(partial, StageResult) else None
+    return None if progress is None else progress.stopped
 
 
-def _with_partial_stage(error: E, partial: StageResult) -> E:
-    """``error`` (new from this module, or a cancellation), carrying its stage's partial
-    result (which survives pickling: a `SandboxError` keeps every attribute)."""
-    vars(error)[_PARTIAL_STAGE_ATTRIBUTE] = partial
-    return error
+async def _interrupt_timed_out(sandbox: Sandbox, where: str) -> None:
+    """Interrupt the cell that a flow or task run's ``timeout_seconds`` stopped waiting for:
+    the kernel would run it on, and hold up what the flow does next on that sandbox (collect
+    its files, run another stage). Whether the sandbox is then killed is the flow's call. An
+    interrupt that fails, or takes over `_TIMEOUT_INTERRUPT_S`, is a warning."""
+    with shielded(), anyio.move_on_after(_TIMEOUT_INTERRUPT_S) as scope:
+        try:
+            await sandbox.interrupt()
+        except SandboxError as exc:
+            get_run_logger().warning("%s: not interrupted after the timeout: %s", where, exc)
+    if scope.cancelled_caught:
+        get_run_logger().warning(
+            "%s: not interrupted after the timeout within %s s", where, _TIMEOUT_INTERRUPT_S
+        )
 
 
 def _where(stage: str, cell: CellSpec) -> str:
@@ -362,7 +432,7 @@ def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError
     lost = copy.copy(exc)
     lost.message = f"{_where(stage, cell)}: {exc.message}"
     lost.args = (lost.message,)
-    vars(lost).update(stage=stage, cell_index=cell.index)
+    lost.stage, lost.cell_index = stage, cell.index
     return lost
 
 
@@ -447,15 +517,15 @@ async def run_stage(
         SandboxError: a cell failed (`CellExecutionError`, `CellTimeoutError`), or the sandbox
             died, expired or could not be reached during it (`SandboxDiedError`,
             `SandboxNotFoundError`, `SandboxUnavailableError`: a copy of the backend's error,
-            raised from it); the error
-            names the stage and cell, and `partial_stage_result` reads from it what the stage
-            produced before. A sandbox that cannot be reached when the stage starts is
-            reported as lost in its first cell.
-        asyncio.CancelledError: the flow run was cancelled during a cell; `partial_stage_result`
-            reads from it the stage's cells so far (status ``"cancelled"``), that cell's
-            output included. Or the flow or task run's ``timeout_seconds`` passed
-            (`deadline_passed`): the same, status ``"failed"``, the cell's error
-            `TIMED_OUT_ENAME`; the cell is not interrupted (the flows kill the sandbox).
+            raised from it); the error names the stage and cell, and its ``partial_result``
+            holds what the stage produced before (`partial_stage_result`). A sandbox that
+            cannot be reached when the stage starts is reported as lost in its first cell.
+        asyncio.CancelledError: the flow run was cancelled during a cell; the stage's cells so
+            far (status ``"cancelled"``), that cell's output included, are left in the
+            enclosing `stage_progress` (`partial_stage_result`). Or the flow or task run's
+            ``timeout_seconds`` passed (`deadline_passed`): the same, status ``"failed"``,
+            the cell's error `TIMED_OUT_ENAME`, and the cell is interrupted (the sandbox
+            lives on, for the flow to collect its files and kill it).
     """
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
@@ -487,7 +557,9 @@ async def run_stage(
         # it in the notebook as an error output; the stage's cells so far are kept.
         died = _death_result(exc, seen, at, time.monotonic() - cell_start)
         records.append(CellRecord(index=cell.index, result=died))
-        return _with_partial_stage(_lost_in_cell(stage.name, cell, exc), stage_result(cell, died))
+        lost = _lost_in_cell(stage.name, cell, exc)
+        lost.partial_result = stage_result(cell, died)
+        return lost
 
     try:
         sandbox = await backend.attach(handle)
@@ -509,15 +581,17 @@ async def run_stage(
                 )
                 output_log.flush()
                 late_outputs.update(await sandbox.take_late_outputs())
-            except asyncio.CancelledError as exc:
+            except asyncio.CancelledError:
                 output_log.flush()
                 timed_out = deadline_passed()
+                if timed_out:
+                    await _interrupt_timed_out(sandbox, _where(stage.name, cell))
                 stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
                 records.append(CellRecord(index=cell.index, result=stopped))
                 partial = stage_result(cell, stopped)
                 if not timed_out:
                     partial = partial.model_copy(update={"status": "cancelled"})
-                _with_partial_stage(exc, partial)
+                _leave_progress(partial)
                 raise
             except SandboxError as exc:
                 output_log.flush()
@@ -528,7 +602,8 @@ async def run_stage(
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
             error = cell_failure(stage.name, cell, result, timeout_s)
-            raise _with_partial_stage(error, stage_result(cell, result))
+            error.partial_result = stage_result(cell, result)
+            raise error
     finally:
         with shielded():
             await sandbox.close()

@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
+from prefect_sandbox._compat import called_blocking, join_bucket_folder
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.s3uri import is_s3_uri, normalised_s3_key, parse_s3_uri
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
@@ -297,7 +298,7 @@ class S3Store(ArtifactStore):
         client = self.credentials.get_s3_client()
         bucket = self._bucket.bucket_name
         # The trailing slash keeps a sibling run's prefix that merely starts alike out.
-        folder = self._bucket._join_bucket_folder(self._prefix).rstrip("/") + "/"
+        folder = join_bucket_folder(self._bucket, self._prefix).rstrip("/") + "/"
         removed = 0
         try:
             for page in client.get_paginator("list_objects_v2").paginate(
@@ -324,7 +325,7 @@ class S3Store(ArtifactStore):
 
     @property
     def location(self) -> str:
-        key = self._bucket._join_bucket_folder(self._prefix)
+        key = join_bucket_folder(self._bucket, self._prefix)
         return f"s3://{self._bucket.bucket_name}/{key}"
 
     def store(self, source: Path, relative: str) -> StoredArtifact:
@@ -352,17 +353,18 @@ class S3Store(ArtifactStore):
     def read(self, relative: str) -> bytes:
         checked_relative_path(relative)
         try:
-            # _sync: prefect-aws dispatches on the run context, async inside our flows.
-            data = self._bucket.read_path(f"{self._prefix}/{relative}", _sync=True)  # type: ignore[call-arg]
+            data = cast(
+                bytes, called_blocking(self._bucket.read_path, f"{self._prefix}/{relative}")
+            )
         except (ClientError, BotoCoreError) as exc:
             raise FileTransferError(
                 f"stored file {relative!r} cannot be read from {self.location}: {exc}",
                 path=relative,
             ) from exc
-        return cast(bytes, data)
+        return data
 
     def nested_storage(self) -> S3Bucket:
-        folder = self._bucket._join_bucket_folder(self._prefix)
+        folder = join_bucket_folder(self._bucket, self._prefix)
         return self._bucket.model_copy(update={"bucket_folder": folder})
 
     @staticmethod
@@ -391,8 +393,9 @@ class S3Store(ArtifactStore):
         )
         for attempt in retrying:
             with attempt:
-                # _sync: prefect-aws dispatches on the run context, async inside our flows.
-                key = bucket.upload_from_path(source, key_in_folder, _sync=True, **upload_kwargs)  # type: ignore[arg-type]
+                key = called_blocking(
+                    bucket.upload_from_path, source, key_in_folder, **upload_kwargs
+                )
                 return str(key)
         raise AssertionError("unreachable: tenacity reraises")
 
@@ -556,8 +559,7 @@ def _s3_plan(uri: str, credentials: S3Credentials) -> list[PlannedInput]:
     bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
     folder = PurePosixPath(key.rstrip("/")).name or bucket_name
     planned = []
-    # _sync: prefect-aws dispatches on the run context, which is async inside our flows.
-    listing = cast(list[dict[str, Any]], bucket.list_objects(key, _sync=True))  # type: ignore[call-arg]
+    listing = cast(list[dict[str, Any]], called_blocking(bucket.list_objects, key))
     for item in listing:
         if item["Key"].endswith("/"):
             continue  # a console's empty "folder" marker, not a file
@@ -737,8 +739,7 @@ def fetch_inputs(
         target = resolve_inside(staging, item.dest)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            # _sync: prefect-aws dispatches on the run context, async inside our flows.
-            buckets[bucket_name].download_object_to_path(item.key, target, _sync=True)  # type: ignore[arg-type]
+            called_blocking(buckets[bucket_name].download_object_to_path, item.key, target)
         except (ClientError, BotoCoreError, OSError) as exc:
             raise FileTransferError(
                 f"input {item.origin!r}: object {item.key!r} could not be downloaded: "

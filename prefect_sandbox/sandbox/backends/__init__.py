@@ -19,9 +19,9 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from prefect_sandbox.sandbox.errors import (
     BackendNotInstalledError,
@@ -36,10 +36,15 @@ __all__ = [
     "import_extra",
     "kill_after_failed_setup",
     "missing_extra",
+    "run_to_end_in_thread",
     "translated",
+    "translated_async",
 ]
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def extra_hint(what: str, extra: str) -> str:
@@ -86,6 +91,33 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
     await asyncio.wait({task})
     if not task.cancelled():
         task.exception()
+
+
+async def run_to_end_in_thread(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """Run a blocking call in a thread, off the event loop, and see it end even if cancelled.
+
+    For calls that start or end processes or containers: the event loop they would block is
+    also reading other sandboxes' output (a sweep's branches share one). A cancellation waits
+    for the call to end before it is raised, so that what the call started is recorded, for
+    the caller's clean-up to end; a bare `asyncio.to_thread` would leave it running unseen.
+
+    Returns:
+        What ``func`` returns.
+
+    Raises:
+        What ``func`` raises; `asyncio.CancelledError` once it has ended, if cancelled meanwhile.
+    """
+    call = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # anyio's cancel scopes cancel every await again until the scope is left.
+        while not call.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({call})
+        if not call.cancelled():
+            call.exception()  # retrieved: the cancellation is what the caller gets
+        raise
 
 
 async def kill_after_failed_setup(
@@ -138,3 +170,18 @@ def translated(translate: Callable[[Exception], SandboxError | None]) -> Iterato
             if mapped is None:
                 raise
             raise mapped from exc
+
+
+@contextlib.asynccontextmanager
+async def translated_async(
+    translate: Callable[[Exception], Awaitable[SandboxError | None]],
+) -> AsyncIterator[None]:
+    """`translated`, for a mapper that must ask the backend what an error means (is the
+    sandbox still there?)."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = None if isinstance(exc, SandboxError) else await translate(exc)
+        # Asked first, as it awaits; then raised as `translated` raises it.
+        with translated(lambda _: mapped):
+            raise

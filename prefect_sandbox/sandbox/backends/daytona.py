@@ -42,6 +42,7 @@ from prefect_sandbox.sandbox.backends import (
     import_extra,
     kill_after_failed_setup,
     translated,
+    translated_async,
 )
 from prefect_sandbox.sandbox.backends._daytona_runner import (
     MARKER_END,
@@ -67,13 +68,13 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
     UnsafePathError,
-    portable_chain,
 )
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,
     checked_relative_path,
     checked_upload_source,
+    is_inside,
     listing_code,
     matching_files,
 )
@@ -832,21 +833,15 @@ class DaytonaSandbox(Sandbox):
             idempotent=False,
         )
         cell = _CellRun(CellOutputs(None, None))
-        with portable_chain():
-            try:
-                await self._remote.code_interpreter.run_code(
-                    _bootstrap_code(),
-                    context=self._context,
-                    on_stdout=cell.stdout,
-                    on_stderr=cell.stderr,
-                    on_error=cell.daemon_error,
-                    timeout=_BOOTSTRAP_TIMEOUT_S,
-                )
-            except Exception as exc:
-                error = await self._run_failure(exc, in_cell=False)
-                if error is None:
-                    raise
-                raise error from exc
+        async with translated_async(partial(self._run_failure, in_cell=False)):
+            await self._remote.code_interpreter.run_code(
+                _bootstrap_code(),
+                context=self._context,
+                on_stdout=cell.stdout,
+                on_stderr=cell.stderr,
+                on_error=cell.daemon_error,
+                timeout=_BOOTSTRAP_TIMEOUT_S,
+            )
         cell.finish()
         if cell.outputs.collector.has_error():
             errors = [o for o in cell.outputs.collector.outputs if o["output_type"] == "error"]
@@ -985,7 +980,7 @@ class DaytonaSandbox(Sandbox):
         root, rows = json.loads(output)
         checked = []
         for given, (real, is_file) in zip(paths, rows, strict=True):
-            if real != root and not real.startswith(root.rstrip("/") + "/"):
+            if not is_inside(real, root):
                 raise UnsafePathError(
                     f"path {given!r} resolves outside the working directory (through a symlink)",
                     path=given,
@@ -1058,22 +1053,22 @@ async def _create_remote(
         retry_if=lambda error: isinstance(error, SandboxUnavailableError),
         what="Daytona create",
     )
+
+    async def create_failure(exc: Exception) -> SandboxError | None:
+        error = translate_error(exc, operation="create")
+        if isinstance(exc, sdk.DaytonaTimeoutError) or (
+            isinstance(error, SandboxUnavailableError) and error.status_code != 429
+        ):
+            await _delete_by_label(client, config, token)
+        return error
+
     async for attempt in retrying:
-        with attempt, portable_chain():
-            try:
+        with attempt:
+            async with translated_async(create_failure):
                 remote: AsyncSandbox = await client.create(
                     config.create_params(labels), timeout=config.create_timeout_s
                 )
                 return remote
-            except Exception as exc:
-                error = translate_error(exc, operation="create")
-                if error is None:
-                    raise
-                if isinstance(exc, sdk.DaytonaTimeoutError) or (
-                    isinstance(error, SandboxUnavailableError) and error.status_code != 429
-                ):
-                    await _delete_by_label(client, config, token)
-                raise error from exc
     raise AssertionError("unreachable: tenacity reraises")
 
 
@@ -1147,24 +1142,22 @@ class _DaytonaCell(RunningCell):
         self._run.finish()
         if state_lost:
             return CellReply()
-        try:
-            self._execution.result()
-        except Exception as exc:
-            sdk = import_sdk()
-            timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
-                exc, sdk.DaytonaConnectionError
-            )
-            if not timed_out:
-                error = await sandbox._run_failure(exc, in_cell=True)
-                if error is None:
+        timed_out = False
+        async with translated_async(partial(sandbox._run_failure, in_cell=True)):
+            try:
+                self._execution.result()
+            except Exception as exc:
+                sdk = import_sdk()
+                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                    exc, sdk.DaytonaConnectionError
+                )
+                if not timed_out:
                     raise
-                with portable_chain():
-                    raise error from exc
+        if timed_out and not self._interrupted:
             # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
             # may have killed the interpreter, or an interrupt escaped the runner.
-            if not self._interrupted:
-                await sandbox.restart()
-                return CellReply(execution_count=self._run.count, state_lost=True)
+            await sandbox.restart()
+            return CellReply(execution_count=self._run.count, state_lost=True)
         if self._run.pid is not None:
             sandbox._worker_pid = self._run.pid
         if self._run.lost:

@@ -35,32 +35,35 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 import tarfile
 import tempfile
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 
 from jupyter_client.connect import write_connection_file
 
-from prefect_sandbox.sandbox.backends import import_extra
+from prefect_sandbox.sandbox.backends import import_extra, run_to_end_in_thread, translated
+from prefect_sandbox.sandbox.backends.host import (
+    new_runtime_dir,
+    new_workdir,
+    remove_folders,
+)
 from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelConfig,
     JupyterKernelSandbox,
     write_ipython_startup,
 )
-from prefect_sandbox.sandbox.backends.local import _new_runtime_dir, _new_workdir
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxError,
     SandboxNotFoundError,
     SandboxUnavailableError,
-    portable_chain,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
 
@@ -148,27 +151,46 @@ def _container_user() -> tuple[int, int]:
 
 
 def _client(config: DockerSandboxConfig) -> docker.DockerClient:
-    """A client of the configured daemon.
+    """A client of the configured daemon (blocking: it asks the daemon's API version).
 
     Raises:
         SandboxUnavailableError: no daemon answers there.
     """
     sdk = import_sdk()
-    try:
+    with _translated("connect"):
         if config.docker_host:
             return sdk.DockerClient(base_url=config.docker_host)  # type: ignore[no-any-return]
         return sdk.from_env()  # type: ignore[no-any-return]
-    except sdk.errors.DockerException as exc:
-        with portable_chain():
-            raise SandboxUnavailableError(
-                f"no Docker daemon answers ({exc}); start dockerd or set docker_host",
-                operation="connect",
-            ) from exc
 
 
-def _api_error(exc: Exception, operation: str, sandbox_id: str | None) -> SandboxError:
-    """Translate a docker SDK or transport error (the one translation point)."""
+def _translated(
+    operation: str, sandbox_id: str | None = None, *, image: str | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """Raise `_api_error`'s mapping of what the block raises (see `translated`)."""
+    return translated(partial(_api_error, operation=operation, sandbox_id=sandbox_id, image=image))
+
+
+def _api_error(
+    exc: Exception, operation: str, sandbox_id: str | None, image: str | None = None
+) -> SandboxError | None:
+    """Translate a docker SDK or transport error (the one translation point); None for any
+    other exception (a bug, not Docker's failure). ``image``: the image being run."""
+    import requests  # the docker SDK's transport, and so installed with it
+
     sdk = import_sdk()
+    if not isinstance(exc, sdk.errors.DockerException | requests.RequestException):
+        return None
+    if operation == "connect":
+        return SandboxUnavailableError(
+            f"no Docker daemon answers ({exc}); start dockerd or set docker_host",
+            operation=operation,
+        )
+    if isinstance(exc, sdk.errors.ImageNotFound) and image is not None:
+        return SandboxError(
+            f"Docker image {image!r} is not on this machine's daemon (docker pull it, or "
+            "build it; the test image: python -m prefect_sandbox.testing.docker)",
+            sandbox_id=sandbox_id,
+        )
     if isinstance(exc, sdk.errors.NotFound):
         return SandboxNotFoundError(
             f"sandbox {sandbox_id} is gone (its container was removed)", sandbox_id=sandbox_id
@@ -233,8 +255,8 @@ class DockerSandbox(JupyterKernelSandbox):
                 ``startup_timeout_s``.
         """
         sandbox_id = f"docker-{uuid.uuid4().hex[:12]}"
-        runtime_dir = _new_runtime_dir(sandbox_id)
-        host_workdir = _new_workdir(sandbox_id, config.workdir_root)
+        runtime_dir = new_runtime_dir(sandbox_id)
+        host_workdir = new_workdir(sandbox_id, config.workdir_root)
         uid, gid = _container_user()
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
@@ -251,18 +273,16 @@ class DockerSandbox(JupyterKernelSandbox):
         )
         sandbox: DockerSandbox | None = None
         try:
-            _prepare_folders(runtime_dir, host_workdir, uid, gid)
-            docker_client = _client(config)
+            await asyncio.to_thread(_prepare_folders, runtime_dir, host_workdir, uid, gid)
+            docker_client = await asyncio.to_thread(_client, config)
             try:
-                container = await asyncio.to_thread(
-                    _run_container, docker_client, handle, config, runtime_dir, host_workdir
-                )
-            except Exception as exc:
+                with _translated("create", sandbox_id, image=config.image):
+                    container = await run_to_end_in_thread(
+                        _run_container, docker_client, handle, config, runtime_dir, host_workdir
+                    )
+            except BaseException:
                 docker_client.close()
-                if isinstance(exc, SandboxError):
-                    raise
-                with portable_chain():
-                    raise _api_error(exc, "create", sandbox_id) from exc
+                raise
             sandbox = cls(handle, config, container)
             await sandbox._handshake()
             kernelspec = {
@@ -303,15 +323,15 @@ class DockerSandbox(JupyterKernelSandbox):
         """
         runtime_dir = Path(handle.connection["runtime_dir"])
         cls._check_connection_file(handle, runtime_dir / "connection.json")
-        docker_client = _client(config)
+        docker_client = await asyncio.to_thread(_client, config)
         try:
-            container = await asyncio.to_thread(
-                docker_client.containers.get, handle.connection["container"]
-            )
-        except Exception as exc:
+            with _translated("attach", handle.sandbox_id):
+                container = await asyncio.to_thread(
+                    docker_client.containers.get, handle.connection["container"]
+                )
+        except BaseException:
             docker_client.close()
-            with portable_chain():
-                raise _api_error(exc, "attach", handle.sandbox_id) from exc
+            raise
         return cls(handle, config, container)
 
     @classmethod
@@ -334,14 +354,12 @@ class DockerSandbox(JupyterKernelSandbox):
         """
         filters = [f"{_BACKEND_LABEL}={BACKEND_SLUG}"]
         filters += [f"{name}={value}" for name, value in (labels or {}).items()]
-        docker_client = _client(config)
+        docker_client = await asyncio.to_thread(_client, config)
         try:
-            containers = await asyncio.to_thread(
-                docker_client.containers.list, all=True, filters={"label": filters}
-            )
-        except Exception as exc:
-            with portable_chain():
-                raise _api_error(exc, "list", None) from exc
+            with _translated("list"):
+                containers = await asyncio.to_thread(
+                    docker_client.containers.list, all=True, filters={"label": filters}
+                )
         finally:
             docker_client.close()
         handles = [
@@ -363,11 +381,7 @@ class DockerSandbox(JupyterKernelSandbox):
         if not src.is_file():
             raise FileTransferError(f"upload source {str(src)!r} is not a file", path=dest)
         uid, gid = (int(part) for part in self._handle.connection["user"].split(":"))
-        try:
-            done = await asyncio.to_thread(self._put_file, src, relative, uid, gid)
-        except Exception as exc:
-            with portable_chain():
-                raise self._file_error(exc, "upload", dest) from exc
+        done = await asyncio.to_thread(self._put_file, src, dest, relative, uid, gid)
         if not done:
             raise FileTransferError(
                 f"Docker did not write {dest!r} into sandbox {self._handle.sandbox_id}",
@@ -375,7 +389,13 @@ class DockerSandbox(JupyterKernelSandbox):
                 sandbox_id=self._handle.sandbox_id,
             )
 
-    def _put_file(self, src: Path, relative: PurePosixPath, uid: int, gid: int) -> bool:
+    def _put_file(self, src: Path, dest: str, relative: PurePosixPath, uid: int, gid: int) -> bool:
+        """Put ``src`` at ``relative`` (``dest`` as given) in the working directory (blocking),
+        errors translated by `_file_error`."""
+        with translated(partial(self._file_error, operation="upload", path=dest)):
+            return self._put_archive(src, relative, uid, gid)
+
+    def _put_archive(self, src: Path, relative: PurePosixPath, uid: int, gid: int) -> bool:
         # The tar goes through a temporary file, so a large upload is streamed, not held.
         with tempfile.TemporaryFile() as archive:
             _write_tar(archive, src, relative, uid, gid)
@@ -383,12 +403,15 @@ class DockerSandbox(JupyterKernelSandbox):
             return self._container.put_archive(CONTAINER_WORKDIR, archive)
 
     def _file_error(self, exc: Exception, operation: str, path: str) -> SandboxError:
-        import requests  # the docker SDK's transport, and so installed with it
-
+        """Translate an error of a file call (blocking: it may ask the daemon whether the
+        container is still there)."""
         sdk = import_sdk()
         if isinstance(exc, sdk.errors.NotFound):
             if not self._container_exists():
-                return _api_error(exc, operation, self._handle.sandbox_id)
+                return SandboxNotFoundError(
+                    f"sandbox {self._handle.sandbox_id} is gone (its container was removed)",
+                    sandbox_id=self._handle.sandbox_id,
+                )
             return FileTransferError(
                 f"file {path!r} is not in sandbox {self._handle.sandbox_id}",
                 path=path,
@@ -400,8 +423,9 @@ class DockerSandbox(JupyterKernelSandbox):
                 path=path,
                 sandbox_id=self._handle.sandbox_id,
             )
-        if isinstance(exc, sdk.errors.DockerException | requests.RequestException):
-            return _api_error(exc, operation, self._handle.sandbox_id)
+        mapped = _api_error(exc, operation, self._handle.sandbox_id)
+        if mapped is not None:
+            return mapped
         # A local file that cannot be written, or a broken archive.
         return FileTransferError(
             f"{operation} of {path!r} failed in sandbox {self._handle.sandbox_id}: {exc}",
@@ -420,24 +444,21 @@ class DockerSandbox(JupyterKernelSandbox):
     async def interrupt(self) -> None:
         """Send SIGINT to the kernel (through the container's init), as Jupyter does."""
         try:
-            await asyncio.to_thread(self._container.kill, signal="SIGINT")
-        except Exception as exc:
+            with _translated("interrupt", self._handle.sandbox_id):
+                await asyncio.to_thread(self._container.kill, signal="SIGINT")
+        except SandboxError:
             self._alive_at = 0.0  # it may have died since the last check: look now
-            self._check_alive()
-            with portable_chain():
-                raise _api_error(exc, "interrupt", self._handle.sandbox_id) from exc
+            await self._check_alive()
+            raise
 
     async def restart(self) -> None:
         """Restart the container: a fresh kernel, the same working directory and handle."""
         await self.close()
-        try:
-            await asyncio.to_thread(_stop_container, self._container)
+        with _translated("restart", self._handle.sandbox_id):
+            await run_to_end_in_thread(_stop_container, self._container)
             # Stopped, it writes nothing: its old sockets go, not to be taken for new ones.
             self._clear_sockets()
-            await asyncio.to_thread(self._container.start)
-        except Exception as exc:
-            with portable_chain():
-                raise _api_error(exc, "restart", self._handle.sandbox_id) from exc
+            await run_to_end_in_thread(self._container.start)
         self._alive_at = 0.0
         await self._reconnect()
 
@@ -448,23 +469,18 @@ class DockerSandbox(JupyterKernelSandbox):
             True if this call ended the sandbox, False if it was already gone.
         """
         await self.close()
-        return await asyncio.to_thread(_destroy, self._handle, self._config)
+        with _translated("kill", self._handle.sandbox_id):
+            return await run_to_end_in_thread(_destroy, self._handle, self._config)
 
-    def _check_alive(self, reason: str | None = None) -> None:
-        """Raise `SandboxDiedError` if the container has stopped; ``reason`` says why."""
+    async def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the container has stopped; ``reason`` says why.
+
+        The daemon is asked in a thread, at most once per `_ALIVE_RECHECK_S`.
+        """
         if time.monotonic() - self._alive_at < _ALIVE_RECHECK_S:
             return
-        sdk = import_sdk()
-        try:
-            self._container.reload()
-        except sdk.errors.NotFound:
-            raise SandboxNotFoundError(
-                f"sandbox {self._handle.sandbox_id} is gone (its container was removed)",
-                sandbox_id=self._handle.sandbox_id,
-            ) from None
-        except Exception as exc:
-            with portable_chain():
-                raise _api_error(exc, "inspect", self._handle.sandbox_id) from exc
+        with _translated("inspect", self._handle.sandbox_id):
+            await asyncio.to_thread(self._container.reload)
         state = (self._container.attrs or {}).get("State", {})
         if state.get("Running"):
             self._alive_at = time.monotonic()
@@ -530,7 +546,6 @@ def _run_container(
     runtime_dir: Path,
     host_workdir: Path,
 ) -> Container:
-    sdk = import_sdk()
     labels = {
         **handle.labels,
         _BACKEND_LABEL: BACKEND_SLUG,
@@ -541,41 +556,32 @@ def _run_container(
         "IPYTHONDIR": f"{_KERNEL_DIR}/ipython",
         **config.env,
     }
-    try:
-        return client.containers.run(
-            config.image,
-            ["python", "-m", "ipykernel_launcher", "-f", f"{_KERNEL_DIR}/connection.json"],
-            name=handle.connection["container"],
-            detach=True,
-            init=True,
-            user=handle.connection["user"],
-            working_dir=CONTAINER_WORKDIR,
-            environment=environment,
-            labels=labels,
-            network_mode=config.network_mode,
-            read_only=True,
-            tmpfs={"/tmp": "rw,nosuid,nodev,mode=1777"},
-            volumes={
-                str(host_workdir): {"bind": CONTAINER_WORKDIR, "mode": "rw"},
-                str(runtime_dir / "kernel"): {"bind": _KERNEL_DIR, "mode": "rw"},
-            },
-            cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
-            mem_limit=config.memory_limit_bytes,
-            # Equal to the memory limit: no swap on top of it.
-            memswap_limit=config.memory_limit_bytes,
-            nano_cpus=None if config.cpus is None else int(config.cpus * 1e9),
-            pids_limit=config.pids_limit,
-            stdin_open=False,
-        )
-    except sdk.errors.ImageNotFound as exc:
-        with portable_chain():
-            raise SandboxError(
-                f"Docker image {config.image!r} is not on this machine's daemon "
-                "(docker pull it, or build it; the test image: python -m "
-                "prefect_sandbox.testing.docker)",
-                sandbox_id=handle.sandbox_id,
-            ) from exc
+    return client.containers.run(
+        config.image,
+        ["python", "-m", "ipykernel_launcher", "-f", f"{_KERNEL_DIR}/connection.json"],
+        name=handle.connection["container"],
+        detach=True,
+        init=True,
+        user=handle.connection["user"],
+        working_dir=CONTAINER_WORKDIR,
+        environment=environment,
+        labels=labels,
+        network_mode=config.network_mode,
+        read_only=True,
+        tmpfs={"/tmp": "rw,nosuid,nodev,mode=1777"},
+        volumes={
+            str(host_workdir): {"bind": CONTAINER_WORKDIR, "mode": "rw"},
+            str(runtime_dir / "kernel"): {"bind": _KERNEL_DIR, "mode": "rw"},
+        },
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        mem_limit=config.memory_limit_bytes,
+        # Equal to the memory limit: no swap on top of it.
+        memswap_limit=config.memory_limit_bytes,
+        nano_cpus=None if config.cpus is None else int(config.cpus * 1e9),
+        pids_limit=config.pids_limit,
+        stdin_open=False,
+    )
 
 
 def _stop_container(container: Container) -> None:
@@ -599,7 +605,6 @@ def _destroy(handle: SandboxHandle, config: DockerSandboxConfig) -> bool:
         pass
     finally:
         client.close()
-    shutil.rmtree(runtime_dir, ignore_errors=True)
-    if handle.connection.get("owns_workdir"):
-        shutil.rmtree(handle.connection["host_workdir"], ignore_errors=True)
+    owned = handle.connection.get("owns_workdir")
+    remove_folders(runtime_dir, Path(handle.connection["host_workdir"]) if owned else None)
     return existed

@@ -92,6 +92,7 @@ from prefect_sandbox.sandbox.paths import (
     check_size,
     checked_relative_path,
     checked_upload_source,
+    is_inside,
     listing_code,
     matching_files,
 )
@@ -839,7 +840,7 @@ class E2BSandbox(Sandbox):
                 if target is None:
                     break
                 resolved = PurePosixPath(remote).parent / target
-                if not _lexically_inside(resolved, workdir):
+                if not is_inside(resolved, workdir):
                     raise UnsafePathError(
                         f"path {path!r} resolves outside the working directory (through a symlink)",
                         path=path,
@@ -1137,9 +1138,3 @@ class _E2BCell(RunningCell):
             # The stream was closed by `E2BSandbox.interrupt` from outside, not by a deadline.
             return CellReply(error=CellError(ename="KeyboardInterrupt", evalue="interrupted"))
         return CellReply(execution_count=execution_count)
-
-
-def _lexically_inside(path: PurePosixPath, root: PurePosixPath) -> bool:
-    # normpath keeps POSIX's special leading "//"; one slash is what the sandbox means.
-    normal = posixpath.normpath("/" + str(path).lstrip("/"))
-    return PurePosixPath(normal).is_relative_to(root)

@@ -356,8 +356,12 @@ class JupyterKernelSandbox(Sandbox):
         return self._handle
 
     @abc.abstractmethod
-    def _check_alive(self, reason: str | None = None) -> None:
-        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
+    async def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why.
+
+        A check that asks a daemon or waits on anything runs in a thread: the event loop it
+        is awaited on also reads other sandboxes' output (a sweep's branches share one).
+        """
 
     @staticmethod
     def _check_connection_file(handle: SandboxHandle, connection_file: Path) -> None:
@@ -402,7 +406,7 @@ class JupyterKernelSandbox(Sandbox):
     # --- cells -----------------------------------------------------------------------------
 
     async def _prepare_cell(self) -> None:
-        self._check_alive()
+        await self._check_alive()
         if not self._ready:
             await self._handshake()
 
@@ -492,7 +496,7 @@ class JupyterKernelSandbox(Sandbox):
         """The cell called ``exit()``: wait for the kernel to end, then report it."""
         deadline = time.monotonic() + _EXIT_WAIT_S
         while time.monotonic() < deadline:
-            self._check_alive("the cell called exit()")
+            await self._check_alive("the cell called exit()")
             await asyncio.sleep(0.02)
 
     async def _poll_execute_reply(self, msg_id: str) -> dict[str, Any] | None:
@@ -529,7 +533,7 @@ class JupyterKernelSandbox(Sandbox):
             try:
                 reply: dict[str, Any] = await self._client.get_shell_msg(timeout=_LIVENESS_POLL_S)
             except Empty:
-                self._check_alive()
+                await self._check_alive()
                 if time.monotonic() >= deadline:
                     raise SandboxError(
                         f"sandbox {self._handle.sandbox_id}: kernel sent no {kind} within "
@@ -577,7 +581,7 @@ class JupyterKernelSandbox(Sandbox):
         deadline = time.monotonic() + self._config.startup_timeout_s
         await self._pin_sockets()
         while time.monotonic() < deadline:
-            self._check_alive()
+            await self._check_alive()
             msg_id = self._client.kernel_info()
             try:
                 while True:
@@ -671,7 +675,7 @@ class _KernelCell(RunningCell):
                 if self._outputs.held:
                     self._outputs.flush()
                     continue
-                sandbox._check_alive()
+                await sandbox._check_alive()
                 self._reply = self._reply or await sandbox._poll_execute_reply(self._msg_id)
                 if self._reply is not None and self._idle_seen:
                     return True

@@ -18,7 +18,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ async def pin_sockets(
     *,
     owner_uid: int,
     sandbox_id: str,
-    check_alive: Callable[[], None],
+    check_alive: Callable[[], Awaitable[None]],
     timeout_s: float,
 ) -> None:
     """Wait for the kernel to bind its sockets, then pin them, each checked before it takes its
@@ -111,7 +111,7 @@ async def pin_sockets(
     ):
         candidate = pinned.with_name(f"{pinned.name}.new")
         while True:
-            check_alive()
+            await check_alive()
             with contextlib.suppress(FileNotFoundError):
                 candidate.unlink()
             try:

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +54,13 @@ from jupyter_client.connect import write_connection_file
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 from jupyter_client.launcher import launch_kernel
 
+from prefect_sandbox.sandbox.backends import run_to_end_in_thread
+from prefect_sandbox.sandbox.backends.host import (
+    new_runtime_dir,
+    new_workdir,
+    remove_folders,
+    runtime_base,
+)
 from prefect_sandbox.sandbox.backends.jupyter import (
     STARTUP_FILE_NAME,
     JupyterKernelConfig,
@@ -66,7 +72,6 @@ from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_la
 from prefect_sandbox.sandbox.errors import (
     SandboxError,
     SandboxNotFoundError,
-    SandboxUnavailableError,
 )
 from prefect_sandbox.sandbox.isolation import (
     ISOLATION_LEVELS,
@@ -201,50 +206,6 @@ class LocalKernelConfig(JupyterKernelConfig):
             raise ValueError(f"isolation must be one of {ISOLATION_LEVELS}, not {self.isolation!r}")
 
 
-def _runtime_base() -> Path:
-    # Short, so IPC socket paths stay under the 107-byte limit of Unix sockets.
-    base = Path(tempfile.gettempdir()) / f"prefect-sandbox-{os.getuid()}"
-    base.mkdir(mode=0o700, exist_ok=True)
-    return base
-
-
-# Linux's sun_path holds 108 bytes with the terminating NUL (unix(7)); zmq refuses longer.
-UNIX_SOCKET_PATH_MAX_BYTES = 107
-# The longest socket path under a runtime folder: the host's pinned links, a two-digit port.
-_LONGEST_SOCKET = Path("sock") / "k-99"
-
-
-def _new_runtime_dir(sandbox_id: str) -> Path:
-    """A new runtime folder for a kernel's connection file and IPC sockets (mode 0700).
-
-    Raises:
-        SandboxUnavailableError: its kernel sockets' paths would pass the Unix socket limit
-            (a long TMPDIR); the message names TMPDIR, the paths' length and the limit.
-    """
-    runtime_dir = _runtime_base() / sandbox_id
-    longest = len(os.fsencode(runtime_dir / _LONGEST_SOCKET))
-    if longest > UNIX_SOCKET_PATH_MAX_BYTES:
-        temp = tempfile.gettempdir()
-        room = UNIX_SOCKET_PATH_MAX_BYTES - (longest - len(os.fsencode(temp)))
-        raise SandboxUnavailableError(
-            f"the temporary folder (TMPDIR={temp}, {len(os.fsencode(temp))} bytes) is too long "
-            f"for a local kernel's IPC sockets: their paths under it reach {longest} bytes, "
-            f"over the {UNIX_SOCKET_PATH_MAX_BYTES}-byte limit of Unix socket paths; set TMPDIR "
-            f"to a folder of at most {room} bytes (e.g. /tmp)",
-            operation="create",
-        )
-    runtime_dir.mkdir(mode=0o700)
-    return runtime_dir
-
-
-def _new_workdir(sandbox_id: str, workdir_root: Path | None) -> Path:
-    """A new working directory for a sandbox: under ``workdir_root``, else in the temp dir."""
-    if workdir_root is not None:
-        workdir_root.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=workdir_root))
-    return Path(tempfile.mkdtemp(prefix=f"prefect-sandbox-{sandbox_id}-"))
-
-
 def _process_state(pid: int) -> str | None:
     """The process's state letter from /proc (``Z`` for a zombie), or None if it is gone."""
     try:
@@ -369,11 +330,11 @@ class LocalKernelSandbox(JupyterKernelSandbox):
     ) -> LocalKernelSandbox:
         """Start a kernel (see `create`), whatever the warm pool holds."""
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
-        runtime_dir = _new_runtime_dir(sandbox_id)
+        runtime_dir = new_runtime_dir(sandbox_id)
         # The sockets get a folder of their own: an isolated kernel may write there, but not
         # beside them (where the pid and handle files, which this side trusts, live).
         (runtime_dir / "ipc").mkdir(mode=0o700)
-        workdir = _new_workdir(sandbox_id, config.workdir_root)
+        workdir = new_workdir(sandbox_id, config.workdir_root)
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
             sandbox_id=sandbox_id,
@@ -389,7 +350,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         _write_connection_files(runtime_dir, config.kernel_name)
         sandbox: LocalKernelSandbox | None = None
         try:
-            spec = _launch(handle, config)
+            spec = await run_to_end_in_thread(_launch, handle, config)
             sandbox = cls(handle, config)
             sandbox._starting = True
             await sandbox._handshake()
@@ -458,18 +419,25 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         try:
             os.killpg(self._pid, signal.SIGINT)
         except ProcessLookupError:
-            self._check_alive()
+            await self._check_alive()
 
     async def restart(self) -> None:
-        """Kill the kernel and start a new one on the same sockets and working directory."""
+        """Kill the kernel and start a new one on the same sockets and working directory.
+
+        The kill (which waits for the old kernel to end) and the launch run in a thread.
+        """
         await self.close()
+        await run_to_end_in_thread(self._relaunch)
+        self._starting = True
+        await self._reconnect()
+        self._starting = False
+
+    def _relaunch(self) -> None:
+        """Kill the kernel, wait until it is gone, and launch a new one (blocking)."""
         _kill_process_group(self._handle.sandbox_id, self._pid)
         self._clear_sockets()
         _launch(self._handle, self._config)
         self._pid = _read_pid(self._handle)
-        self._starting = True
-        await self._reconnect()
-        self._starting = False
 
     async def kill(self) -> bool:
         """Kill the kernel and its children, and remove its files. Idempotent.
@@ -480,8 +448,11 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         await self.close()
         return await asyncio.to_thread(_destroy, self._handle)
 
-    def _check_alive(self, reason: str | None = None) -> None:
-        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why."""
+    async def _check_alive(self, reason: str | None = None) -> None:
+        """Raise `SandboxDiedError` if the kernel process has ended; ``reason`` says why.
+
+        Never blocks: a non-waiting ``waitpid``, or a read of ``/proc``.
+        """
         process = _launched.get(self._handle.sandbox_id)
         if process is not None:
             returncode = process.poll()
@@ -559,7 +530,7 @@ def _write_handle(handle: SandboxHandle) -> None:
 def _registered_handles(labels: Mapping[str, str]) -> list[SandboxHandle]:
     """Handles of this machine's local sandboxes whose labels include ``labels``, by id."""
     handles = []
-    for handle_file in sorted(_runtime_base().glob("*/handle.json")):
+    for handle_file in sorted(runtime_base().glob("*/handle.json")):
         try:
             handle = SandboxHandle.model_validate_json(handle_file.read_text())
         except (FileNotFoundError, ValueError):
@@ -817,8 +788,9 @@ def _forget_killed_elsewhere() -> None:
     another Dask worker, say), and stop their guards: until then each stays a zombie, and its
     guard, which sees a zombie's group as alive, keeps running."""
     for sandbox_id, process in list(_launched.items()):
-        if process.poll() is not None and not (_runtime_base() / sandbox_id).exists():
-            del _launched[sandbox_id]
+        if process.poll() is not None and not (runtime_base() / sandbox_id).exists():
+            # Launches run in threads: another one may have forgotten it meanwhile.
+            _launched.pop(sandbox_id, None)
             guard = _guards.pop(sandbox_id, None)
             if guard is not None:
                 guard.kill()
@@ -842,9 +814,8 @@ def _destroy(handle: SandboxHandle) -> bool:
         pass
     else:
         _kill_process_group(handle.sandbox_id, pid)
-    shutil.rmtree(runtime_dir, ignore_errors=True)
-    if handle.connection.get("owns_workdir"):
-        shutil.rmtree(handle.workdir, ignore_errors=True)
+    owned = Path(handle.workdir) if handle.connection.get("owns_workdir") else None
+    remove_folders(runtime_dir, owned)
     return True
 
 

@@ -14,7 +14,6 @@ idle sandboxes stay its parent's.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -23,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from prefect_sandbox._compat import register_before_threads_join
 from prefect_sandbox.sandbox.base import SandboxHandle
 
 __all__ = ["WarmPool", "close_warm_pools", "warm_pool"]
@@ -174,8 +174,7 @@ def _close_at_exit() -> None:
     # Before Python joins its threads at exit, as concurrent.futures does: plain atexit runs
     # after the executors that start kernels (and asyncio.to_thread) refuse work, so a kernel
     # being started then could not be ended. atexit where Python lacks that hook.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(close_warm_pools)
+    register_before_threads_join(close_warm_pools)
 
 
 def warm_pool(key: Hashable, make: Callable[[], WarmPool]) -> tuple[WarmPool, bool]:

@@ -427,7 +427,7 @@ class World:
             async with context.restart_lock:
                 assert context.kernel is not None
                 try:
-                    context.kernel._check_alive()
+                    await context.kernel._check_alive()
                     continue
                 except SandboxDiedError:
                     logger.info("Context %s: kernel died; restarting it", context.id)
