@@ -272,7 +272,7 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
             ]
         },
         inputs=[str(inputs / name) for name in names],
-        artifacts=["*", "../../evil.txt", "../escape.txt"],
+        artifacts=["*"],
         backend=LocalKernelBackend(workdir_root=str(home)),
         storage=str(tmp_path / "out"),
     )
@@ -292,7 +292,22 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
     assert out_files == {
         f"{run}/{p}" for p in [*names, "résumé plot.png", "executed.ipynb", "summary.json"]
     }
-    assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "escape.txt").exists()
+    assert not (tmp_path / "escape.txt").exists()
+
+
+async def test_an_artifact_pattern_that_climbs_is_refused_before_a_sandbox_starts(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    with pytest.raises(ValueError, match=r"'\.\./\.\./evil\.txt' leaves the working directory"):
+        await amodeling_pipeline(
+            stages={"write": ["open('x', 'w').write('x')"]},
+            artifacts=["*", "../../evil.txt"],
+            backend=LocalKernelBackend(workdir_root=str(home)),
+            storage=str(tmp_path / "out"),
+        )
+    assert not home.exists() or not any(home.iterdir())
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 async def test_b12_each_run_stores_in_its_own_folder_inside_storage(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ async def test_inputs_from_s3_and_odd_artifacts_round_trip(
             f"s3://{bucket.bucket_name}/data/raw/",
             f"s3://{bucket.bucket_name}/data/single.json",
         ],
-        artifacts=["*.bin", "*.png", "out dir/*", "../../evil.txt"],
+        artifacts=["*.bin", "*.png", "out dir/*"],
         storage=bucket,
     )
     notebook = _stored_notebook(moto, result.output_dir)
