@@ -691,8 +691,29 @@ async def test_a_flow_retry_gets_a_fresh_sandbox_and_an_emptied_folder(tmp_path:
     assert {p.pid for p in kernel_processes()} == before
 
 
+def _c04_backend(request: pytest.FixtureRequest, where: str) -> Any:
+    """The backend block C04 runs on: None (the default local kernel), or a remote one against
+    the session's emulator."""
+    if where == "e2b":
+        from prefect_sandbox import E2BBackend
+        from prefect_sandbox.blocks.e2b import E2BCredentials
+
+        emulator = request.getfixturevalue("e2b_emulator")
+        credentials = E2BCredentials(
+            api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
+        )
+        return E2BBackend(credentials=credentials, interrupt_grace_s=2.0)
+    if where == "daytona":
+        from prefect_sandbox import DaytonaBackend
+
+        request.getfixturevalue("daytona_env")
+        return DaytonaBackend(interrupt_grace_s=2.0)
+    return None
+
+
+@pytest.mark.parametrize("where", ["local", "e2b", "daytona"])
 async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest, where: str
 ) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [
@@ -704,6 +725,7 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
     state = await arun_notebook.with_options(timeout_seconds=20)(
         notebook=str(tmp_path / "input.ipynb"),
+        backend=_c04_backend(request, where),
         artifacts=["step1.txt"],
         storage=str(tmp_path / "out"),
         return_state=True,
@@ -730,6 +752,11 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     assert cells[0].outputs[0]["text"] == "step 1 done\n"
     assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
     assert {p.pid for p in kernel_processes()} == before
+    if where != "local":
+        from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+
+        emulator = request.getfixturevalue("e2b_emulator" if where == "e2b" else "daytona_env")
+        assert emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 
 def test_artifacts_named_like_the_runs_own_files_get_free_names() -> None:
