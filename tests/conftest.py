@@ -83,9 +83,11 @@ def moto() -> Iterator[MotoServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """`prefect server start` on 127.0.0.1, without a worker, for one test module."""
+    """`prefect server start` on 127.0.0.1, started once for the session (it takes 15-30 s);
+    a module adds the workers it needs (`PrefectStack.start_worker`) and stops them
+    (`PrefectServer.stop_started`)."""
     from tests.test_deployments import PrefectStack
 
     stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp())
