@@ -225,7 +225,7 @@ def _run_in_plain_worker(cells: list[str]) -> list[list[str | dict[str, Any]]]:
         input=json.dumps(codes),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         env={name: value for name, value in os.environ.items() if name != "MPLBACKEND"},
     )
     assert done.returncode == 0, done.stderr
