@@ -507,6 +507,26 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
     assert str(tmp_path / "out") in last
+    missing = _cli("run", "missing.ipynb", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The CLI's exit status and stderr for ``args``, run in this process: usage errors are
+    found before anything starts (the subprocess above shows the same path end to end, without
+    a fresh interpreter's import of Prefect, 3 s of CPU, each time)."""
+    from prefect_sandbox.cli import main
+
+    status = main(list(args))
+    return status, capsys.readouterr().err
+
+
+def test_cli_usage_errors_exit_2_with_a_one_line_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    source = _staged_notebook(tmp_path / "staged.ipynb")
     usage_cases = [
         (["-p", "bad"], "parameter 'bad' must look like NAME=VALUE"),
         (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
@@ -523,17 +543,12 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         ),
     ]
     for extra, message in usage_cases:
-        usage = _cli("run", str(source), *extra, cwd=tmp_path)
-        assert (usage.returncode, usage.stderr.strip()) == (2, f"prefect-sandbox: {message}")
-    missing = _cli("run", "missing.ipynb", cwd=tmp_path)
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+        status, stderr = _usage_error(capsys, "run", str(source), *extra)
+        assert (status, stderr.strip()) == (2, f"prefect-sandbox: {message}")
     (tmp_path / "notes.ipynb").write_text("just some text")
-    not_json = _cli("run", "notes.ipynb", cwd=tmp_path)
-    assert not_json.returncode == 2
-    assert not_json.stderr.startswith(
-        "prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook"
-    )
+    status, stderr = _usage_error(capsys, "run", "notes.ipynb")
+    assert status == 2
+    assert stderr.startswith("prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook")
     split = nbformat.v4.new_notebook()
     split.cells = [
         nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["stage:A"]}),
@@ -541,9 +556,14 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         nbformat.v4.new_code_cell("c = 1", metadata={"tags": ["stage:A"]}),
     ]
     nbformat.write(split, tmp_path / "split.ipynb")
-    scattered = _cli("run", "split.ipynb", cwd=tmp_path)
-    assert scattered.returncode == 2
-    assert "whose cells are not consecutive" in scattered.stderr.strip().splitlines()[-1]
+    status, stderr = _usage_error(capsys, "run", "split.ipynb")
+    assert status == 2
+    assert "whose cells are not consecutive" in stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.ipynb",
+        "split.ipynb",
+        "staged.ipynb",
+    ]
 
 
 def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path: Path) -> None:
