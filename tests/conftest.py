@@ -141,6 +141,17 @@ async def flow_run_logs(flow_run_id: str) -> list[Any]:
         )
 
 
+def cli_usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The CLI's exit status and stderr for ``args``, run in this process. For usage errors
+    only, which it finds before anything starts: a subprocess would cost a fresh interpreter's
+    import of Prefect (3 s of CPU) each time; tests that run the CLI end to end show the same
+    path as a user starts it."""
+    from prefect_sandbox.cli import main
+
+    status = main(list(args))
+    return status, capsys.readouterr().err
+
+
 def kernel_processes() -> list[psutil.Process]:
     """Live (non-zombie) ipykernel processes started by this test process."""
     found = []

@@ -25,7 +25,7 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, flow_run_logs, kernel_processes, stream_text
+from tests.conftest import ROOT, cli_usage_error, flow_run_logs, kernel_processes, stream_text
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -512,16 +512,6 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
 
 
-def _usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """The CLI's exit status and stderr for ``args``, run in this process: usage errors are
-    found before anything starts (the subprocess above shows the same path end to end, without
-    a fresh interpreter's import of Prefect, 3 s of CPU, each time)."""
-    from prefect_sandbox.cli import main
-
-    status = main(list(args))
-    return status, capsys.readouterr().err
-
-
 def test_cli_usage_errors_exit_2_with_a_one_line_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,10 +533,10 @@ def test_cli_usage_errors_exit_2_with_a_one_line_reason(
         ),
     ]
     for extra, message in usage_cases:
-        status, stderr = _usage_error(capsys, "run", str(source), *extra)
+        status, stderr = cli_usage_error(capsys, "run", str(source), *extra)
         assert (status, stderr.strip()) == (2, f"prefect-sandbox: {message}")
     (tmp_path / "notes.ipynb").write_text("just some text")
-    status, stderr = _usage_error(capsys, "run", "notes.ipynb")
+    status, stderr = cli_usage_error(capsys, "run", "notes.ipynb")
     assert status == 2
     assert stderr.startswith("prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook")
     split = nbformat.v4.new_notebook()
@@ -556,7 +546,7 @@ def test_cli_usage_errors_exit_2_with_a_one_line_reason(
         nbformat.v4.new_code_cell("c = 1", metadata={"tags": ["stage:A"]}),
     ]
     nbformat.write(split, tmp_path / "split.ipynb")
-    status, stderr = _usage_error(capsys, "run", "split.ipynb")
+    status, stderr = cli_usage_error(capsys, "run", "split.ipynb")
     assert status == 2
     assert "whose cells are not consecutive" in stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
