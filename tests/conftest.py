@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SUBPROCESS_TEST_TIMEOUT_S = 400
+"""pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask
+cluster in fresh interpreters: the suite's 120 s was outrun at load 11."""
+
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[None]:

@@ -57,7 +57,7 @@ from prefect_sandbox.tasks.sandbox import (
     upload_inputs,
 )
 from prefect_sandbox.testing.e2b import E2BEmulator
-from tests.conftest import ROOT, max_alive_at_once, stream_text
+from tests.conftest import ROOT, SUBPROCESS_TEST_TIMEOUT_S, max_alive_at_once, stream_text
 from tests.test_flows import _cli
 from tests.test_sweep import _notebook, branch_run_states, cancel_sweep_through_the_api
 
@@ -308,6 +308,7 @@ print(json.dumps({**seen, "flow_api_url": temporary_server_url()}))
 """
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_workers_report_to_the_flow_processs_temporary_api_server(
     workers: Workers, tmp_path: Path
 ) -> None:
@@ -438,6 +439,7 @@ def test_task_runner_values_name_a_local_cluster_or_a_scheduler() -> None:
             dask_task_runner(bad)
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_sweep_runs_branches_on_a_dask_scheduler(workers: Workers, tmp_path: Path) -> None:
     _notebook(
         tmp_path / "nb.ipynb",

@@ -25,7 +25,14 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, cli_usage_error, flow_run_logs, kernel_processes, stream_text
+from tests.conftest import (
+    ROOT,
+    SUBPROCESS_TEST_TIMEOUT_S,
+    cli_usage_error,
+    flow_run_logs,
+    kernel_processes,
+    stream_text,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -500,6 +507,7 @@ def test_main_job_co2_forecast_through_the_cli(tmp_path: Path) -> None:
     assert {p.pid for p in kernel_processes()} == before
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     source = _staged_notebook(tmp_path / "staged.ipynb")
     done = _cli("run", str(source), "-p", "rows=3", "--out", str(tmp_path / "out"), cwd=tmp_path)
@@ -556,6 +564,7 @@ def test_cli_usage_errors_exit_2_with_a_one_line_reason(
     ]
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path: Path) -> None:
     source = _staged_notebook(tmp_path / "staged.ipynb")
     env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
