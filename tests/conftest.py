@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SUBPROCESS_TEST_TIMEOUT_S = 400
+"""pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask
+cluster in fresh interpreters: the suite's 120 s was outrun at load 11."""
+
 
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[None]:
@@ -83,9 +87,11 @@ def moto() -> Iterator[MotoServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """`prefect server start` on 127.0.0.1, without a worker, for one test module."""
+    """`prefect server start` on 127.0.0.1, started once for the session (it takes 15-30 s);
+    a module adds the workers it needs (`PrefectStack.start_worker`) and stops them
+    (`PrefectServer.stop_started`)."""
     from tests.test_deployments import PrefectStack
 
     stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp())
@@ -137,6 +143,17 @@ async def flow_run_logs(flow_run_id: str) -> list[Any]:
         return await client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
         )
+
+
+def cli_usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The CLI's exit status and stderr for ``args``, run in this process. For usage errors
+    only, which it finds before anything starts: a subprocess would cost a fresh interpreter's
+    import of Prefect (3 s of CPU) each time; tests that run the CLI end to end show the same
+    path as a user starts it."""
+    from prefect_sandbox.cli import main
+
+    status = main(list(args))
+    return status, capsys.readouterr().err
 
 
 def kernel_processes() -> list[psutil.Process]:

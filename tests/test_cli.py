@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from prefect_sandbox.sandbox.outputs import strip_ansi
+from tests.conftest import SUBPROCESS_TEST_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +54,7 @@ def _notebook(path: Path) -> Path:
     return path
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_a_flow_from_plain_python_waits_for_a_slow_temporary_server(tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()

@@ -57,7 +57,7 @@ from prefect_sandbox.tasks.sandbox import (
     upload_inputs,
 )
 from prefect_sandbox.testing.e2b import E2BEmulator
-from tests.conftest import ROOT, max_alive_at_once, stream_text
+from tests.conftest import ROOT, SUBPROCESS_TEST_TIMEOUT_S, max_alive_at_once, stream_text
 from tests.test_flows import _cli
 from tests.test_sweep import _notebook, branch_run_states, cancel_sweep_through_the_api
 
@@ -308,6 +308,7 @@ print(json.dumps({**seen, "flow_api_url": temporary_server_url()}))
 """
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_workers_report_to_the_flow_processs_temporary_api_server(
     workers: Workers, tmp_path: Path
 ) -> None:
@@ -334,6 +335,67 @@ def test_workers_report_to_the_flow_processs_temporary_api_server(
 CO2 = ROOT / "examples" / "co2"
 
 
+async def _check_branches_ran_as_the_sweeps_tasks(result: Any) -> None:
+    """The branches ran as the sweep's tasks (on the cluster's workers), each flow run a
+    subflow of the sweep (so its hooks find them)."""
+    sweep_id = uuid.UUID(result.flow_run_id)
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sweep_id]))
+        )
+        branch_tasks = {
+            run.name: run for run in task_runs if run.task_key.startswith("_dask_branch")
+        }
+        assert sorted(branch_tasks) == sorted(str(b.flow_run_name) for b in result.branches)
+        assert all(run.state_type == StateType.COMPLETED for run in branch_tasks.values())
+        for branch in result.branches:
+            run = await client.read_flow_run(uuid.UUID(str(branch.flow_run_id)))
+            assert run.parent_task_run_id is not None
+            parent = await client.read_task_run(run.parent_task_run_id)
+            assert parent.flow_run_id == sweep_id
+
+
+async def test_a_sweep_on_a_local_dask_cluster_keeps_max_sandboxes_alive_at_most(
+    tmp_path: Path,
+) -> None:
+    """The short form of the twelve-branch CO2 sweep below (in ``slow``): each branch's cell
+    waits until two branches have started (a rendezvous in a host folder, so unisolated
+    kernels), so the cap of two is reached, and one more would show."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    source = _notebook(
+        tmp_path / "nb.ipynb",
+        "import json, os, time\n"
+        f"meet = {str(meet)!r}\n"
+        "open(os.path.join(meet, str(x)), 'w').close()\n"
+        "deadline = time.monotonic() + 120\n"
+        "while len(os.listdir(meet)) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "json.dump({'double': x * 2}, open('metrics.json', 'w'))",
+    )
+    grid = [{"x": x} for x in range(1, 5)]
+    result = await asweep_notebook(
+        notebook=str(source),
+        grid=grid,
+        backend=LocalKernelBackend(isolation="none"),
+        storage=str(tmp_path / "out"),
+        max_sandboxes=2,
+        task_runner="dask",
+    )
+    assert result.mode == "dask"
+    assert result.status == "completed", result.error
+    assert [branch.parameters for branch in result.branches] == grid
+    assert [branch.metrics for branch in result.branches] == [
+        {"double": 2 * x} for x in (1, 2, 3, 4)
+    ]
+    folders = [Path(str(branch.output_dir)) for branch in result.branches]
+    summaries = [json.loads((folder / "summary.json").read_text()) for folder in folders]
+    assert [summary["status"] for summary in summaries] == ["completed"] * 4
+    assert max_alive_at_once(summaries) == 2
+    await _check_branches_ran_as_the_sweeps_tasks(result)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 async def test_a_sweep_of_twelve_on_a_local_dask_cluster_keeps_three_sandboxes_alive_at_most(
     tmp_path: Path,
@@ -363,23 +425,7 @@ async def test_a_sweep_of_twelve_on_a_local_dask_cluster_keeps_three_sandboxes_a
         entry["train_end"] for entry in grid
     ]
     assert 1 < max_alive_at_once(summaries) <= 3
-    # The branches ran as the sweep's tasks (on the cluster's workers), each flow run a
-    # subflow of the sweep (so its hooks find them).
-    sweep_id = uuid.UUID(result.flow_run_id)
-    async with get_client() as client:
-        task_runs = await client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sweep_id]))
-        )
-        branch_tasks = {
-            run.name: run for run in task_runs if run.task_key.startswith("_dask_branch")
-        }
-        assert sorted(branch_tasks) == sorted(str(b.flow_run_name) for b in result.branches)
-        assert all(run.state_type == StateType.COMPLETED for run in branch_tasks.values())
-        for branch in result.branches:
-            run = await client.read_flow_run(uuid.UUID(str(branch.flow_run_id)))
-            assert run.parent_task_run_id is not None
-            parent = await client.read_task_run(run.parent_task_run_id)
-            assert parent.flow_run_id == sweep_id
+    await _check_branches_ran_as_the_sweeps_tasks(result)
 
 
 def test_task_runner_values_name_a_local_cluster_or_a_scheduler() -> None:
@@ -393,6 +439,7 @@ def test_task_runner_values_name_a_local_cluster_or_a_scheduler() -> None:
             dask_task_runner(bad)
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_sweep_runs_branches_on_a_dask_scheduler(workers: Workers, tmp_path: Path) -> None:
     _notebook(
         tmp_path / "nb.ipynb",

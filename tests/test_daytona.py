@@ -225,7 +225,7 @@ def _run_in_plain_worker(cells: list[str]) -> list[list[str | dict[str, Any]]]:
         input=json.dumps(codes),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         env={name: value for name, value in os.environ.items() if name != "MPLBACKEND"},
     )
     assert done.returncode == 0, done.stderr
@@ -359,10 +359,19 @@ async def test_a_slow_api_is_waited_for(
         await again.close()
 
 
+FAST_MINUTE_S = 3.0
+"""A lifecycle minute of `fast_clock`: long enough for a sandbox's creation on a busy machine
+(at 0.5 s, auto-stop ended one being created at load 11), short enough for a test."""
+
+SILENT_CELL = f"import time; time.sleep({2.5 * FAST_MINUTE_S})"
+"""A cell that prints nothing for well over auto-stop's one (fast) minute."""
+
+
 @pytest.fixture(scope="module")
 def fast_clock() -> Iterator[DaytonaEmulator]:
-    """An emulator whose lifecycle minutes last 0.5 s, so auto-stop acts within a test."""
-    with DaytonaEmulator(minute_s=0.5) as emulator:
+    """An emulator whose lifecycle minutes last `FAST_MINUTE_S`, so auto-stop acts within a
+    test."""
+    with DaytonaEmulator(minute_s=FAST_MINUTE_S) as emulator:
         yield emulator
 
 
@@ -381,7 +390,7 @@ def _fast_backend(emulator: DaytonaEmulator, refresh_s: float) -> DaytonaBackend
 async def test_auto_stop_never_stops_a_running_cell(fast_clock: DaytonaEmulator) -> None:
     box = await _fast_backend(fast_clock, refresh_s=0.1).create(LABELS)
     try:
-        result = await box.run_cell("import time; time.sleep(2); print('awake')")
+        result = await box.run_cell(f"{SILENT_CELL}; print('awake')")
         assert stream_text(result.outputs) == "awake\n"
         assert fast_clock.sandbox_state(box.handle.sandbox_id) == "started"
     finally:
@@ -395,7 +404,7 @@ async def test_without_keep_alive_auto_stop_ends_the_interpreter(
     box = await _fast_backend(fast_clock, refresh_s=60).create(LABELS)
     try:
         with pytest.raises(SandboxDiedError, match="stopped"):
-            await box.run_cell("import time; time.sleep(2)")
+            await box.run_cell(SILENT_CELL)
         assert fast_clock.sandbox_state(box.handle.sandbox_id) in ("stopping", "stopped")
     finally:
         await box.kill()

@@ -48,7 +48,7 @@ WORKER_LIMIT = 2
 
 
 class PrefectStack(PrefectServer):
-    """`prefect server start` and process workers, in subprocesses, for one test module."""
+    """`prefect server start` and process workers, in subprocesses, on 127.0.0.1."""
 
     def __init__(self, home: Path, input_roots: Path, database_url: str | None = None) -> None:
         super().__init__(
@@ -76,10 +76,11 @@ class PrefectStack(PrefectServer):
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    stack = PrefectStack(tmp_path_factory.mktemp("prefect-home"), tmp_path_factory.getbasetemp())
+def stack(server: PrefectStack) -> Iterator[PrefectStack]:
+    """The session's `prefect server` with this module's work pool, blocks, deployments and
+    two process workers; the workers stop with the module."""
+    stack = server
     try:
-        stack.wait_until_healthy()
         stack.cli("work-pool", "create", "sandbox-process", "--type", "process")
         stack.cli("block", "register", "-m", "prefect_sandbox")
         stack.cli("block", "register", "-m", "prefect_aws")
@@ -88,7 +89,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
             stack.start_worker(name, WORKER_LIMIT)
         yield stack
     finally:
-        stack.stop()
+        stack.stop_started()
 
 
 @pytest.fixture

@@ -160,7 +160,7 @@ async def test_another_process_attaches_with_state_intact(
         [sys.executable, "-c", script, backend.model_dump_json(), sandbox.handle.model_dump_json()],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stderr[-2000:]

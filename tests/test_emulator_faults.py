@@ -289,7 +289,7 @@ def test_emulator_runs_in_the_foreground_and_prints_the_sdk_settings(name: str) 
                 env={**settings, "PATH": ""},
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=300,
             )
             assert listed.returncode == 0, listed.stderr
             assert listed.stdout == "[]\n"

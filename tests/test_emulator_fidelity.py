@@ -288,7 +288,7 @@ async def test_e2b_exit_is_passed_on_as_nothing_and_the_kernel_comes_back(
     assert (ended.logs.stdout, ended.error, ended.results) == (["bye\n"], None, [])
     # Jupyter's restarter brings a fresh kernel within seconds (a cell meanwhile may still run
     # in the dying one, or end with ContextRestarting).
-    deadline = asyncio.get_running_loop().time() + 20
+    deadline = asyncio.get_running_loop().time() + 60
     while True:
         probe = await e2b_sandbox.run_code("print('x' in globals())")
         if probe.logs.stdout == ["False\n"]:

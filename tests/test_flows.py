@@ -25,7 +25,14 @@ from prefect_sandbox.flows import (
 )
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
-from tests.conftest import ROOT, flow_run_logs, kernel_processes, stream_text
+from tests.conftest import (
+    ROOT,
+    SUBPROCESS_TEST_TIMEOUT_S,
+    cli_usage_error,
+    flow_run_logs,
+    kernel_processes,
+    stream_text,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -515,6 +522,7 @@ def test_main_job_co2_forecast_through_the_cli(tmp_path: Path) -> None:
     assert {p.pid for p in kernel_processes()} == before
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     source = _staged_notebook(tmp_path / "staged.ipynb")
     done = _cli("run", str(source), "-p", "rows=3", "--out", str(tmp_path / "out"), cwd=tmp_path)
@@ -522,6 +530,16 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
     assert str(tmp_path / "out") in last
+    missing = _cli("run", "missing.ipynb", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+
+
+def test_cli_usage_errors_exit_2_with_a_one_line_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    source = _staged_notebook(tmp_path / "staged.ipynb")
     usage_cases = [
         (["-p", "bad"], "parameter 'bad' must look like NAME=VALUE"),
         (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
@@ -538,17 +556,12 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         ),
     ]
     for extra, message in usage_cases:
-        usage = _cli("run", str(source), *extra, cwd=tmp_path)
-        assert (usage.returncode, usage.stderr.strip()) == (2, f"prefect-sandbox: {message}")
-    missing = _cli("run", "missing.ipynb", cwd=tmp_path)
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == "prefect-sandbox: notebook 'missing.ipynb' is not a file"
+        status, stderr = cli_usage_error(capsys, "run", str(source), *extra)
+        assert (status, stderr.strip()) == (2, f"prefect-sandbox: {message}")
     (tmp_path / "notes.ipynb").write_text("just some text")
-    not_json = _cli("run", "notes.ipynb", cwd=tmp_path)
-    assert not_json.returncode == 2
-    assert not_json.stderr.startswith(
-        "prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook"
-    )
+    status, stderr = cli_usage_error(capsys, "run", "notes.ipynb")
+    assert status == 2
+    assert stderr.startswith("prefect-sandbox: notebook 'notes.ipynb' is not a valid notebook")
     split = nbformat.v4.new_notebook()
     split.cells = [
         nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["stage:A"]}),
@@ -556,11 +569,17 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
         nbformat.v4.new_code_cell("c = 1", metadata={"tags": ["stage:A"]}),
     ]
     nbformat.write(split, tmp_path / "split.ipynb")
-    scattered = _cli("run", "split.ipynb", cwd=tmp_path)
-    assert scattered.returncode == 2
-    assert "whose cells are not consecutive" in scattered.stderr.strip().splitlines()[-1]
+    status, stderr = cli_usage_error(capsys, "run", "split.ipynb")
+    assert status == 2
+    assert "whose cells are not consecutive" in stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.ipynb",
+        "split.ipynb",
+        "staged.ipynb",
+    ]
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path: Path) -> None:
     source = _staged_notebook(tmp_path / "staged.ipynb")
     env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
@@ -706,8 +725,29 @@ async def test_a_flow_retry_gets_a_fresh_sandbox_and_an_emptied_folder(tmp_path:
     assert {p.pid for p in kernel_processes()} == before
 
 
+def _c04_backend(request: pytest.FixtureRequest, where: str) -> Any:
+    """The backend block C04 runs on: None (the default local kernel), or a remote one against
+    the session's emulator."""
+    if where == "e2b":
+        from prefect_sandbox import E2BBackend
+        from prefect_sandbox.blocks.e2b import E2BCredentials
+
+        emulator = request.getfixturevalue("e2b_emulator")
+        credentials = E2BCredentials(
+            api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
+        )
+        return E2BBackend(credentials=credentials, interrupt_grace_s=2.0)
+    if where == "daytona":
+        from prefect_sandbox import DaytonaBackend
+
+        request.getfixturevalue("daytona_env")
+        return DaytonaBackend(interrupt_grace_s=2.0)
+    return None
+
+
+@pytest.mark.parametrize("where", ["local", "e2b", "daytona"])
 async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest, where: str
 ) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [
@@ -719,6 +759,7 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
     state = await arun_notebook.with_options(timeout_seconds=20)(
         notebook=str(tmp_path / "input.ipynb"),
+        backend=_c04_backend(request, where),
         artifacts=["step1.txt"],
         storage=str(tmp_path / "out"),
         return_state=True,
@@ -745,6 +786,11 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     assert cells[0].outputs[0]["text"] == "step 1 done\n"
     assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
     assert {p.pid for p in kernel_processes()} == before
+    if where != "local":
+        from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+
+        emulator = request.getfixturevalue("e2b_emulator" if where == "e2b" else "daytona_env")
+        assert emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 
 def test_artifacts_named_like_the_runs_own_files_get_free_names() -> None:

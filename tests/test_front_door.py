@@ -18,7 +18,7 @@ import pytest
 
 from prefect_sandbox.flows import amodeling_pipeline, arun_notebook
 from prefect_sandbox.sandbox.errors import NotebookError
-from tests.conftest import stream_text
+from tests.conftest import cli_usage_error, stream_text
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -91,10 +91,12 @@ def test_b01_nan_parameter_from_the_cli_is_a_float(tmp_path: Path) -> None:
     assert stream_text(cells[2].outputs) == "isnan True isinf False\n"
 
 
-def test_b04_keyword_parameter_name_is_refused_by_the_cli(tmp_path: Path) -> None:
+def test_b04_keyword_parameter_name_is_refused_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     source = _parameters_notebook(tmp_path / "b04.ipynb", "alpha = 1.0", 'print("ran")')
-    done = _cli("run", str(source), "-p", "lambda=0.5", "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
+    out = str(tmp_path / "out")
+    assert cli_usage_error(capsys, "run", str(source), "-p", "lambda=0.5", "--out", out) == (
         2,
         "prefect-sandbox: parameter name 'lambda' (in 'lambda=0.5') is a Python keyword\n",
     )
@@ -155,11 +157,13 @@ async def test_b09_non_ascii_headings_make_one_task_per_stage(tmp_path: Path) ->
     assert stream_text(_executed(Path(result.output_dir)).cells[5].outputs) == "2\n"
 
 
-def test_a_notebook_for_another_language_is_refused_by_the_cli(tmp_path: Path) -> None:
+def test_a_notebook_for_another_language_is_refused_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
     r_spec = {"name": "ir", "display_name": "R", "language": "R"}
     source = _write(tmp_path / "r.ipynb", nbformat.v4.new_code_cell("x <- 1"), kernelspec=r_spec)
-    done = _cli("run", "r.ipynb", "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
+    assert cli_usage_error(capsys, "run", "r.ipynb", "--out", "out") == (
         2,
         f"prefect-sandbox: notebook {source.name!r} is written for kernel 'ir' in 'R'; "
         "prefect-sandbox runs Python notebooks only\n",
@@ -196,11 +200,11 @@ async def test_the_executed_notebook_names_the_kernel_that_ran_it(tmp_path: Path
 
 @pytest.mark.parametrize("bad", ["nan", "0", "-2", "inf"])
 def test_b13_a_cell_timeout_that_is_no_duration_is_refused_by_the_cli(
-    tmp_path: Path, bad: str
+    tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = _write(tmp_path / "nb.ipynb", nbformat.v4.new_code_cell("x = 1"))
-    done = _cli("run", str(source), "--cell-timeout", bad, "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
+    out = str(tmp_path / "out")
+    assert cli_usage_error(capsys, "run", str(source), "--cell-timeout", bad, "--out", out) == (
         2,
         "prefect-sandbox: --cell-timeout must be a positive number of seconds, "
         f"or -1 for no timeout; got {float(bad):g}\n",

@@ -175,7 +175,7 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind(isolation: Isola
         kernel, sleeper = psutil.Process(kernel_pid), psutil.Process(sleeper_pid)
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (_gone(kernel) and _gone(sleeper)):
             await asyncio.sleep(0.1)
         assert _gone(kernel), "kernel outlived the process that started it"

@@ -353,6 +353,17 @@ async def test_storage_keys_have_no_empty_or_dot_segments(
         with pytest.raises(UnsafePathError, match=r"has a '\.' or '\.\.' segment"):
             await amodeling_pipeline(stages={"s": ["print(1)"]}, storage=storage)
     assert _keys(moto, name) == keys
+    # '?' and '#' are a key's characters, as for the AWS CLI: no query or fragment is cut off,
+    # and boto3's encoding of them on the wire reaches S3 as the very same key.
+    verbatim = await amodeling_pipeline(
+        stages={"s": ["open('a.txt', 'w').write('a')"]},
+        artifacts=["a.txt"],
+        storage=f"s3://{name}/a b/ü/x?y#z",
+    )
+    assert verbatim.output_dir.startswith(f"s3://{name}/a b/ü/x?y#z/modeling-pipeline/")
+    stored = _keys(moto, name) - keys
+    assert {key.rsplit("/", 1)[1] for key in stored} == {"a.txt", "executed.ipynb", "summary.json"}
+    assert all(key.startswith("a b/ü/x?y#z/modeling-pipeline/") for key in stored), stored
 
 
 def test_cli_refuses_an_out_whose_keys_would_climb(

@@ -378,7 +378,7 @@ def test_sigint_stops_every_branch_kills_their_sandboxes_and_stores_sweep_json(
             summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
             assert summary["status"] == "cancelled"
             assert summary["stages"][0]["status"] == "cancelled"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         for kernel in kernels:
             while kernel.is_running() and kernel.status() != psutil.STATUS_ZOMBIE:
                 assert time.monotonic() < deadline, f"{kernel.cmdline()} outlived the sweep"

@@ -288,7 +288,7 @@ async def test_a_dead_or_broken_pooled_kernel_is_ended_and_a_new_one_started() -
     await backend.fill_warm_pool(timeout_s=60)
     dead, broken = await backend.list_sandboxes(OWNER)
     os.killpg(_kernel_pid(dead), signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not _gone(_kernel_pid(dead)) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     (Path(broken.connection["runtime_dir"]) / "connection.json").unlink()
@@ -433,7 +433,7 @@ async def test_a_sigkilled_owners_idle_kernels_die_and_are_found_and_ended(
     try:
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         processes = [process for tree in trees for process in tree]
         while time.monotonic() < deadline and not all(_gone(p.pid) for p in processes):
             await asyncio.sleep(0.1)

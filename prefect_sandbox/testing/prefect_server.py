@@ -260,17 +260,18 @@ class PrefectServer:
             time.sleep(0.5)
         raise RuntimeError((self.home / "server.log").read_text()[-3000:])
 
+    def stop_started(self) -> None:
+        """End every process `start_process` started, with its process group (SIGTERM, then
+        SIGKILL after 20 s); the server goes on, for others to share."""
+        for process in self.others:
+            _end_group(process)
+        self.others = []
+
     def stop(self) -> None:
-        """End the server and every process `start_process` started, with their process groups
-        (SIGTERM, then SIGKILL after 20 s)."""
-        for process in (*self.others, self.server):
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=_STOP_TIMEOUT_S)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        """End every process `start_process` started, then the server, with their process
+        groups (SIGTERM, then SIGKILL after 20 s)."""
+        self.stop_started()
+        _end_group(self.server)
 
     def __enter__(self) -> Self:
         try:
@@ -287,3 +288,13 @@ class PrefectServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=_STOP_TIMEOUT_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
