@@ -65,17 +65,15 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import contextvars
 import json
 import logging
 import os
 import signal
 import sys
-import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect_sandbox.sandbox.outputs import strip_ansi
 
@@ -83,6 +81,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from prefect_sandbox.blocks import BackendBlock
+    from prefect_sandbox.flows.signals import SignalStop
     from prefect_sandbox.options import RunOptions
     from prefect_sandbox.results import PipelineResult, SweepResult
 
@@ -90,8 +89,6 @@ __all__ = ["EXIT_CANCELLED", "main"]
 
 EXIT_CANCELLED = 3
 """The exit status of a run cancelled through the Prefect API or UI."""
-
-T = TypeVar("T")
 
 
 _EXAMPLES = """examples:
@@ -309,9 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.register(_print_reason)
     if args.quiet:
         _quiet_prefect_console(logging.WARNING)
+    from prefect_sandbox.flows.signals import SignalStop
     from prefect_sandbox.progress import quiet_run_errors
 
-    with _stdout_to_stderr(args.json), _SignalStop() as stopper:
+    stop = SignalStop(on_signal=_quiet_prefect_console)
+    with _stdout_to_stderr(args.json), stop as stopper:
         quiet = quiet_run_errors() if args.quiet else contextlib.nullcontext()
         with quiet:
             outcome = _run_flow(args, parameters, grid, stopper)
@@ -346,7 +345,7 @@ def _run_flow(
     args: argparse.Namespace,
     parameters: dict[str, Any],
     grid: list[dict[str, Any]],
-    stopper: _SignalStop,
+    stopper: SignalStop,
 ) -> _Outcome:
     """Run the command's flow with the checked arguments, and say how it ended."""
     from prefect.exceptions import CancelledRun
@@ -609,72 +608,6 @@ def _start_temporary_server() -> None:
         SubprocessASGIServer().start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-class _SignalStop:
-    """Within, the first SIGINT or SIGTERM cancels what `run` runs (at once if it comes
-    before): the pipeline flows then kill the sandbox, store what was made and end Cancelled.
-    Later signals are ignored while that happens.
-
-    `run` runs its coroutine on an event loop in a worker thread: there Prefect's flow engine
-    installs no SIGTERM handler of its own (signals are the main thread's), which would raise
-    out of the event loop wherever it stood.
-
-    Attributes:
-        signum: the signal received, or None.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[Any] | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _SignalStop:
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        """Run ``make()`` to its end and return its value, or raise what it raised
-        (`asyncio.CancelledError` when a signal came before it started)."""
-        outcome: list[tuple[bool, Any]] = []
-        context = contextvars.copy_context()  # Prefect's settings context goes along
-
-        def work() -> None:
-            try:
-                outcome.append((True, context.run(asyncio.run, self._main(make))))
-            except BaseException as exc:
-                outcome.append((False, exc))
-
-        thread = threading.Thread(target=work, name="prefect-sandbox-flow")
-        thread.start()
-        thread.join()
-        done, value = outcome[0]
-        if not done:
-            raise value
-        return cast(T, value)
-
-    async def _main(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
-        if self.signum is not None:
-            raise asyncio.CancelledError
-        return await make()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self.signum is not None:
-            return
-        self.signum = signum
-        _quiet_prefect_console()
-        if self._loop is not None and self._task is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already closed: the run is over
-                self._loop.call_soon_threadsafe(self._task.cancel)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _quiet_prefect_console(level: int = logging.CRITICAL + 1) -> None:
