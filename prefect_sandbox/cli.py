@@ -109,13 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
-        "run",
-        help="run a notebook stage by stage and store its outputs",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_run_options(run)
+    run = _add_run_command(commands, "run", "run a notebook stage by stage and store its outputs")
     run.add_argument(
         "-f",
         "--parameters-file",
@@ -136,13 +130,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="notebook parameter, typed as papermill's -p does",
     )
-    sweep = commands.add_parser(
-        "sweep",
-        help="run a notebook once per parameter set, each in its own sandbox",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    sweep = _add_run_command(
+        commands, "sweep", "run a notebook once per parameter set, each in its own sandbox"
     )
-    _add_run_options(sweep)
     sweep.add_argument(
         "--grid",
         required=True,
@@ -182,8 +172,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_run_options(command: argparse.ArgumentParser) -> None:
-    """The options ``run`` and ``sweep`` share: notebook, backend, files, storage, timeout."""
+def _add_run_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
+) -> argparse.ArgumentParser:
+    """Add the subcommand ``name`` (``run`` or ``sweep``) with the examples as its epilog and
+    the options both share: notebook, backend, files, storage, timeout.
+
+    Returns:
+        The subcommand's parser, for the options of its own.
+    """
+    command = commands.add_parser(
+        name,
+        help=help_text,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     command.add_argument("notebook", help="the .ipynb to run")
     command.add_argument(
         "-q",
@@ -244,6 +247,7 @@ def _add_run_options(command: argparse.ArgumentParser) -> None:
         help="per-cell timeout; -1 for none (default: the backend block's, "
         "$PREFECT_SANDBOX_CELL_TIMEOUT_S)",
     )
+    return command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

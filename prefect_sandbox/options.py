@@ -344,14 +344,20 @@ def check_options(model: type[RunOptions], **values: Any) -> None:
 
     Args:
         model: `RunOptions` or `SweepOptions`.
-        values: the flow's parameters that the model has fields for (a storage block is left
-            out: pass ``storage`` only when it is text).
+        values: the flow's parameters that the model has fields for, as the flow got them:
+            ``inputs`` or ``artifacts`` None counts as empty, and a ``storage`` that is not
+            text (a block) is left unchecked.
 
     Raises:
         ValueError: the rule's own error when one is broken (an `UnsafePathError` for a path
             that climbs), else one `ValueError` whose line (`one_line`) names each parameter
             at fault.
     """
+    for name in ("inputs", "artifacts"):
+        if name in values and values[name] is None:
+            values[name] = []
+    if not isinstance(values.get("storage"), str):
+        values.pop("storage", None)
     try:
         model.model_validate(values)
     except ValidationError as exc:

@@ -609,6 +609,41 @@ async def new_run(
     return run, flow_run
 
 
+async def _checked_run(
+    notebook: str | None,
+    make_source: Callable[[], NotebookNode],
+    inputs: list[str] | None,
+    artifacts: list[str] | None,
+    backend: SandboxBackend | None,
+    storage: S3Bucket | str | None,
+    cell_timeout_s: float | None,
+    parameters: dict[str, Any] | None = None,
+) -> PipelineResult:
+    """The pipeline flows' common path, given their parameters: refuse a deployment run's or a
+    bad parameter (before any sandbox starts), make the notebook with ``make_source``, then run
+    it with `_run_pipeline` (the flows' docstrings list the errors raised)."""
+    await check_deployment_run()
+    check_options(
+        RunOptions,
+        notebook=notebook,
+        inputs=inputs,
+        artifacts=artifacts,
+        storage=storage,
+        cell_timeout_s=cell_timeout_s,
+    )
+    source = make_source()
+    return await _run_pipeline(
+        source,
+        split_stages(source),
+        inputs=inputs or [],
+        artifacts=artifacts or [],
+        backend=backend,
+        storage=storage,
+        cell_timeout_s=cell_timeout_s,
+        parameters=parameters,
+    )
+
+
 async def _run_pipeline(
     source: NotebookNode,
     stages: list[StageSpec],
@@ -788,33 +823,21 @@ async def arun_notebook(
             after storing what it made (the message says where it stopped and where the files
             are).
     """
-    await check_deployment_run()
-    check_options(
-        RunOptions,
-        notebook=notebook,
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        storage=storage if isinstance(storage, str) else None,
-        cell_timeout_s=cell_timeout_s,
-    )
-    original = read_notebook(Path(notebook))
-    source = inject_parameters(original, parameters or {})
-    unknown = undeclared_parameters(original, parameters or {})
-    if unknown:
-        get_run_logger().warning(
-            "Parameter(s) %s are not assigned in the notebook's cell tagged 'parameters' "
-            "(or it has none); injected anyway",
-            ", ".join(unknown),
-        )
-    return await _run_pipeline(
-        source,
-        split_stages(source),
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        backend=backend,
-        storage=storage,
-        cell_timeout_s=cell_timeout_s,
-        parameters=parameters,
+
+    def make_source() -> NotebookNode:
+        original = read_notebook(Path(notebook))
+        source = inject_parameters(original, parameters or {})
+        unknown = undeclared_parameters(original, parameters or {})
+        if unknown:
+            get_run_logger().warning(
+                "Parameter(s) %s are not assigned in the notebook's cell tagged 'parameters' "
+                "(or it has none); injected anyway",
+                ", ".join(unknown),
+            )
+        return source
+
+    return await _checked_run(
+        notebook, make_source, inputs, artifacts, backend, storage, cell_timeout_s, parameters
     )
 
 
@@ -872,23 +895,14 @@ async def amodeling_pipeline(
             after storing what it made (the message says where it stopped and where the files
             are).
     """
-    await check_deployment_run()
-    check_options(
-        RunOptions,
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        storage=storage if isinstance(storage, str) else None,
-        cell_timeout_s=cell_timeout_s,
-    )
-    source = notebook_from_stages(stages)
-    return await _run_pipeline(
-        source,
-        split_stages(source),
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        backend=backend,
-        storage=storage,
-        cell_timeout_s=cell_timeout_s,
+    return await _checked_run(
+        None,
+        lambda: notebook_from_stages(stages),
+        inputs,
+        artifacts,
+        backend,
+        storage,
+        cell_timeout_s,
     )
 
 

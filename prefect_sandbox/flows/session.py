@@ -572,9 +572,9 @@ def sandbox_session(
     """
     check_options(
         RunOptions,
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        storage=storage if isinstance(storage, str) else None,
+        inputs=inputs,
+        artifacts=artifacts,
+        storage=storage,
         cell_timeout_s=cell_timeout_s,
     )
     if max_text_chars < 100:

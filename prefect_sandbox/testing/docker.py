@@ -30,8 +30,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
+
+from prefect_sandbox.testing.stopping import StopsOnExit
 
 if TYPE_CHECKING:
     import docker
@@ -306,7 +307,7 @@ def _wheels(cache: Path, requirements: Sequence[str]) -> Path:
     return folder
 
 
-class DockerDaemon:
+class DockerDaemon(StopsOnExit):
     """A Docker daemon that answers: the running one, or a ``dockerd`` started here.
 
     ``with DockerDaemon() as daemon:`` gives ``daemon.client``; a daemon this object started is
@@ -353,26 +354,19 @@ class DockerDaemon:
                 return self
             except docker.errors.DockerException as exc:
                 if self._process.poll() is not None or time.monotonic() > deadline:
-                    self._stop()
+                    self.stop()
                     raise DockerUnavailable(
                         f"dockerd did not start ({exc}); see {self._log_path}"
                     ) from None
                 time.sleep(0.5)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop()
 
     @property
     def started_here(self) -> bool:
         """Whether this object started the daemon (and so will stop it)."""
         return self._process is not None
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Stop the daemon if this object started it; idempotent."""
         if self._process is None:
             return
         self._process.terminate()

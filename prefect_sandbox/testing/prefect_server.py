@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import httpx
 
 from prefect_sandbox.testing.s3 import free_port
+from prefect_sandbox.testing.stopping import StopsOnExit
 
 __all__ = [
     "PREFECT",
@@ -70,7 +70,7 @@ async def drain_prefect_workers() -> None:
         await events
 
 
-class PostgresCluster:
+class PostgresCluster(StopsOnExit):
     """A throwaway PostgreSQL cluster: ``initdb`` in a fresh temporary folder, then ``pg_ctl
     start`` listening on 127.0.0.1 at a free port (no Unix socket), password-authenticated.
     A context manager; `stop` removes the cluster's folder.
@@ -180,16 +180,8 @@ class PostgresCluster:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
-
-class PrefectServer:
+class PrefectServer(StopsOnExit):
     """``prefect server start`` on 127.0.0.1 at a free port, in its own session (process group),
     with its log in ``home/server.log``. A context manager: entering waits until it is healthy.
 
@@ -280,14 +272,6 @@ class PrefectServer:
             self.stop()
             raise
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _end_group(process: subprocess.Popen[bytes]) -> None:

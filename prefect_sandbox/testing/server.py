@@ -9,13 +9,13 @@ import signal
 import socket
 import threading
 from collections.abc import Coroutine
-from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from prefect_sandbox.testing.faults import Fault, FaultBook, RequestRecord
+from prefect_sandbox.testing.stopping import StopsOnExit
 
 __all__ = ["EmulatorServer", "serve_until_stopped"]
 
@@ -26,7 +26,7 @@ _STOP_TIMEOUT_S = 30.0
 _CALL_TIMEOUT_S = 60.0
 
 
-class EmulatorServer(abc.ABC):
+class EmulatorServer(StopsOnExit):
     """An emulator's server: `start` binds a port and serves in a background thread with its
     own event loop, where the emulated state lives; `stop` ends it. A context manager.
 
@@ -142,14 +142,6 @@ class EmulatorServer(abc.ABC):
 
     def __enter__(self) -> Self:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _run(self, listener: socket.socket, ready: threading.Event) -> None:
         assert self._loop is not None

@@ -88,9 +88,9 @@ async def _checked_parameters(
     check_options(
         SweepOptions,
         notebook=notebook,
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        storage=storage if isinstance(storage, str) else None,
+        inputs=inputs,
+        artifacts=artifacts,
+        storage=storage,
         cell_timeout_s=cell_timeout_s,
         max_sandboxes=max_sandboxes,
         deployment=deployment,

@@ -16,7 +16,7 @@ import posixpath
 import shutil
 import stat
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from http import HTTPStatus
 from pathlib import Path
@@ -103,17 +103,28 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         target: the region sandboxes get when the create request names none.
         faults: faults to inject.
     """
+    routes = _DaytonaApi(world, target).routes()
+    return _Gate(Starlette(routes=routes), routes, world, api_key, faults)
 
-    def sandbox_or_none(request: Request | WebSocket) -> EmulatedSandbox | None:
-        return world.find(request.path_params["sid"])
 
-    def missing(request: Request) -> Response:
+class _DaytonaApi:
+    """The emulator's handlers over one `World`: the control plane (``/api/sandbox``) and each
+    sandbox's toolbox (``/toolbox/{sid}``), which Daytona's proxy serves."""
+
+    def __init__(self, world: World, target: str) -> None:
+        self.world = world
+        self.target = target
+
+    def sandbox_or_none(self, request: Request | WebSocket) -> EmulatedSandbox | None:
+        return self.world.find(request.path_params["sid"])
+
+    def missing(self, request: Request) -> Response:
         sandbox_id = request.path_params["sid"]
         return _api_error(404, f"Sandbox with ID or name {sandbox_id} not found")
 
-    def toolbox_problem(request: Request | WebSocket) -> Response | None:
+    def toolbox_problem(self, request: Request | WebSocket) -> Response | None:
         """The proxy's answer when the sandbox is not there to serve toolbox calls."""
-        sandbox = sandbox_or_none(request)
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
             return _daemon_error(request, 404, "sandbox not found", "SANDBOX_NOT_FOUND")
         if sandbox.state != "started":
@@ -122,12 +133,12 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             )
         return None
 
-    def started(request: Request | WebSocket) -> EmulatedSandbox:
-        sandbox = sandbox_or_none(request)
+    def started(self, request: Request | WebSocket) -> EmulatedSandbox:
+        sandbox = self.sandbox_or_none(request)
         assert sandbox is not None
         return sandbox
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def json_body(self, request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -136,80 +147,82 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
 
     # -- control plane ----------------------------------------------------------------------
 
-    async def create(request: Request) -> Response:
-        return JSONResponse(world.create(await json_body(request), target).model())
+    async def create(self, request: Request) -> Response:
+        return JSONResponse(self.world.create(await self.json_body(request), self.target).model())
 
-    async def list_sandboxes(request: Request) -> Response:
+    async def list_sandboxes(self, request: Request) -> Response:
         try:
             wanted = json.loads(request.query_params.get("labels") or "{}")
         except json.JSONDecodeError:
             return _api_error(400, "labels must be a JSON object")
         items = [
             sandbox.model()
-            for sandbox in world.sandboxes.values()
+            for sandbox in self.world.sandboxes.values()
             if wanted.items() <= sandbox.labels.items()
         ]
         return JSONResponse({"items": items, "nextCursor": None})
 
-    async def get(request: Request) -> Response:
-        sandbox = sandbox_or_none(request)
+    async def get(self, request: Request) -> Response:
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
-            return missing(request)
+            return self.missing(request)
         return JSONResponse(sandbox.model())
 
-    async def delete(request: Request) -> Response:
-        sandbox = sandbox_or_none(request)
+    async def delete(self, request: Request) -> Response:
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
-            return missing(request)
-        await world.delete(sandbox.id)
+            return self.missing(request)
+        await self.world.delete(sandbox.id)
         return JSONResponse(sandbox.model())
 
-    async def start(request: Request) -> Response:
-        sandbox = sandbox_or_none(request)
+    async def start(self, request: Request) -> Response:
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
-            return missing(request)
+            return self.missing(request)
         sandbox.state, sandbox.stopped_at = "started", None
         sandbox.touch()
         return JSONResponse(sandbox.model())
 
-    async def stop(request: Request) -> Response:
-        sandbox = sandbox_or_none(request)
+    async def stop(self, request: Request) -> Response:
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
-            return missing(request)
+            return self.missing(request)
         await sandbox.stop()
         return JSONResponse(sandbox.model())
 
-    async def refresh_activity(request: Request) -> Response:
-        sandbox = sandbox_or_none(request)
+    async def refresh_activity(self, request: Request) -> Response:
+        sandbox = self.sandbox_or_none(request)
         if sandbox is None:
-            return missing(request)
+            return self.missing(request)
         return Response(status_code=201)
 
     # -- toolbox ----------------------------------------------------------------------------
 
-    async def work_dir(request: Request) -> Response:
-        return toolbox_problem(request) or JSONResponse({"dir": str(started(request).home)})
+    async def work_dir(self, request: Request) -> Response:
+        return self.toolbox_problem(request) or JSONResponse(
+            {"dir": str(self.started(request).home)}
+        )
 
-    async def create_folder(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def create_folder(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
-        path = world.inside(started(request), request.query_params.get("path", ""))
+        path = self.world.inside(self.started(request), request.query_params.get("path", ""))
         if path is None:
             return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
         path.mkdir(parents=True, exist_ok=True)
         return Response(status_code=201)
 
-    async def execute_command(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def execute_command(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
-        sandbox = started(request)
-        body = await json_body(request)
-        cwd = world.inside(sandbox, body.get("cwd") or str(sandbox.home))
+        sandbox = self.started(request)
+        body = await self.json_body(request)
+        cwd = self.world.inside(sandbox, body.get("cwd") or str(sandbox.home))
         if cwd is None or not cwd.is_dir():
             return _daemon_error(request, 400, "invalid working directory", "INVALID_FILE_PATH")
-        outcome = await world.run_command(
+        outcome = await self.world.run_command(
             sandbox,
             str(body.get("command", "")),
             cwd,
@@ -222,17 +235,17 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         exit_code, output = outcome
         return JSONResponse({"exitCode": exit_code, "result": output})
 
-    async def create_context(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def create_context(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
-        sandbox = started(request)
-        body = await json_body(request)
+        sandbox = self.started(request)
+        body = await self.json_body(request)
         if body.get("language") not in (None, "python"):
             message = f"unsupported language: {body['language']} (only 'python' is supported)"
             return _daemon_error(request, 400, message, "BAD_REQUEST")
         shown = str(body["cwd"]) if body.get("cwd") else None
-        cwd = None if shown is None else world.inside(sandbox, shown)
+        cwd = None if shown is None else self.world.inside(sandbox, shown)
         if shown is not None and cwd is None:
             return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
         try:
@@ -243,35 +256,35 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             return _daemon_error(request, 500, message, "INTERNAL_SERVER_ERROR")
         return JSONResponse(context.model())
 
-    async def list_contexts(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def list_contexts(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
         contexts = [
             context.model()
-            for context in started(request).contexts.values()
+            for context in self.started(request).contexts.values()
             if context.id != DEFAULT_CONTEXT
         ]
         return JSONResponse({"contexts": contexts})
 
-    async def delete_context(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def delete_context(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
         context_id = request.path_params["cid"]
         if context_id == DEFAULT_CONTEXT:
             return _daemon_error(request, 400, "cannot delete the default context", "BAD_REQUEST")
-        context = started(request).contexts.pop(context_id, None)
+        context = self.started(request).contexts.pop(context_id, None)
         if context is None:
             return _daemon_error(request, 404, "context not found", "PROCESS_NOT_FOUND")
         await context.close(gently=True)
         return JSONResponse({"message": "Context deleted"})
 
-    async def upload(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def upload(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
-        sandbox = started(request)
+        sandbox = self.started(request)
         form = await request.form(max_files=100_000, max_fields=100_000)
         paths: dict[str, str] = {}
         files: dict[str, UploadFile] = {}
@@ -284,7 +297,7 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         written = []
         try:
             for index, raw_path in paths.items():
-                target = world.inside(sandbox, raw_path)
+                target = self.world.inside(sandbox, raw_path)
                 if target is None or index not in files:
                     return JSONResponse(
                         {"errors": [f"{raw_path}: invalid path or no file"]}, status_code=400
@@ -296,12 +309,12 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             await form.close()
         return JSONResponse({"files": written})
 
-    async def list_files(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def list_files(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
         given = request.query_params.get("path") or "."
-        folder = world.inside(started(request), given)
+        folder = self.world.inside(self.started(request), given)
         if folder is None:
             return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
         if not folder.is_dir():
@@ -309,24 +322,24 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         depth = max(int(request.query_params.get("depth") or 1), 1)
         return JSONResponse(_file_infos(folder, given, depth))
 
-    async def file_info(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def file_info(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
         given = request.query_params.get("path", "")
-        path = world.inside(started(request), given)
+        path = self.world.inside(self.started(request), given)
         if path is None or not path.exists():
             return _daemon_error(request, 404, f"no such file: {given}", "FILE_NOT_FOUND")
         return JSONResponse(_file_info(path, given))
 
-    async def delete_file(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def delete_file(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
         given = request.query_params.get("path", "")
         if not given:
             return _daemon_error(request, 400, "path is required", "BAD_REQUEST")
-        path = world.inside(started(request), given)
+        path = self.world.inside(self.started(request), given)
         if path is None:
             return _daemon_error(request, 403, "path outside the sandbox", "FILE_ACCESS_DENIED")
         if not (path.exists() or path.is_symlink()):
@@ -341,26 +354,26 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
             path.unlink()
         return Response(status_code=204)
 
-    async def download(request: Request) -> Response:
-        problem = toolbox_problem(request)
+    async def download(self, request: Request) -> Response:
+        problem = self.toolbox_problem(request)
         if problem is not None:
             return problem
-        sandbox = started(request)
-        paths = (await json_body(request)).get("paths") or []
+        sandbox = self.started(request)
+        paths = (await self.json_body(request)).get("paths") or []
         if not isinstance(paths, list) or not paths:
             return JSONResponse({"error": 'request body must be {"paths": [...]}'}, 400)
-        resolved = [(str(raw), world.inside(sandbox, str(raw))) for raw in paths]
+        resolved = [(str(raw), self.world.inside(sandbox, str(raw))) for raw in paths]
         return StreamingResponse(
             _multipart_files(resolved),
             media_type=f"multipart/form-data; boundary={DOWNLOAD_BOUNDARY}",
         )
 
-    async def run_code(websocket: WebSocket) -> None:
-        problem = toolbox_problem(websocket)
+    async def run_code(self, websocket: WebSocket) -> None:
+        problem = self.toolbox_problem(websocket)
         if problem is not None:
             await websocket.send_denial_response(problem)
             return
-        sandbox = started(websocket)
+        sandbox = self.started(websocket)
         await websocket.accept()
         try:
             request = json.loads(await websocket.receive_text())
@@ -390,51 +403,38 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
             await websocket.close(outcome.close_code, outcome.close_reason)
 
-    sandbox_path = "/api/sandbox/{sid}"
-    toolbox = "/toolbox/{sid}"
-    routes: list[BaseRoute] = [
-        Route("/api/sandbox", create, methods=["POST"], name="create"),
-        Route("/api/sandbox", list_sandboxes, methods=["GET"], name="list"),
-        Route(sandbox_path, get, methods=["GET"], name="get"),
-        Route(sandbox_path, delete, methods=["DELETE"], name="delete"),
-        Route(f"{sandbox_path}/start", start, methods=["POST"], name="start"),
-        Route(f"{sandbox_path}/stop", stop, methods=["POST"], name="stop"),
-        Route(
-            f"{sandbox_path}/last-activity",
-            refresh_activity,
-            methods=["POST"],
-            name="refresh_activity",
-        ),
-        Route(f"{toolbox}/work-dir", work_dir, methods=["GET"], name="work_dir"),
-        Route(f"{toolbox}/user-home-dir", work_dir, methods=["GET"], name="home_dir"),
-        Route(f"{toolbox}/files/folder", create_folder, methods=["POST"], name="create_folder"),
-        Route(f"{toolbox}/process/execute", execute_command, methods=["POST"], name="exec"),
-        Route(
-            f"{toolbox}/process/interpreter/context",
-            create_context,
-            methods=["POST"],
-            name="create_context",
-        ),
-        Route(
-            f"{toolbox}/process/interpreter/context",
-            list_contexts,
-            methods=["GET"],
-            name="list_contexts",
-        ),
-        Route(
-            f"{toolbox}/process/interpreter/context/{{cid}}",
-            delete_context,
-            methods=["DELETE"],
-            name="delete_context",
-        ),
-        WebSocketRoute(f"{toolbox}/process/interpreter/execute", run_code, name="run_code"),
-        Route(f"{toolbox}/files/bulk-upload", upload, methods=["POST"], name="upload"),
-        Route(f"{toolbox}/files/bulk-download", download, methods=["POST"], name="download"),
-        Route(f"{toolbox}/files", list_files, methods=["GET"], name="list_files"),
-        Route(f"{toolbox}/files", delete_file, methods=["DELETE"], name="delete_file"),
-        Route(f"{toolbox}/files/info", file_info, methods=["GET"], name="file_info"),
-    ]
-    return _Gate(Starlette(routes=routes), routes, world, api_key, faults)
+    def routes(self) -> list[BaseRoute]:
+        """Each handler's route, as Daytona's API and toolbox daemon name them."""
+        sandbox = "/api/sandbox/{sid}"
+        toolbox = "/toolbox/{sid}"
+        contexts = f"{toolbox}/process/interpreter/context"
+        table: list[tuple[str, str, Callable[[Request], Awaitable[Response]], str]] = [
+            ("POST", "/api/sandbox", self.create, "create"),
+            ("GET", "/api/sandbox", self.list_sandboxes, "list"),
+            ("GET", sandbox, self.get, "get"),
+            ("DELETE", sandbox, self.delete, "delete"),
+            ("POST", f"{sandbox}/start", self.start, "start"),
+            ("POST", f"{sandbox}/stop", self.stop, "stop"),
+            ("POST", f"{sandbox}/last-activity", self.refresh_activity, "refresh_activity"),
+            ("GET", f"{toolbox}/work-dir", self.work_dir, "work_dir"),
+            ("GET", f"{toolbox}/user-home-dir", self.work_dir, "home_dir"),
+            ("POST", f"{toolbox}/files/folder", self.create_folder, "create_folder"),
+            ("POST", f"{toolbox}/process/execute", self.execute_command, "exec"),
+            ("POST", contexts, self.create_context, "create_context"),
+            ("GET", contexts, self.list_contexts, "list_contexts"),
+            ("DELETE", f"{contexts}/{{cid}}", self.delete_context, "delete_context"),
+            ("POST", f"{toolbox}/files/bulk-upload", self.upload, "upload"),
+            ("POST", f"{toolbox}/files/bulk-download", self.download, "download"),
+            ("GET", f"{toolbox}/files", self.list_files, "list_files"),
+            ("DELETE", f"{toolbox}/files", self.delete_file, "delete_file"),
+            ("GET", f"{toolbox}/files/info", self.file_info, "file_info"),
+        ]
+        routes: list[BaseRoute] = [
+            Route(path, handler, methods=[method], name=name)
+            for method, path, handler, name in table
+        ]
+        interpreter = f"{toolbox}/process/interpreter/execute"
+        return [*routes, WebSocketRoute(interpreter, self.run_code, name="run_code")]
 
 
 def _file_info(path: Path, shown: str) -> dict[str, Any]:

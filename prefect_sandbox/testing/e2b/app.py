@@ -95,88 +95,101 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         api_key: the only API key the control plane accepts.
         faults: faults to inject; requests are recorded there.
     """
+    routes = _E2BApi(world, api_key).routes()
+    return _Gate(Router(routes=routes), routes, faults)
 
-    def unauthorized(request: Request) -> Response | None:
-        if request.headers.get("x-api-key") != api_key:
+
+class _E2BApi:
+    """The emulator's handlers over one `World`: the control plane (``/sandboxes``), each
+    sandbox's envd (files, health) and its code interpreter (contexts, ``/execute``)."""
+
+    def __init__(self, world: World, api_key: str) -> None:
+        self.world = world
+        self.api_key = api_key
+
+    def unauthorized(self, request: Request) -> Response | None:
+        if request.headers.get("x-api-key") != self.api_key:
             return _error(401, "Invalid API key")
         return None
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def json_body(self, request: Request) -> dict[str, Any]:
         body = await request.body()
         parsed = json.loads(body or b"{}")
         return parsed if isinstance(parsed, dict) else {}
 
     # --- control plane -------------------------------------------------------------------
 
-    async def create(request: Request) -> Response:
-        refused = unauthorized(request)
+    async def create(self, request: Request) -> Response:
+        refused = self.unauthorized(request)
         if refused is not None:
             return refused
-        body = await json_body(request)
-        sandbox = world.create(body, request.headers.get("idempotency-key"))
+        body = await self.json_body(request)
+        sandbox = self.world.create(body, request.headers.get("idempotency-key"))
         return JSONResponse(sandbox.sandbox_json(), status_code=201)
 
-    async def list_sandboxes(request: Request) -> Response:
-        refused = unauthorized(request)
+    async def list_sandboxes(self, request: Request) -> Response:
+        refused = self.unauthorized(request)
         if refused is not None:
             return refused
         wanted = dict(urllib.parse.parse_qsl(request.query_params.get("metadata", "")))
-        return JSONResponse([s.detail_json() for s in world.listed(wanted)])
+        return JSONResponse([s.detail_json() for s in self.world.listed(wanted)])
 
     async def sandbox_call(
-        request: Request, missing: str = "sandbox {} not found"
+        self, request: Request, missing: str = "sandbox {} not found"
     ) -> EmulatedSandbox | Response:
         """The live sandbox a control-plane call names, or the answer that refuses it."""
-        refused = unauthorized(request)
+        refused = self.unauthorized(request)
         if refused is not None:
             return refused
         sandbox_id = request.path_params["sid"]
-        sandbox = world.live(sandbox_id)
+        sandbox = self.world.live(sandbox_id)
         if sandbox is None:
             return _error(404, missing.format(sandbox_id))
         return sandbox
 
-    async def get_info(request: Request) -> Response:
-        sandbox = await sandbox_call(request)
+    async def get_info(self, request: Request) -> Response:
+        sandbox = await self.sandbox_call(request)
         if isinstance(sandbox, Response):
             return sandbox
         return JSONResponse(sandbox.detail_json())
 
-    async def delete(request: Request) -> Response:
-        sandbox = await sandbox_call(request)
+    async def delete(self, request: Request) -> Response:
+        sandbox = await self.sandbox_call(request)
         if isinstance(sandbox, Response):
             return sandbox
-        await world.kill(sandbox)
+        await self.world.kill(sandbox)
         return Response(status_code=204)
 
-    async def set_timeout(request: Request) -> Response:
-        sandbox = await sandbox_call(request)
+    async def set_timeout(self, request: Request) -> Response:
+        sandbox = await self.sandbox_call(request)
         if isinstance(sandbox, Response):
             return sandbox
-        world.set_lifetime(sandbox, int((await json_body(request))["timeout"]), only_extend=False)
+        self.world.set_lifetime(
+            sandbox, int((await self.json_body(request))["timeout"]), only_extend=False
+        )
         return Response(status_code=204)
 
-    async def connect(request: Request) -> Response:
-        sandbox = await sandbox_call(request, "Paused sandbox {} not found")
+    async def connect(self, request: Request) -> Response:
+        sandbox = await self.sandbox_call(request, "Paused sandbox {} not found")
         if isinstance(sandbox, Response):
             return sandbox
-        timeout_s = (await json_body(request)).get("timeout")
+        timeout_s = (await self.json_body(request)).get("timeout")
         if timeout_s is not None:
-            world.set_lifetime(sandbox, int(timeout_s), only_extend=True)
+            self.world.set_lifetime(sandbox, int(timeout_s), only_extend=True)
         return JSONResponse(sandbox.sandbox_json())
 
     # --- envd ----------------------------------------------------------------------------
 
-    async def health(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=False)
+    async def health(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=False)
         return sandbox if isinstance(sandbox, Response) else Response(status_code=204)
 
-    async def envs(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=True)
+    async def envs(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=True)
         return sandbox if isinstance(sandbox, Response) else JSONResponse(sandbox.envd_envs())
 
-    async def download(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=True)
+    async def download(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=True)
         if isinstance(sandbox, Response):
             return sandbox
         path = request.query_params.get("path", "")
@@ -186,8 +199,8 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
         data = await asyncio.to_thread(local.read_bytes)
         return Response(data, media_type="application/octet-stream")
 
-    async def upload(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=True)
+    async def upload(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=True)
         if isinstance(sandbox, Response):
             return sandbox
         body = await request.body()
@@ -215,81 +228,89 @@ def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
             written.append({"name": local.name, "type": "file", "path": path})
         return JSONResponse(written)
 
-    filesystem = _FilesystemCalls(world, FilesystemASGIApplication(_FilesystemService(world)))
-
     # --- code interpreter ----------------------------------------------------------------
 
-    async def create_context(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=False)
+    async def create_context(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
-        body = await json_body(request)
+        body = await self.json_body(request)
         try:
-            context = await world.create_context(sandbox, body.get("language"), body.get("cwd"))
+            context = await self.world.create_context(
+                sandbox, body.get("language"), body.get("cwd")
+            )
         except UnsupportedLanguageError as exc:
             return PlainTextResponse(str(exc), status_code=500)
         except Exception:
             return PlainTextResponse("Failed to set working directory", status_code=500)
         return JSONResponse(context.model())
 
-    async def list_contexts(request: Request) -> Response:
-        sandbox = _sandbox_of(world, request, needs_token=False)
+    async def list_contexts(self, request: Request) -> Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
         return JSONResponse([context.model() for context in sandbox.contexts.values()])
 
-    async def context_call(request: Request) -> tuple[EmulatedSandbox, EmulatedContext] | Response:
-        sandbox = _sandbox_of(world, request, needs_token=False)
+    async def context_call(
+        self, request: Request
+    ) -> tuple[EmulatedSandbox, EmulatedContext] | Response:
+        sandbox = _sandbox_of(self.world, request, needs_token=False)
         if isinstance(sandbox, Response):
             return sandbox
         try:
-            return sandbox, world.context(sandbox, request.path_params["cid"])
+            return sandbox, self.world.context(sandbox, request.path_params["cid"])
         except ContextNotFoundError as exc:
             return PlainTextResponse(str(exc), status_code=404)
 
-    async def restart_context(request: Request) -> Response:
-        found = await context_call(request)
+    async def restart_context(self, request: Request) -> Response:
+        found = await self.context_call(request)
         if isinstance(found, Response):
             return found
         try:
-            await world.restart_context(*found)
+            await self.world.restart_context(*found)
         except RestartRefusedError as exc:
             return PlainTextResponse(str(exc), status_code=500)
         return JSONResponse(None)
 
-    async def delete_context(request: Request) -> Response:
-        found = await context_call(request)
+    async def delete_context(self, request: Request) -> Response:
+        found = await self.context_call(request)
         if isinstance(found, Response):
             return found
-        await world.remove_context(*found)
+        await self.world.remove_context(*found)
         return JSONResponse(None)
 
-    endpoints: dict[str, Any] = {
-        "create": create,
-        "list": list_sandboxes,
-        "get_info": get_info,
-        "delete": delete,
-        "set_timeout": set_timeout,
-        "connect": connect,
-        "health": health,
-        "envs": envs,
-        "download": download,
-        "upload": upload,
-        "stat": filesystem,
-        "list_files": filesystem,
-        "make_dir": filesystem,
-        "remove": filesystem,
-        "move": filesystem,
-        "run_code": _Execute(world),
-        "create_context": create_context,
-        "list_contexts": list_contexts,
-        "restart_context": restart_context,
-        "delete_context": delete_context,
-    }
-    routes = [
-        Route(path, endpoints[name], methods=[method], name=name) for method, path, name in ROUTES
-    ]
-    return _Gate(Router(routes=routes), routes, faults)
+    def routes(self) -> list[Route]:
+        """Each operation of `wire.ROUTES` with its handler."""
+        filesystem = _FilesystemCalls(
+            self.world, FilesystemASGIApplication(_FilesystemService(self.world))
+        )
+        endpoints: dict[str, Any] = {
+            "create": self.create,
+            "list": self.list_sandboxes,
+            "get_info": self.get_info,
+            "delete": self.delete,
+            "set_timeout": self.set_timeout,
+            "connect": self.connect,
+            "health": self.health,
+            "envs": self.envs,
+            "download": self.download,
+            "upload": self.upload,
+            "stat": filesystem,
+            "list_files": filesystem,
+            "make_dir": filesystem,
+            "remove": filesystem,
+            "move": filesystem,
+            "run_code": _Execute(self.world),
+            "create_context": self.create_context,
+            "list_contexts": self.list_contexts,
+            "restart_context": self.restart_context,
+            "delete_context": self.delete_context,
+        }
+        routes = [
+            Route(path, endpoints[name], methods=[method], name=name)
+            for method, path, name in ROUTES
+        ]
+        return routes
 
 
 class _Gate:
