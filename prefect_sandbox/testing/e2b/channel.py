@@ -38,6 +38,7 @@ from typing import Any
 import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
+from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.testing.e2b.wire import result_fields
 
 __all__ = ["KEEPALIVE_S", "KernelChannel", "env_code", "first_indent"]
@@ -46,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 KEEPALIVE_S = 5.0
 """Seconds of silence after which the server sends a ``keepalive`` line."""
+
+NUDGE_INTERVAL_S = 0.5
+"""Seconds between a (re)connection's ``kernel_info`` requests until iopub answers one."""
+
+NUDGE_TIMEOUT_S = 60.0
+"""Seconds a (re)connection waits for the kernel's iopub before the kernel counts as dead."""
 
 _END = None
 
@@ -119,6 +126,7 @@ class KernelChannel:
         self._client.load_connection_file()
         self._client.start_channels(stdin=False, hb=False, control=False)
         self._executions: dict[str, _Execution] = {}
+        self._nudges: dict[str, asyncio.Event] = {}
         self._lock = asyncio.Lock()
         self._global_env: dict[str, str] | None = None
         self._cleanup: asyncio.Task[None] | None = None
@@ -146,6 +154,28 @@ class KernelChannel:
                 )
             )
             execution.queue.put_nowait(_END)
+
+    async def nudge(self, timeout_s: float = NUDGE_TIMEOUT_S) -> None:
+        """Wait until the kernel's iopub messages reach this connection, as Jupyter Server
+        does on each (re)connection (``nudge``: ``kernel_info`` requests until one's status
+        arrives on iopub). A subscriber that has not joined yet misses what is published, and
+        an execution ends only on its ``idle`` status.
+
+        Raises:
+            SandboxDiedError: no status came within ``timeout_s`` seconds.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            msg_id: str = self._client.kernel_info()
+            seen = self._nudges[msg_id] = asyncio.Event()
+            try:
+                await asyncio.wait_for(seen.wait(), timeout=NUDGE_INTERVAL_S)
+                return
+            except TimeoutError:
+                continue
+            finally:
+                self._nudges.pop(msg_id, None)
+        raise SandboxDiedError(f"kernel's iopub did not answer within {timeout_s} s")
 
     def kernel_restarting(self) -> None:
         """What the server does on a ``restarting`` status: end every running execution."""
@@ -260,7 +290,10 @@ class KernelChannel:
                     logger.exception("E2B emulator: kernel message not handled: %r", message)
 
     def _process(self, message: dict[str, Any]) -> None:
-        execution = self._executions.get(message["parent_header"].get("msg_id", ""))
+        parent_id = message["parent_header"].get("msg_id", "")
+        if message["msg_type"] == "status" and parent_id in self._nudges:
+            self._nudges[parent_id].set()
+        execution = self._executions.get(parent_id)
         if execution is None:
             return
         msg_type, content = message["msg_type"], message["content"]

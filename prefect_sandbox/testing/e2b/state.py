@@ -411,6 +411,8 @@ class World:
         """The server's silent ``%cd`` (or, after a restart, the kernel starting in Jupyter's
         root folder, which is home); a folder that is not there leaves the kernel at home."""
         assert context.channel is not None
+        # A new connection, or one whose kernel was started again, may not hear iopub yet.
+        await context.channel.nudge()
         home, target = sandbox.local_path(HOME), sandbox.local_path(cwd)
         lines = await context.channel.run_background(
             f"import os as _os\n_os.chdir({str(home)!r})\n"
