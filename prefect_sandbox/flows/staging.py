@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,9 +83,13 @@ def orphaned_staging_dirs(root: Path | None = None) -> list[Path]:
     for path in base.glob(f"{STAGING_PREFIX}ns{namespace}-*"):
         pid, _, rest = path.name.removeprefix(f"{STAGING_PREFIX}ns{namespace}-").partition("-")
         start, _, _ = rest.partition("-")
-        if not (pid.isdigit() and start.isdigit()) or not path.is_dir() or path.is_symlink():
+        if not (pid.isdigit() and start.isdigit()):
             continue
-        if path.stat().st_uid != os.getuid():
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue  # its owner removed it since the listing
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             continue
         if _start_ticks(int(pid)) != int(start):
             found.append(path)
