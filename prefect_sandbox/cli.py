@@ -599,8 +599,9 @@ def _start_temporary_server() -> None:
     so the server never sees SIGINT; the flow reuses this instance, and Prefect's exit handler
     stops it with SIGTERM.
     """
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
+
+    from prefect_sandbox._compat import temporary_api_server_url
 
     if PREFECT_API_URL.value():
         return
@@ -609,7 +610,7 @@ def _start_temporary_server() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        SubprocessASGIServer().start()
+        temporary_api_server_url()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 

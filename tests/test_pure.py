@@ -1014,10 +1014,5 @@ def test_private_apis_are_reached_only_through_the_compat_module() -> None:
         for path in package.rglob("*.py")
         if path.name != "_compat.py"
     }
-    # The sweep and the CLI are being reshaped elsewhere (issue 21); they move over then.
-    assert {
-        path: names
-        for path, names in reaching.items()
-        if names and not path.startswith(("flows/sweep", "cli.py"))
-    } == {}
+    assert {path: names for path, names in reaching.items() if names} == {}
     assert _private_uses((package / "_compat.py").read_text()) == PRIVATE_NAMES | PRIVATE_KEYWORDS

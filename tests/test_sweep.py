@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import nbformat
 import pytest
 
+from prefect_sandbox._compat import block_document_id
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
 from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
 from prefect_sandbox.flows.sweep.deployment import block_reference
@@ -519,7 +520,7 @@ async def test_deployment_mode_refuses_what_it_cannot_send_before_any_branch(
     await LocalKernelBackend(env={"SECRET_ISH": "kept-out"}).save("sweep-test", overwrite=True)
     saved = await LocalKernelBackend.aload("sweep-test")
     assert block_reference(saved, "backend") == {
-        "$ref": {"block_document_id": str(saved._block_document_id)}
+        "$ref": {"block_document_id": str(block_document_id(saved))}
     }
 
 

@@ -13,6 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.states import Cancelled, Cancelling
 
+from prefect_sandbox._compat import block_document_id
 from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, BranchOptions
 
 __all__ = [
@@ -58,12 +59,13 @@ def block_reference(block: Block, what: str) -> dict[str, Any]:
     Raises:
         ValueError: the block is not saved.
     """
-    if block._block_document_id is None:
+    document_id = block_document_id(block)
+    if document_id is None:
         raise ValueError(
             f"{what} must be a saved block to be sent to a deployment's runs: save it, "
             f"or give its name"
         )
-    return {"$ref": {"block_document_id": str(block._block_document_id)}}
+    return {"$ref": {"block_document_id": str(document_id)}}
 
 
 def deployment_arguments(options: BranchOptions) -> dict[str, Any]:
