@@ -58,6 +58,8 @@ class SandboxError(Exception):
     Args:
         message: a sentence for people.
         sandbox_id: the sandbox concerned, when known.
+        stage: see the attribute.
+        cell_index: see the attribute.
     """
 
     stage: str | None = None
@@ -68,10 +70,19 @@ class SandboxError(Exception):
     """What the layer that raised this made before it, for its caller to keep (the tasks
     layer's ``run_stage`` puts the stage's cells so far here: a ``StageResult``)."""
 
-    def __init__(self, message: str, *, sandbox_id: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        sandbox_id: str | None = None,
+        stage: str | None = None,
+        cell_index: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.sandbox_id = sandbox_id
+        self.stage = stage
+        self.cell_index = cell_index
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args), vars(self))
@@ -104,12 +115,10 @@ class CellExecutionError(SandboxError):
         cell_index: int | None = None,
         sandbox_id: str | None = None,
     ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
+        super().__init__(message, sandbox_id=sandbox_id, stage=stage, cell_index=cell_index)
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback or []
-        self.stage = stage
-        self.cell_index = cell_index
 
 
 class CellTimeoutError(SandboxError, TimeoutError):
@@ -135,15 +144,30 @@ class CellTimeoutError(SandboxError, TimeoutError):
         state_lost: bool = False,
         sandbox_id: str | None = None,
     ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
+        super().__init__(message, sandbox_id=sandbox_id, stage=stage, cell_index=cell_index)
         self.timeout_s = timeout_s
-        self.stage = stage
-        self.cell_index = cell_index
         self.interrupted = interrupted
         self.state_lost = state_lost
 
 
-class SandboxDiedError(SandboxError):
+class _CellLostError(SandboxError):
+    """The sandbox went away while in use: what `SandboxDiedError` and `SandboxNotFoundError`
+    share (the running cell's ``outputs``; the arguments are as in theirs)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        cell_index: int | None = None,
+        sandbox_id: str | None = None,
+        outputs: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(message, sandbox_id=sandbox_id, stage=stage, cell_index=cell_index)
+        self.outputs = outputs or []
+
+
+class SandboxDiedError(_CellLostError):
     """The sandbox's process ended while in use; its state is lost.
 
     Args:
@@ -169,15 +193,14 @@ class SandboxDiedError(SandboxError):
         sandbox_id: str | None = None,
         outputs: list[dict[str, Any]] | None = None,
     ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
+        super().__init__(
+            message, stage=stage, cell_index=cell_index, sandbox_id=sandbox_id, outputs=outputs
+        )
         self.exit_code = exit_code
         self.signal = signal
-        self.stage = stage
-        self.cell_index = cell_index
-        self.outputs = outputs or []
 
 
-class SandboxNotFoundError(SandboxError):
+class SandboxNotFoundError(_CellLostError):
     """The sandbox expired or was killed; a new one is never made silently in its place.
 
     Args:
@@ -187,20 +210,6 @@ class SandboxNotFoundError(SandboxError):
         outputs: the nbformat outputs the running cell made before the sandbox went away,
             when ``Sandbox.run_cell`` raised it.
     """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        stage: str | None = None,
-        cell_index: int | None = None,
-        sandbox_id: str | None = None,
-        outputs: list[dict[str, Any]] | None = None,
-    ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
-        self.stage = stage
-        self.cell_index = cell_index
-        self.outputs = outputs or []
 
 
 class SandboxUnavailableError(SandboxError):
@@ -269,8 +278,7 @@ class NotebookError(SandboxError, ValueError):
     def __init__(
         self, message: str, *, cell_index: int | None = None, sandbox_id: str | None = None
     ) -> None:
-        super().__init__(message, sandbox_id=sandbox_id)
-        self.cell_index = cell_index
+        super().__init__(message, sandbox_id=sandbox_id, cell_index=cell_index)
 
 
 class BackendNotInstalledError(SandboxError, ImportError):
