@@ -345,6 +345,55 @@ class _Outcome:
     usage_problem: str | None = None
 
 
+def _call_flow(
+    args: argparse.Namespace,
+    parameters: dict[str, Any],
+    grid: list[dict[str, Any]],
+    stopper: SignalStop,
+    backend: BackendBlock | None,
+    storage: Any,
+) -> PipelineResult | SweepResult:
+    """Call the command's flow (a run with its progress shown) under ``stopper``; it raises
+    what the flow raises."""
+    if args.command == "run":
+        # Only the flow it runs: `prefect_sandbox.flows` imports each on first use.
+        from prefect_sandbox.flows import arun_notebook
+        from prefect_sandbox.progress import progress_mode, shown_progress
+
+        mode = progress_mode(args.quiet, sys.stderr)
+        total = _cell_total(args.notebook, parameters)
+        with shown_progress(mode, total, sys.stderr):
+            return stopper.run(
+                lambda: arun_notebook(
+                    notebook=args.notebook,
+                    inputs=args.input,
+                    artifacts=args.artifact,
+                    parameters=parameters,
+                    storage=storage,
+                    cell_timeout_s=args.cell_timeout,
+                    backend=backend,
+                )
+            )
+
+    from prefect_sandbox.flows import asweep_notebook
+
+    return stopper.run(
+        lambda: asweep_notebook(
+            notebook=args.notebook,
+            grid=grid,
+            inputs=args.input,
+            artifacts=args.artifact,
+            storage=storage,
+            cell_timeout_s=args.cell_timeout,
+            backend=backend,
+            max_sandboxes=args.max_sandboxes,
+            deployment=args.deployment,
+            metrics_artifact=args.metrics_artifact or None,
+            task_runner=args.task_runner,
+        )
+    )
+
+
 def _run_flow(
     args: argparse.Namespace,
     parameters: dict[str, Any],
@@ -355,8 +404,7 @@ def _run_flow(
     from prefect.exceptions import CancelledRun
 
     # Only the flow it runs: `prefect_sandbox.flows` imports each on first use.
-    from prefect_sandbox.flows import PipelineFailedError, SweepFailedError, arun_notebook
-    from prefect_sandbox.progress import progress_mode, shown_progress
+    from prefect_sandbox.flows import PipelineFailedError, SweepFailedError
     from prefect_sandbox.sandbox.errors import SandboxError
 
     # The flows' import gave the temporary server its start-up allowance.
@@ -372,39 +420,7 @@ def _run_flow(
     # Workers get a folder or s3:// URI as text, with their own AWS environment.
     storage = args.out if _on_workers(args) else _storage(args.out, args.aws_credentials)
     try:
-        if args.command == "run":
-            mode = progress_mode(args.quiet, sys.stderr)
-            total = _cell_total(args.notebook, parameters)
-            with shown_progress(mode, total, sys.stderr):
-                result: PipelineResult | SweepResult = stopper.run(
-                    lambda: arun_notebook(
-                        notebook=args.notebook,
-                        inputs=args.input,
-                        artifacts=args.artifact,
-                        parameters=parameters,
-                        storage=storage,
-                        cell_timeout_s=args.cell_timeout,
-                        backend=backend,
-                    )
-                )
-        else:
-            from prefect_sandbox.flows import asweep_notebook
-
-            result = stopper.run(
-                lambda: asweep_notebook(
-                    notebook=args.notebook,
-                    grid=grid,
-                    inputs=args.input,
-                    artifacts=args.artifact,
-                    storage=storage,
-                    cell_timeout_s=args.cell_timeout,
-                    backend=backend,
-                    max_sandboxes=args.max_sandboxes,
-                    deployment=args.deployment,
-                    metrics_artifact=args.metrics_artifact or None,
-                    task_runner=args.task_runner,
-                )
-            )
+        result = _call_flow(args, parameters, grid, stopper, backend, storage)
     except (CancelledRun, asyncio.CancelledError) as exc:
         if stopper.signum is None and isinstance(exc, CancelledRun):
             return _Outcome(EXIT_CANCELLED, error=f"cancelled through the Prefect API or UI: {exc}")

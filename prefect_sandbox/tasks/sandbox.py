@@ -488,6 +488,94 @@ def _death_result(
     )
 
 
+class _StageRecorder:
+    """A running stage's record: its cells' results so far and the late outputs seen, from
+    which it builds the stage's result, whole or partial."""
+
+    def __init__(self, stage: StageSpec) -> None:
+        self.stage = stage
+        self.start = time.monotonic()
+        self.records: list[CellRecord] = []
+        self.late_outputs: dict[str, list[dict[str, Any]]] = {}
+
+    def result(self, failed: CellSpec | None, result: CellResult | None) -> StageResult:
+        """The stage's result so far; ``failed`` is the cell that stopped it, with its
+        ``result``."""
+        return StageResult(
+            name=self.stage.name,
+            status="failed" if failed else "ok",
+            cells=self.records,
+            duration_s=time.monotonic() - self.start,
+            failed_cell_index=failed.index if failed else None,
+            error=result.error if result else None,
+            late_outputs=self.late_outputs,
+        )
+
+    def lost_in(
+        self,
+        cell: CellSpec,
+        exc: SandboxError,
+        seen: list[dict[str, Any]],
+        at: datetime,
+        cell_start: float,
+    ) -> SandboxError:
+        """The error to raise for a sandbox lost during ``cell`` (it ended, lost its
+        connection or could not be reached), with the stage so far as its partial result."""
+        # The cell shows the loss in the notebook as an error output; earlier cells are kept.
+        died = _death_result(exc, seen, at, time.monotonic() - cell_start)
+        self.records.append(CellRecord(index=cell.index, result=died))
+        lost = _lost_in_cell(self.stage.name, cell, exc)
+        lost.partial_result = self.result(cell, died)
+        return lost
+
+    async def run_cell(
+        self, sandbox: Sandbox, cell: CellSpec, timeout_s: float | None, max_chars: int | None
+    ) -> CellResult:
+        """Run ``cell``, logging its output as it arrives, and record its result.
+
+        Raises:
+            SandboxError: the sandbox was lost during it (`lost_in`).
+            asyncio.CancelledError: the run was cancelled or timed out during it; the stage so
+                far is left in the enclosing `stage_progress` (`cancelled_in`).
+        """
+        output_log = _OutputLog(self.stage.name, cell, max_chars)
+        on_output, seen = _keeping(output_log, max_chars or _PARTIAL_OUTPUT_CHARS)
+        started_at, cell_start = datetime.now(UTC), time.monotonic()
+        try:
+            result = await sandbox.run_cell(cell.source, timeout_s=timeout_s, on_output=on_output)
+            output_log.flush()
+            self.late_outputs.update(await sandbox.take_late_outputs())
+        except asyncio.CancelledError:
+            output_log.flush()
+            await self.cancelled_in(sandbox, cell, seen, started_at, cell_start)
+            raise
+        except SandboxError as exc:
+            output_log.flush()
+            raise self.lost_in(cell, exc, seen, started_at, cell_start) from exc
+        self.records.append(CellRecord(index=cell.index, result=result))
+        return result
+
+    async def cancelled_in(
+        self,
+        sandbox: Sandbox,
+        cell: CellSpec,
+        seen: list[dict[str, Any]],
+        started_at: datetime,
+        cell_start: float,
+    ) -> None:
+        """Record ``cell`` as stopped by a cancellation, or by the run's deadline (then
+        interrupt it), and leave the stage so far in the enclosing `stage_progress`."""
+        timed_out = deadline_passed()
+        if timed_out:
+            await _interrupt_timed_out(sandbox, _where(self.stage.name, cell))
+        stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
+        self.records.append(CellRecord(index=cell.index, result=stopped))
+        partial = self.result(cell, stopped)
+        if not timed_out:
+            partial = partial.model_copy(update={"status": "cancelled"})
+        _leave_progress(partial)
+
+
 @task(name="run-stage", task_run_name="run-stage-{stage.name}", cache_policy=NO_CACHE, retries=0)
 async def run_stage(
     backend: SandboxBackend,
@@ -530,84 +618,30 @@ async def run_stage(
     timeout_s = checked_timeout_s(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
     )
-    start = time.monotonic()
-    records: list[CellRecord] = []
-
-    late_outputs: dict[str, list[dict[str, Any]]] = {}
-
-    def stage_result(failed: CellSpec | None, result: CellResult | None) -> StageResult:
-        return StageResult(
-            name=stage.name,
-            status="failed" if failed else "ok",
-            cells=records,
-            duration_s=time.monotonic() - start,
-            failed_cell_index=failed.index if failed else None,
-            error=result.error if result else None,
-            late_outputs=late_outputs,
-        )
-
-    def lost_in(
-        cell: CellSpec,
-        exc: SandboxError,
-        seen: list[dict[str, Any]],
-        at: datetime,
-        cell_start: float,
-    ) -> SandboxError:
-        # The cell that ended the sandbox, or lost its connection (or could not reach it), shows
-        # it in the notebook as an error output; the stage's cells so far are kept.
-        died = _death_result(exc, seen, at, time.monotonic() - cell_start)
-        records.append(CellRecord(index=cell.index, result=died))
-        lost = _lost_in_cell(stage.name, cell, exc)
-        lost.partial_result = stage_result(cell, died)
-        return lost
-
+    recorder = _StageRecorder(stage)
     try:
         sandbox = await backend.attach(handle)
     except SandboxError as exc:
         if not stage.cells:
             raise
         # Stopped where its first cell was to run, not shown as a stage that never ran.
-        raise lost_in(stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()) from exc
+        raise recorder.lost_in(
+            stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()
+        ) from exc
     try:
         for cell in stage.cells:
-            output_log = _OutputLog(stage.name, cell, backend.max_output_chars)
-            on_output, seen = _keeping(
-                output_log, backend.max_output_chars or _PARTIAL_OUTPUT_CHARS
-            )
-            started_at, cell_start = datetime.now(UTC), time.monotonic()
-            try:
-                result = await sandbox.run_cell(
-                    cell.source, timeout_s=timeout_s, on_output=on_output
-                )
-                output_log.flush()
-                late_outputs.update(await sandbox.take_late_outputs())
-            except asyncio.CancelledError:
-                output_log.flush()
-                timed_out = deadline_passed()
-                if timed_out:
-                    await _interrupt_timed_out(sandbox, _where(stage.name, cell))
-                stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
-                records.append(CellRecord(index=cell.index, result=stopped))
-                partial = stage_result(cell, stopped)
-                if not timed_out:
-                    partial = partial.model_copy(update={"status": "cancelled"})
-                _leave_progress(partial)
-                raise
-            except SandboxError as exc:
-                output_log.flush()
-                raise lost_in(cell, exc, seen, started_at, cell_start) from exc
-            records.append(CellRecord(index=cell.index, result=result))
+            result = await recorder.run_cell(sandbox, cell, timeout_s, backend.max_output_chars)
             _log_cell_done(stage.name, cell, result)
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
             error = cell_failure(stage.name, cell, result, timeout_s)
-            error.partial_result = stage_result(cell, result)
+            error.partial_result = recorder.result(cell, result)
             raise error
     finally:
         with shielded():
             await sandbox.close()
-    return stage_result(None, None)
+    return recorder.result(None, None)
 
 
 @task(name="download-artifacts", cache_policy=NO_CACHE, retries=0)

@@ -56,6 +56,7 @@ from prefect_sandbox.sandbox.backends.host import (
 from prefect_sandbox.sandbox.backends.jupyter import (
     JupyterKernelConfig,
     JupyterKernelSandbox,
+    connection_file_of,
     write_ipython_startup,
 )
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
@@ -228,7 +229,7 @@ class DockerSandbox(JupyterKernelSandbox):
         super().__init__(
             handle,
             config,
-            runtime_dir / "connection.json",
+            connection_file_of(handle),
             self._host_workdir,
             kernel_sockets=runtime_dir / "kernel" / "k",
             socket_owner=int(handle.connection["user"].split(":")[0]),
@@ -321,8 +322,7 @@ class DockerSandbox(JupyterKernelSandbox):
             SandboxNotFoundError: the sandbox was killed (its container or folders are gone).
             SandboxUnavailableError: no Docker daemon answers.
         """
-        runtime_dir = Path(handle.connection["runtime_dir"])
-        cls._check_connection_file(handle, runtime_dir / "connection.json")
+        cls._check_connection_file(handle)
         docker_client = await asyncio.to_thread(_client, config)
         try:
             with _translated("attach", handle.sandbox_id):

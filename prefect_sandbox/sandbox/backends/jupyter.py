@@ -52,6 +52,7 @@ __all__ = [
     "STREAM_MESSAGE_CHARS",
     "JupyterKernelConfig",
     "JupyterKernelSandbox",
+    "connection_file_of",
     "write_ipython_startup",
 ]
 
@@ -263,6 +264,12 @@ def _own_file(parent: int, path: Path, text: str, replaced: list[Path]) -> None:
         file.write(text)
 
 
+def connection_file_of(handle: SandboxHandle) -> Path:
+    """The host's copy of a sandbox's kernel connection file: ``connection.json`` in the
+    ``runtime_dir`` its handle's ``connection`` names (local and Docker sandboxes)."""
+    return Path(handle.connection["runtime_dir"]) / "connection.json"
+
+
 @dataclass(frozen=True, kw_only=True)
 class JupyterKernelConfig(SandboxConfig):
     """Settings of kernels reached through a connection file (besides `SandboxConfig`'s).
@@ -364,13 +371,13 @@ class JupyterKernelSandbox(Sandbox):
         """
 
     @staticmethod
-    def _check_connection_file(handle: SandboxHandle, connection_file: Path) -> None:
-        """Refuse to attach to a sandbox whose connection file is gone.
+    def _check_connection_file(handle: SandboxHandle) -> None:
+        """Refuse to attach to a sandbox whose connection file (`connection_file_of`) is gone.
 
         Raises:
             SandboxNotFoundError: it was killed, or never made on this machine.
         """
-        if not connection_file.exists():
+        if not connection_file_of(handle).exists():
             raise SandboxNotFoundError(
                 f"sandbox {handle.sandbox_id} is gone (killed, or never made on this machine)",
                 sandbox_id=handle.sandbox_id,

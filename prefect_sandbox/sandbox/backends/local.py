@@ -65,6 +65,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
     STARTUP_FILE_NAME,
     JupyterKernelConfig,
     JupyterKernelSandbox,
+    connection_file_of,
     write_ipython_startup,
 )
 from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, warm_pool
@@ -232,7 +233,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         super().__init__(
             handle,
             config,
-            runtime_dir / "connection.json",
+            connection_file_of(handle),
             Path(handle.workdir),
             kernel_sockets=runtime_dir / "ipc" / "k",
             socket_owner=_kernel_user(config)[0],
@@ -384,8 +385,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         Raises:
             SandboxNotFoundError: the sandbox was killed.
         """
-        runtime_dir = Path(handle.connection["runtime_dir"])
-        cls._check_connection_file(handle, runtime_dir / "connection.json")
+        cls._check_connection_file(handle)
         return cls(handle, config)
 
     @classmethod
@@ -661,6 +661,56 @@ def _kernel_env(
     return env
 
 
+def _python_kernel_spec(kernel_name: str) -> KernelSpec:
+    """The kernelspec named ``kernel_name``.
+
+    Raises:
+        SandboxError: no kernelspec has that name, or its language is not Python.
+    """
+    try:
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    except NoSuchKernel:
+        raise SandboxError(
+            f"no Jupyter kernel named {kernel_name!r} (setting kernel_name)"
+        ) from None
+    if not is_python_language(spec.language):
+        raise SandboxError(
+            f"Jupyter kernel {kernel_name!r} runs {spec.language!r}, not Python "
+            "(setting kernel_name)"
+        )
+    return spec
+
+
+def _bubblewrapped(
+    cmd: list[str], handle: SandboxHandle, config: LocalKernelConfig, ipython: list[Path]
+) -> tuple[list[str], list[int]]:
+    """``cmd`` run inside bubblewrap's view of the sandbox's folders (under seccomp where
+    the host has the filter), its folders handed to the kernel's user.
+
+    Returns:
+        The command, and the descriptors its process must inherit (the seccomp program's).
+    """
+    runtime_dir = Path(handle.connection["runtime_dir"])
+    bwrap = check_bwrap(config.bwrap_path)
+    writable = [Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"]
+    _hand_over([runtime_dir / "kernel.json", *writable, *ipython], config)
+    view = sandbox_view(
+        cmd[0],
+        read_only=[runtime_dir / "kernel.json"],
+        writable=writable,
+        network=config.network,
+        tmpfs_size_bytes=config.memory_limit_bytes if bwrap_sizes_tmpfs(bwrap) else None,
+    )
+    passed: list[int] = []
+    program = seccomp_filter()
+    if program is not None:
+        passed.append(os.memfd_create("prefect-sandbox-seccomp", 0))
+        os.write(passed[0], program)
+        os.lseek(passed[0], 0, os.SEEK_SET)
+    seccomp_fd = passed[0] if passed else None
+    return staged_command(bwrap_command(bwrap, view, cmd, seccomp_fd=seccomp_fd)), passed
+
+
 def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     """Start the kernel process for ``handle`` and record its pid.
 
@@ -673,42 +723,15 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     _forget_killed_elsewhere()
     runtime_dir = Path(handle.connection["runtime_dir"])
     ipython = _write_ipython_folder(handle)
-    try:
-        spec = KernelSpecManager().get_kernel_spec(config.kernel_name)
-    except NoSuchKernel:
-        raise SandboxError(
-            f"no Jupyter kernel named {config.kernel_name!r} (setting kernel_name)"
-        ) from None
-    if not is_python_language(spec.language):
-        raise SandboxError(
-            f"Jupyter kernel {config.kernel_name!r} runs {spec.language!r}, not Python "
-            "(setting kernel_name)"
-        )
-    connection_file = str(runtime_dir / "kernel.json")
-    cmd = [arg.replace("{connection_file}", connection_file) for arg in spec.argv]
+    spec = _python_kernel_spec(config.kernel_name)
+    cmd = [arg.replace("{connection_file}", str(runtime_dir / "kernel.json")) for arg in spec.argv]
     # As jupyter_client's KernelManager does: a bare "python" means this interpreter.
     if cmd and cmd[0] in {"python", f"python{sys.version_info[0]}"}:
         cmd[0] = sys.executable
     # Descriptors the kernel's process gets (the seccomp program), closed here once it has them.
     passed: list[int] = []
     if config.isolation == "bubblewrap":
-        bwrap = check_bwrap(config.bwrap_path)
-        writable = [Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"]
-        _hand_over([runtime_dir / "kernel.json", *writable, *ipython], config)
-        view = sandbox_view(
-            cmd[0],
-            read_only=[runtime_dir / "kernel.json"],
-            writable=writable,
-            network=config.network,
-            tmpfs_size_bytes=config.memory_limit_bytes if bwrap_sizes_tmpfs(bwrap) else None,
-        )
-        program = seccomp_filter()
-        if program is not None:
-            passed.append(os.memfd_create("prefect-sandbox-seccomp", 0))
-            os.write(passed[0], program)
-            os.lseek(passed[0], 0, os.SEEK_SET)
-        seccomp_fd = passed[0] if passed else None
-        cmd = staged_command(bwrap_command(bwrap, view, cmd, seccomp_fd=seccomp_fd))
+        cmd, passed = _bubblewrapped(cmd, handle, config, ipython)
     cmd = limited_command(
         cmd,
         memory_limit_bytes=config.memory_limit_bytes,

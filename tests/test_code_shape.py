@@ -1,0 +1,62 @@
+"""The product code's shape (issue 21): no function in `prefect_sandbox` over `MAX_LINES`
+lines, docstring included; a flow's parameter list, which mirrors its options one per line,
+and its docstring, which documents each, do not count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+MAX_LINES = 80
+PACKAGE = Path(__file__).resolve().parent.parent / "prefect_sandbox"
+
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _is_flow(function: Function) -> bool:
+    """Decorated ``@flow`` or ``@flow(...)``."""
+    for decorator in function.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Name | ast.Attribute) and ast.unparse(target).endswith("flow"):
+            return True
+    return False
+
+
+def _counted_lines(function: Function) -> int:
+    """Lines from ``def`` to the function's end; for a flow, from its first statement after
+    the docstring."""
+    assert function.end_lineno is not None
+    if not _is_flow(function):
+        return function.end_lineno - function.lineno + 1
+    body = function.body
+    if ast.get_docstring(function) is not None:
+        body = body[1:]
+    return function.end_lineno - body[0].lineno + 1
+
+
+def _long_functions(source: str) -> dict[str, int]:
+    return {
+        f"{node.name}:{node.lineno}": lines
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (lines := _counted_lines(node)) > MAX_LINES
+    }
+
+
+def test_no_function_is_over_the_line_limit() -> None:
+    long = {
+        f"{path.relative_to(PACKAGE).as_posix()}:{name}": lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in _long_functions(path.read_text()).items()
+    }
+    assert long == {}
+
+
+def test_the_rule_counts_a_plain_function_whole_and_a_flow_from_its_body() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    plain = f'def f(\n    a: int,\n) -> None:\n    """Doc."""\n{body}\n'
+    assert _long_functions(plain) == {"f:1": MAX_LINES + 4}
+    params = "\n".join(f"    a{i}: int," for i in range(40))
+    flow = f'@flow(name="x")\nasync def g(\n{params}\n) -> None:\n    """Doc."""\n{body}\n'
+    assert _long_functions(flow) == {}
+    assert _long_functions(flow + "    y = 1\n") == {"g:2": MAX_LINES + 1}
