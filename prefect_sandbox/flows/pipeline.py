@@ -69,6 +69,7 @@ from prefect_sandbox.flows.hooks import (
     kill_run_sandboxes,
 )
 from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
+from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.flows.signals import SignalStop
@@ -528,20 +529,13 @@ class _PipelineRun:
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
         return result
 
-    def _metrics(self, outputs: Path) -> dict[str, float | int | bool | str | None]:
+    def _metrics(self, outputs: Path) -> dict[str, Metric]:
         """The key metrics of the stored `METRICS_NAME`, read from its staged copy as a sweep
-        reads its branches' (`metrics_of`); a file that is no JSON object is a warning."""
+        reads its branches' (`read_metrics`); a file that is no JSON object is a warning."""
         stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
         if stored is None:
             return {}
-        # Imported here, and only for a run that stored metrics: the sweep's module imports
-        # this one, and a run without metrics pays for no sweep module.
-        from prefect_sandbox.flows.sweep import METRICS_MAX_BYTES, metrics_of
-
-        problem: str | None = f"{stored.bytes} bytes, over {METRICS_MAX_BYTES}"
-        metrics: dict[str, float | int | bool | str | None] = {}
-        if stored.bytes <= METRICS_MAX_BYTES:
-            metrics, problem = metrics_of((outputs / METRICS_NAME).read_bytes())
+        metrics, problem = read_metrics(stored.bytes, (outputs / METRICS_NAME).read_bytes)
         if problem:
             get_run_logger().warning("No metrics from %r: %s", METRICS_NAME, problem)
         return metrics

@@ -54,16 +54,18 @@ Cancelled. The sweep's own cancellation and crash hooks cancel branches still ru
 The package's modules: `grid` (parameter sets, grid and parameters files), `model` (the mode,
 the branches' shared arguments, a branch), `launchers` (one class per mode, and the one path
 that stops a branch's run), `deployment` (deployment runs through the API), `collection`
-(running branches side by side, reading back what they left), `table` (metrics and the table
-artifact), `flow` (the flow). Each name below is imported from its module on first use
-(module ``__getattr__``, PEP 562), so reading a grid (the CLI) or a metrics file (a run) imports
-no flow or launcher.
+(running branches side by side, reading back what they left), `table` (the table artifact),
+`flow` (the flow); a branch's metrics are read by `prefect_sandbox.flows.metrics`, which a run
+shares. Each name below but those metrics' is imported from its module on first use (module
+``__getattr__``, PEP 562), so reading a grid (the CLI) imports no flow or launcher.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# The metrics' own module (shared with `arun_notebook`'s runs) imports nothing of Prefect's.
+from prefect_sandbox.flows.metrics import METRICS_MAX_BYTES, metrics_of
 from prefect_sandbox.lazy import lazy_names
 
 if TYPE_CHECKING:
@@ -76,26 +78,14 @@ if TYPE_CHECKING:
     )
     from prefect_sandbox.flows.sweep.launchers import cancel_branches
     from prefect_sandbox.flows.sweep.model import SWEEP_NAME
-    from prefect_sandbox.flows.sweep.table import (
-        METRIC_COLUMNS,
-        METRICS_MAX_BYTES,
-        TABLE_ROWS_SHOWN,
-        metrics_of,
-        sweep_table,
-    )
+    from prefect_sandbox.flows.sweep.table import METRIC_COLUMNS, TABLE_ROWS_SHOWN, sweep_table
 
 _MODULES = {
     "flow": ["asweep_notebook", "sweep_notebook"],
     "grid": ["MAX_BRANCHES", "expand_grid", "read_grid", "read_parameters_file"],
     "launchers": ["cancel_branches"],
     "model": ["SWEEP_NAME"],
-    "table": [
-        "METRICS_MAX_BYTES",
-        "METRIC_COLUMNS",
-        "TABLE_ROWS_SHOWN",
-        "metrics_of",
-        "sweep_table",
-    ],
+    "table": ["METRIC_COLUMNS", "TABLE_ROWS_SHOWN", "sweep_table"],
 }
 
 __all__ = [

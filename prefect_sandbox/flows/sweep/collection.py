@@ -9,10 +9,10 @@ from prefect import get_run_logger
 from prefect.client.schemas.objects import StateType
 from prefect_aws import S3Bucket
 
+from prefect_sandbox.flows.metrics import read_metrics
 from prefect_sandbox.flows.pipeline import SUMMARY_NAME, uncancel_current_task
 from prefect_sandbox.flows.sweep.launchers import BranchLauncher
 from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, SWEEP_NAME, Branch
-from prefect_sandbox.flows.sweep.table import METRICS_MAX_BYTES, metrics_of
 from prefect_sandbox.results import BranchResult, PipelineResult
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.outputs import cap_text
@@ -103,12 +103,10 @@ def collect_branch(
     artifact = stored.get(metrics_artifact or "")
     if artifact is None:
         return result
-    problem: str | None = f"{artifact.bytes} bytes, over {METRICS_MAX_BYTES}"
-    if artifact.bytes <= METRICS_MAX_BYTES:
-        try:
-            result.metrics, problem = metrics_of(store.read(artifact.path))
-        except SandboxError as exc:
-            problem = str(exc)
+    try:
+        result.metrics, problem = read_metrics(artifact.bytes, lambda: store.read(artifact.path))
+    except SandboxError as exc:
+        problem = str(exc)
     if problem:
         get_run_logger().warning(
             "Branch %s: no metrics from %r: %s", branch.name, artifact.path, problem

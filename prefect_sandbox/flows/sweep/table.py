@@ -1,5 +1,6 @@
-"""What a sweep shows of its branches: the key metrics read from each branch's stored metrics
-file, and the rows of the ``sweep-summary`` table artifact. Pure functions."""
+"""What a sweep shows of its branches: the rows of the ``sweep-summary`` table artifact, with
+the key metrics read from each branch's metrics file (`prefect_sandbox.flows.metrics`). Pure
+functions."""
 
 from __future__ import annotations
 
@@ -7,63 +8,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_sandbox.flows.metrics import Metric
 from prefect_sandbox.flows.report import table_cell, table_header
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME
 from prefect_sandbox.results import SweepResult
-from prefect_sandbox.sandbox.outputs import cap_text
 
-__all__ = [
-    "METRICS_KEPT",
-    "METRICS_MAX_BYTES",
-    "METRIC_COLUMNS",
-    "METRIC_TEXT_CHARS",
-    "TABLE_ROWS_SHOWN",
-    "Metric",
-    "metrics_of",
-    "sweep_table",
-]
+__all__ = ["METRIC_COLUMNS", "TABLE_ROWS_SHOWN", "sweep_table"]
 
-METRICS_KEPT = 50
-"""Metrics kept per branch in ``sweep.json`` at most."""
-METRICS_MAX_BYTES = 1 << 20
-"""A stored metrics file larger than this is not read (it is a notebook's output: untrusted)."""
-METRIC_TEXT_CHARS = 100
-"""Characters of a metric's name, or of its value when a string, kept at most."""
 METRIC_COLUMNS = 8
 """Metrics shown as columns of the table artifact at most (all are in ``sweep.json``)."""
 TABLE_ROWS_SHOWN = 500
 """Branches listed in the table artifact at most (all are in ``sweep.json``)."""
-
-Metric = float | int | bool | str | None
-
-
-def metrics_of(data: bytes) -> tuple[dict[str, Metric], str | None]:
-    """The key metrics in a branch's stored metrics file: its top-level numbers, booleans,
-    nulls and strings, in order, at most `METRICS_KEPT`, names and strings cut at
-    `METRIC_TEXT_CHARS` characters.
-
-    Args:
-        data: the file's content (a notebook wrote it: anything).
-
-    Returns:
-        The metrics, and why there are none when the file is no JSON object (else None).
-    """
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return {}, f"not JSON: {cap_text(str(exc), 200)}"
-    if not isinstance(value, dict):
-        return {}, f"a JSON {type(value).__name__}, not an object"
-    kept: dict[str, Metric] = {}
-    for name, item in value.items():
-        if len(kept) == METRICS_KEPT:
-            break
-        if isinstance(item, str):
-            item = item[:METRIC_TEXT_CHARS]
-        elif item is not None and not isinstance(item, bool | int | float):
-            continue
-        kept[name[:METRIC_TEXT_CHARS]] = item
-    return kept, None
 
 
 _FIXED_COLUMNS = ("branch", "flow run", "status", "parameters", "location", "error")
