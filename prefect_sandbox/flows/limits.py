@@ -45,6 +45,7 @@ from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.tasks.sandbox import shielded
 
 __all__ = [
     "LEASE_DURATION_S",
@@ -202,7 +203,8 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
     Each limit is created when missing (`LiveLimit.size`); one that exists keeps its size (a
     warning says when it differs). Waits, as long as it takes, for a free slot of each (logging
     once, at info, that it waits when one is full on arrival); releases them on exit, however
-    the block is left.
+    the block is left, a passed deadline (a flow's ``timeout_seconds``) not stopping the
+    release (`shielded`).
 
     Args:
         limits: the limits; none: this holds nothing and calls no Prefect API.
@@ -234,15 +236,16 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
             await release.wait()
 
     # Prefect's slot opens cancel scopes (its lease renewal) that must be left in the task that
-    # entered them; held in a task of its own, the caller may shield its exit from a passed
-    # deadline (a flow's timeout_seconds) and still give the slot back.
+    # entered them; held in a task of its own, its release can be shielded from a passed
+    # deadline here and still give the slot back.
     holder = asyncio.create_task(hold())
     try:
         await _until_acquired(acquired, holder)
         yield
     finally:
         release.set()
-        await holder
+        with shielded():
+            await holder
 
 
 async def _until_acquired(acquired: asyncio.Event, holder: asyncio.Task[None]) -> None:

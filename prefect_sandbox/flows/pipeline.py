@@ -31,29 +31,17 @@ as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the tw
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
-import shutil
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
-from uuid import UUID
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
-from prefect.artifacts import (
-    acreate_markdown_artifact,
-    acreate_progress_artifact,
-    aupdate_progress_artifact,
-)
-from prefect.client.schemas.objects import FlowRun
-from prefect.context import FlowRunContext
+from prefect.artifacts import acreate_progress_artifact
 from prefect.flows import Flow
 from prefect.states import Cancelled
 from prefect.utilities.asyncutils import run_coro_as_sync
@@ -61,60 +49,31 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import PipelineFailedError
-from prefect_sandbox.flows.hooks import (
-    default_backend,
-    kill_labelled_sandboxes,
-    kill_run_sandboxes,
+from prefect_sandbox.flows.hooks import kill_run_sandboxes
+from prefect_sandbox.flows.pipeline_run import (
+    EXECUTED_NOTEBOOK_NAME,
+    METRICS_NAME,
+    RESERVED_NAMES,
+    SUMMARY_NAME,
+    new_run,
+    own_names_kept,
 )
-from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
-from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.policy import check_deployment_run
-from prefect_sandbox.flows.report import escape_markdown, summary_markdown
 from prefect_sandbox.flows.signals import SignalStop
-from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_dir
+from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
-from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
-from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.errors import (
-    FileTransferError,
-    SandboxError,
-    SandboxNotFoundError,
-)
-from prefect_sandbox.sandbox.labels import flow_run_labels
+from prefect_sandbox.results import PipelineResult
+from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.notebook import (
-    INLINE_FIGURES_DIR,
-    ExecutedNotebook,
     StageSpec,
     inject_parameters,
-    inline_figures,
     notebook_from_stages,
     read_notebook,
     split_stages,
     undeclared_parameters,
 )
-from prefect_sandbox.sandbox.outputs import cap_text
-from prefect_sandbox.sandbox.paths import resolve_inside
-from prefect_sandbox.settings import PrefectSandboxSettings
-from prefect_sandbox.tasks.sandbox import (
-    create_sandbox,
-    deadline_passed,
-    download_artifacts,
-    kill_sandbox,
-    partial_stage_result,
-    run_stage,
-    shielded,
-    stage_progress,
-    upload_inputs,
-)
-from prefect_sandbox.tasks.storage import (
-    ArtifactStore,
-    input_credentials,
-    plan_inputs,
-    resolve_storage,
-    store_artifacts,
-)
+from prefect_sandbox.tasks.sandbox import deadline_passed, shielded
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -128,479 +87,8 @@ __all__ = [
     "run_notebook",
 ]
 
-EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
-SUMMARY_NAME = "summary.json"
-METRICS_NAME = "metrics.json"
-"""The stored artifact whose top-level numbers ``summary.json`` carries as ``metrics``."""
-RESERVED_NAMES = (EXECUTED_NOTEBOOK_NAME, SUMMARY_NAME, INLINE_FIGURES_DIR)
-"""The top-level names of the run's own files in its folder: an artifact whose path is one of
-them, or inside one, is stored under another name (`own_names_kept`)."""
-INLINE_FIGURES_BYTES = 2 << 20
-"""Bytes of PNGs at most that the run summary embeds when the store has no URL to show them."""
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
 P = ParamSpec("P")
 R = TypeVar("R")
-T = TypeVar("T")
-
-
-def uncancel_current_task() -> None:
-    """Take the current asyncio task's cancellation as handled, so the awaits of its clean-up
-    (killing sandboxes, storing files) are not cancelled in turn."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
-def _clashes(path: str, taken: set[str]) -> bool:
-    """Whether ``path`` is, holds or sits inside one of the ``taken`` paths."""
-    parts = path.split("/")
-    above = {"/".join(parts[:n]) for n in range(1, len(parts) + 1)}
-    return bool(above & taken) or any(other.startswith(f"{path}/") for other in taken)
-
-
-def own_names_kept(paths: list[str]) -> dict[str, str]:
-    """New paths for the artifacts that would shadow, or be shadowed by, the run's own files.
-
-    An artifact whose top-level name is in `RESERVED_NAMES` (``summary.json``,
-    ``inline-figures/cell-000-1.png``) gets that name prefixed ``sandbox-``
-    (``sandbox-summary.json``), or ``sandbox-2-``, ``sandbox-3-``... when that clashes with
-    another artifact's path.
-
-    Args:
-        paths: the artifacts' relative POSIX paths.
-
-    Returns:
-        Each renamed artifact's path to its new one; the others are not in it.
-    """
-    taken = set(paths)
-    renamed: dict[str, str] = {}
-    for path in paths:
-        top, slash, rest = path.partition("/")
-        if top not in RESERVED_NAMES:
-            continue
-        others = taken - {path}
-        count = 1
-        new = f"sandbox-{path}"
-        while _clashes(new, others):
-            count += 1
-            new = f"sandbox-{count}-{top}{slash}{rest}"
-        renamed[path] = new
-        taken = others | {new}
-    return renamed
-
-
-def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[StageSummary]:
-    by_name = {result.name: result for result in results}
-    summaries = []
-    for stage in stages:
-        result = by_name.get(stage.name)
-        if result is None:
-            summaries.append(
-                StageSummary(
-                    name=stage.name, status="not_run", cell_count=len(stage.cells), duration_s=0.0
-                )
-            )
-            continue
-        summaries.append(
-            StageSummary(
-                name=stage.name,
-                status=result.status,
-                cell_count=len(stage.cells),
-                duration_s=round(result.duration_s, 6),
-                failed_cell_index=result.failed_cell_index,
-                ename=result.error.ename if result.error else None,
-                evalue=result.error.evalue if result.error else None,
-            )
-        )
-    return summaries
-
-
-def _write_notebook_files(
-    executed: ExecutedNotebook, stage_results: list[StageResult], staging: Path
-) -> list[str]:
-    """Record every cell's result, write the notebook and its inline figures into ``staging``.
-
-    Returns:
-        The written files' relative paths.
-    """
-    cell_of_msg: dict[str | None, int] = {}
-    for stage_result in stage_results:
-        for record in stage_result.cells:
-            executed.record(record.index, stage_result.name, record.result)
-            cell_of_msg[record.result.msg_id] = record.index
-    for stage_result in stage_results:
-        for msg_id, outputs in stage_result.late_outputs.items():
-            if msg_id in cell_of_msg:
-                executed.add_outputs(cell_of_msg[msg_id], outputs)
-    logger = get_run_logger()
-    for warning in executed.write(staging / EXECUTED_NOTEBOOK_NAME):
-        logger.warning("Executed notebook: %s", warning)
-    figures, warnings = inline_figures(executed.notebook)
-    for warning in warnings:
-        logger.warning("Inline figure skipped: %s", warning)
-    written = []
-    for path, image in figures:
-        (staging / path).parent.mkdir(parents=True, exist_ok=True)
-        (staging / path).write_bytes(image)
-        written.append(path)
-    return [*written, EXECUTED_NOTEBOOK_NAME]
-
-
-@dataclass
-class _PipelineRun:
-    """One pipeline run: what it has made so far, kept so that a failure still stores it."""
-
-    stages: list[StageSpec]
-    backend: SandboxBackend
-    store: ArtifactStore
-    executed: ExecutedNotebook
-    progress_id: UUID | None = None
-    """The pipeline's progress artifact; None for runs that post none (sessions)."""
-    stage_results: list[StageResult] = field(default_factory=list)
-    downloaded: list[str] = field(default_factory=list)
-    stored: list[StoredArtifact] = field(default_factory=list)
-    figures: dict[str, str | None] = field(default_factory=dict)
-    failure: SandboxError | None = None
-    """The first failure: a stage's, or else storing's; the flow raises from it."""
-    cancelled: bool = False
-    """The flow's task was cancelled (the CLI does so on SIGINT and SIGTERM); the flow ends
-    Cancelled once the sandbox is killed and what was made is stored."""
-    timed_out: bool = False
-    """The flow run's ``timeout_seconds`` passed; the flow ends TimedOut (Failed) once the
-    sandbox is killed and what was made is stored, ``summary.json`` saying ``"failed"``."""
-    timeout_seconds: float | None = None
-    attempt: int = 1
-    """The flow run's attempt, Prefect's ``run_count``."""
-    sandbox_id: str | None = None
-    sandbox_created_at: datetime | None = None
-    sandbox_killed_at: datetime | None = None
-
-    @asynccontextmanager
-    async def flow_run_sandbox(
-        self, flow_run_id: str, labels: dict[str, str]
-    ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on
-        exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
-        when it has one, and of a sweep's limit in a sweep's branch (`run_limits`). Records its
-        id and the UTC times bracketing its life."""
-        slot = live_sandbox_slot(run_limits(self.backend), flow_run_id)
-        async with _exit_shielded(slot):
-            self.sandbox_created_at = datetime.now(UTC)
-            try:
-                handle = await create_sandbox(self.backend, labels)
-                self.sandbox_id = handle.sandbox_id
-                try:
-                    yield handle
-                finally:
-                    with shielded():
-                        await self._kill(handle)
-            except asyncio.CancelledError:
-                # Cancelled while the sandbox was made or killed: none may outlive the run or
-                # its slot, even one whose handle never came back.
-                with shielded():
-                    await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
-                self.sandbox_killed_at = datetime.now(UTC)
-                raise
-            except SandboxError as exc:
-                self.failure = self.failure or exc
-                if self.sandbox_id is None:
-                    # The create failed, killing what it made if it could; a sandbox made by a
-                    # try whose answer was lost is found by its label.
-                    get_run_logger().warning("Sandbox not made: %s", exc)
-                    await kill_labelled_sandboxes(self.backend, flow_run_id, "its create failed")
-                    self.sandbox_killed_at = datetime.now(UTC)
-                raise
-
-    async def _kill(self, handle: SandboxHandle) -> None:
-        """Kill the sandbox (kill-sandbox retries what is transient); a kill that still fails
-        is a warning naming the sandbox, never the run's failure: what it made is stored and
-        its status stays what its cells made it."""
-        try:
-            await kill_sandbox(self.backend, handle)
-        except SandboxError as exc:
-            get_run_logger().warning(
-                "Sandbox %s could not be killed (%s); its vendor-side lifetime or the reaper "
-                "ends it",
-                handle.sandbox_id,
-                exc,
-            )
-        else:
-            self.sandbox_killed_at = datetime.now(UTC)
-
-    @asynccontextmanager
-    async def sandbox_then_store(
-        self, flow_run: FlowRun, outputs: Path
-    ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox, labelled for it (`flow_run_sandbox`); on exit, once it is
-        killed, what was made is stored from ``outputs`` (`storing_on_exit`). Inside, the
-        current task is cancelled once the flow run is Cancelling (`cancelled_from_api`)."""
-        labels = flow_run_labels(str(flow_run.id), flow_run.name)
-        # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
-        async with (
-            cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
-            self.storing_on_exit(outputs),
-            self.flow_run_sandbox(str(flow_run.id), labels) as handle,
-        ):
-            yield handle
-
-    async def check_inputs(self, inputs: list[str]) -> None:
-        """List the inputs (`plan_inputs`) before any sandbox starts; a `SandboxError`
-        (missing, unreadable, clashing inputs) becomes `failure`."""
-        try:
-            await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
-        except SandboxError as exc:
-            self.failure = exc
-
-    async def execute(
-        self,
-        handle: SandboxHandle,
-        staging: Path,
-        *,
-        inputs: list[str],
-        artifacts: list[str],
-        cell_timeout_s: float | None,
-    ) -> None:
-        """Upload the inputs, run the stages until one fails, then download the artifacts.
-
-        A `SandboxError` on the way becomes `failure`, a cancellation `cancelled` (or
-        `timed_out`); the artifacts are still downloaded unless the sandbox itself is gone.
-        """
-        try:
-            await self.begin(handle, staging, inputs)
-            for done, stage in enumerate(self.stages, start=1):
-                await self._run_stage(handle, stage, cell_timeout_s)
-                assert self.progress_id is not None
-                await aupdate_progress_artifact(
-                    self.progress_id,
-                    progress=100.0 * done / len(self.stages),
-                    description=f"{done} of {len(self.stages)} stage(s) done: "
-                    f"{escape_markdown(stage.name)}",
-                )
-        except SandboxError as exc:
-            self.failure = exc
-        except asyncio.CancelledError:
-            self.take_cancellation()
-        await self.collect_artifacts(handle, staging, artifacts)
-
-    async def begin(self, handle: SandboxHandle, staging: Path, inputs: list[str]) -> None:
-        """Note the sandbox in the notebook's metadata and upload the inputs into it.
-
-        Raises:
-            FileTransferError: an input could not be uploaded (names it).
-        """
-        self.executed.set_metadata(backend=handle.backend, sandbox_id=handle.sandbox_id)
-        if handle.kernel is not None:
-            self.executed.set_kernel(handle.kernel)
-        if inputs:
-            await upload_inputs(self.backend, handle, inputs, str(staging / "inputs"), self.store)
-
-    async def collect_artifacts(
-        self, handle: SandboxHandle, staging: Path, artifacts: list[str]
-    ) -> None:
-        """Download the files matching ``artifacts`` into ``staging``, unless the sandbox is
-        already known to be gone; a failure becomes `failure` unless there already is one."""
-        # A sandbox that expired or was killed has no files left to collect.
-        if artifacts and not isinstance(self.failure, SandboxNotFoundError):
-            try:
-                with shielded():
-                    self.downloaded = await download_artifacts(
-                        self.backend, handle, artifacts, str(staging / "outputs")
-                    )
-            except SandboxError as exc:
-                # The notebook and summary.json are still stored; the run fails with this.
-                self.failure = self.failure or exc
-            self._keep_own_names(staging / "outputs")
-
-    def _keep_own_names(self, outputs: Path) -> None:
-        """Move the downloaded artifacts that the run's own files would overwrite to the
-        names `own_names_kept` gives them, each named in a warning."""
-        renamed = own_names_kept(self.downloaded)
-        logger = get_run_logger()
-        for old, new in renamed.items():
-            target = resolve_inside(outputs, new)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            resolve_inside(outputs, old).replace(target)
-            logger.warning(
-                "Artifact %r is stored as %r: %s are the run's own",
-                old,
-                new,
-                ", ".join(RESERVED_NAMES),
-            )
-        for name in RESERVED_NAMES:
-            if (outputs / name).is_dir():
-                shutil.rmtree(outputs / name)  # emptied of files above
-        self.downloaded = [renamed.get(path, path) for path in self.downloaded]
-
-    async def _run_stage(
-        self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
-    ) -> None:
-        with stage_progress() as progress:
-            try:
-                result = await run_stage(self.backend, handle, stage, cell_timeout_s)
-            except (SandboxError, asyncio.CancelledError) as exc:
-                partial = partial_stage_result(exc, progress)
-                if partial is not None:
-                    self.stage_results.append(partial)
-                raise
-        self.stage_results.append(result)
-
-    def take_cancellation(self) -> None:
-        """Take this task's cancellation as handled here: the run stops, kills its sandbox,
-        stores what it made and ends Cancelled; or, when the flow run's ``timeout_seconds``
-        passed (`deadline_passed`), ends TimedOut."""
-        if deadline_passed():
-            # Prefect's cancel scope cancels each await until the flow returns, whatever is
-            # uncancelled here: the clean-up's awaits are shielded instead.
-            self.timed_out = True
-            return
-        uncancel_current_task()
-        self.cancelled = True
-
-    @asynccontextmanager
-    async def storing_on_exit(self, outputs: Path) -> AsyncIterator[None]:
-        """On exit, however it comes, store the executed notebook, its inline figures and the
-        downloaded artifacts from ``outputs``; a file that could not be stored becomes the
-        failure unless there already is one."""
-        try:
-            yield
-        finally:
-            await self.store_made(outputs)
-
-    async def store_made(self, outputs: Path) -> None:
-        """Store the executed notebook, its inline figures and the downloaded artifacts from
-        ``outputs``; a file that could not be stored becomes the failure unless there already
-        is one."""
-        outputs.mkdir(exist_ok=True)
-        written = _write_notebook_files(self.executed, self.stage_results, outputs)
-        with shielded():
-            self.stored, storage_failures = await store_artifacts(
-                str(outputs), [*self.downloaded, *written], self.store
-            )
-            self.figures = await asyncio.to_thread(_figure_urls, self.stored, self.store, outputs)
-        if storage_failures and self.failure is None:
-            self.failure = FileTransferError(
-                f"{len(storage_failures)} artifact(s) could not be stored in "
-                f"{self.store.location}: {'; '.join(storage_failures)}"
-            )
-
-    async def store_summary(
-        self,
-        outputs: Path,
-        flow_run_id: str,
-        flow_run_name: str,
-        duration_s: float,
-        parameters: dict[str, Any] | None = None,
-    ) -> PipelineResult:
-        """The run's result, also written to ``outputs`` as ``summary.json`` and stored, with
-        the injected ``parameters`` and the metrics of a stored `METRICS_NAME`."""
-        # One line for people; a cell's full exception text is in the notebook only.
-        error = cap_text(str(self.failure)) if self.failure else None
-        if self.cancelled:
-            error = f"cancelled {_stopped_where(self.stage_results)}"
-        elif self.timed_out:
-            limit = f", {self.timeout_seconds} s" if self.timeout_seconds else ""
-            timed_out = (
-                f"timed out (the flow run's timeout_seconds{limit}) "
-                f"{_stopped_where(self.stage_results)}"
-            )
-            error = f"{error}; then {timed_out}" if error else timed_out
-        result = PipelineResult(
-            flow_run_id=flow_run_id,
-            flow_run_name=flow_run_name,
-            attempt=self.attempt,
-            status="cancelled"
-            if self.cancelled
-            else "failed"
-            if self.failure or self.timed_out
-            else "completed",
-            stages=_summaries(self.stages, self.stage_results),
-            artifacts=self.stored,
-            output_dir=self.store.location,
-            duration_s=round(duration_s, 6),
-            error=error,
-            sandbox_id=self.sandbox_id,
-            sandbox_created_at=self.sandbox_created_at,
-            sandbox_killed_at=self.sandbox_killed_at,
-            parameters=parameters or {},
-            metrics=self._metrics(outputs),
-        )
-        (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
-        await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
-        return result
-
-    def _metrics(self, outputs: Path) -> dict[str, Metric]:
-        """The key metrics of the stored `METRICS_NAME`, read from its staged copy as a sweep
-        reads its branches' (`read_metrics`); a file that is no JSON object is a warning."""
-        stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
-        if stored is None:
-            return {}
-        metrics, problem = read_metrics(stored.bytes, (outputs / METRICS_NAME).read_bytes)
-        if problem:
-            get_run_logger().warning("No metrics from %r: %s", METRICS_NAME, problem)
-        return metrics
-
-    async def post_summary(self, result: PipelineResult, key: str, description: str) -> None:
-        """Post the run's summary as a markdown artifact and log where its files are."""
-        await acreate_markdown_artifact(
-            key=key, markdown=summary_markdown(result, self.figures), description=description
-        )
-        get_run_logger().info(
-            "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.location
-        )
-
-
-async def new_run(
-    source: NotebookNode,
-    stages: list[StageSpec],
-    backend: SandboxBackend | None,
-    storage: S3Bucket | str | None,
-    what: str,
-) -> tuple[_PipelineRun, FlowRun]:
-    """A run of the current flow run: its store made ready, its notebook started.
-
-    Args:
-        source: the notebook whose executed copy the run stores.
-        stages: the stages it runs (a session adds its steps as it goes).
-        backend: the backend block; None for `default_backend`.
-        storage: as the pipeline flows take it; None for ``PREFECT_SANDBOX_STORAGE``.
-        what: what is run, for the error outside a flow run (``"a pipeline"``).
-
-    Returns:
-        The run and the flow run it belongs to.
-
-    Raises:
-        RuntimeError: not called inside a flow run.
-        FileTransferError: files cannot be stored in ``storage``.
-    """
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None or context.flow is None:
-        raise RuntimeError(f"{what} runs inside a Prefect flow run; call it from a @flow")
-    flow_run = context.flow_run
-    if storage is None:
-        storage = PrefectSandboxSettings().storage
-    if backend is None:
-        backend = await default_backend()
-    store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
-    store.prepare()
-    # The run's folder is the same for each attempt of a retried flow run: empty it.
-    removed = await asyncio.to_thread(store.clear)
-    if removed:
-        get_run_logger().warning(
-            "Flow run attempt %d: removed the %d file(s) an earlier attempt stored in %s; "
-            "each attempt runs in a fresh sandbox and stores afresh",
-            flow_run.run_count,
-            removed,
-            store.location,
-        )
-    executed = ExecutedNotebook(source)
-    executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
-    # Those of SIGKILLed runs on this machine, which could not remove their own.
-    await asyncio.to_thread(remove_orphaned_staging_dirs)
-    run = _PipelineRun(stages, backend, store, executed)
-    run.timeout_seconds = context.flow.timeout_seconds
-    run.attempt = max(flow_run.run_count, 1)
-    return run, flow_run
 
 
 async def _checked_run(
@@ -707,56 +195,6 @@ async def _run_pipeline(
             result=result,
         ) from run.failure
     return result
-
-
-def _stopped_where(stage_results: list[StageResult]) -> str:
-    """Where a cancelled or timed-out run stopped, e.g. "during stage 'fit', cell 4; its
-    sandbox was killed"."""
-    stopped = next((r for r in stage_results if r.status != "ok"), None)
-    if stopped is not None:
-        where = f"during stage {stopped.name!r}, cell {stopped.failed_cell_index}"
-    else:
-        where = f"after {len(stage_results)} stage(s)"
-    return f"{where}; its sandbox was killed"
-
-
-@asynccontextmanager
-async def _exit_shielded(manager: AbstractAsyncContextManager[T]) -> AsyncIterator[T]:
-    """``manager``, whose exit a passed deadline does not cancel (`shielded`)."""
-    value = await manager.__aenter__()
-    try:
-        yield value
-    except BaseException as exc:
-        with shielded():
-            suppressed = await manager.__aexit__(type(exc), exc, exc.__traceback__)
-        if not suppressed:
-            raise
-    else:
-        with shielded():
-            await manager.__aexit__(None, None, None)
-
-
-def _figure_urls(
-    stored: list[StoredArtifact], store: ArtifactStore, staged: Path
-) -> dict[str, str | None]:
-    """Each stored PNG's path to a URL the Prefect UI can show it from, or None.
-
-    The store's own URL when it has one (S3: presigned); otherwise a ``data:`` URI of the staged
-    copy, while the PNGs embedded so far stay within `INLINE_FIGURES_BYTES`.
-    """
-    urls: dict[str, str | None] = {}
-    budget = INLINE_FIGURES_BYTES
-    for artifact in stored:
-        if not artifact.path.lower().endswith(".png"):
-            continue
-        url = store.view_url(artifact)
-        if url is None and artifact.bytes <= budget:
-            data = resolve_inside(staged, artifact.path).read_bytes()
-            if data.startswith(_PNG_SIGNATURE):
-                url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
-                budget -= artifact.bytes
-        urls[artifact.path] = url
-    return urls
 
 
 @flow(

@@ -37,7 +37,7 @@ from pydantic import BaseModel
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.errors import FixerError, SessionFailedError
-from prefect_sandbox.flows.pipeline import _PipelineRun, new_run
+from prefect_sandbox.flows.pipeline_run import PipelineRun, new_run
 from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
@@ -126,7 +126,7 @@ class SandboxSession:
 
     def __init__(
         self,
-        run: _PipelineRun,
+        run: PipelineRun,
         handle: SandboxHandle,
         *,
         cell_timeout_s: float | None,

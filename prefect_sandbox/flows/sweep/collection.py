@@ -10,7 +10,7 @@ from prefect.client.schemas.objects import StateType
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.flows.metrics import read_metrics
-from prefect_sandbox.flows.pipeline import SUMMARY_NAME, uncancel_current_task
+from prefect_sandbox.flows.pipeline_run import SUMMARY_NAME, uncancel_current_task
 from prefect_sandbox.flows.sweep.launchers import BranchLauncher
 from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, SWEEP_NAME, Branch
 from prefect_sandbox.results import BranchResult, PipelineResult
