@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from prefect_sandbox.sandbox.notebook import parse_python
+
 MAX_LINES = 80
 PACKAGE = Path(__file__).resolve().parent.parent / "prefect_sandbox"
 
@@ -37,7 +39,7 @@ def _counted_lines(function: Function) -> int:
 def _long_functions(source: str) -> dict[str, int]:
     return {
         f"{node.name}:{node.lineno}": lines
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(parse_python(source))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and (lines := _counted_lines(node)) > MAX_LINES
     }

@@ -7,6 +7,8 @@ import datetime
 import math
 import pickle
 import re
+import threading
+import time
 from html import escape as html_escape
 from pathlib import Path, PurePosixPath
 
@@ -28,6 +30,7 @@ from prefect_sandbox.sandbox.notebook import (
     inject_parameters,
     notebook_from_stages,
     parse_parameter,
+    parse_python,
     split_stages,
 )
 from prefect_sandbox.sandbox.outputs import OutputCollector
@@ -995,7 +998,7 @@ PRIVATE_KEYWORDS = frozenset({"_sync"})
 def _private_uses(source: str) -> set[str]:
     """The private names and keywords that code (not its docstrings or comments) reaches."""
     names, keywords = set(), set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_python(source)):
         if isinstance(node, ast.Attribute):
             names.add(node.attr)
         elif isinstance(node, ast.ImportFrom | ast.Import):
@@ -1016,3 +1019,39 @@ def test_private_apis_are_reached_only_through_the_compat_module() -> None:
     }
     assert {path: names for path, names in reaching.items() if names} == {}
     assert _private_uses((package / "_compat.py").read_text()) == PRIVATE_NAMES | PRIVATE_KEYWORDS
+
+
+class _CyclicGarbage:
+    """Its collection runs Python code (``__del__``), which lets another thread take the GIL in
+    the middle of building an AST."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        time.sleep(0)
+
+
+def test_parse_python_survives_threads_building_asts_at_once() -> None:
+    """CPython 3.11's AST depth counter is shared by all threads (gh-106905): with plain
+    `ast.parse` here, about one parse in 600 fails with a SystemError on CPython 3.11.7."""
+    source = "\n".join(f"def f{n}(x):\n    return [x for x in range({n})]" for n in range(300))
+    failures: list[str] = []
+    sizes: list[int] = []
+
+    def parse_among_garbage() -> None:
+        for _ in range(150):
+            for _ in range(50):
+                _CyclicGarbage()
+            try:
+                sizes.append(len(parse_python(source).body))
+            except SystemError as exc:
+                failures.append(str(exc))
+
+    threads = [threading.Thread(target=parse_among_garbage) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert sizes == [300] * 600

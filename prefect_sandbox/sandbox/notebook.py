@@ -42,6 +42,7 @@ __all__ = [
     "notebook_parameters",
     "parameter_name_problem",
     "parse_parameter",
+    "parse_python",
     "python_literal",
     "read_notebook",
     "split_stages",
@@ -232,6 +233,37 @@ def python_literal(value: Any) -> str:
     )
 
 
+_AST_DEPTH_MISMATCH = "AST constructor recursion depth mismatch"
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse`, proof against a CPython 3.11 race.
+
+    CPython 3.11 keeps the AST constructor's recursion depth in state that all threads share
+    (gh-106905), so a parse in one thread while another builds an AST (Python 3.11's traceback
+    formatting does, to place its carets, whenever a thread logs an exception) can end in a
+    spurious ``SystemError: AST constructor recursion depth mismatch``. The parse is then
+    tried again, at most twice.
+
+    Args:
+        source: Python source text.
+        filename: the name that a `SyntaxError` gives.
+
+    Returns:
+        The module's tree.
+
+    Raises:
+        SyntaxError: the source is not valid Python.
+    """
+    for _ in range(2):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as exc:
+            if _AST_DEPTH_MISMATCH not in str(exc):
+                raise
+    return ast.parse(source, filename)
+
+
 def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> list[str]:
     """The parameter names that the notebook's cell tagged ``parameters`` does not assign.
 
@@ -245,7 +277,7 @@ def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any])
         if PARAMETERS_TAG not in _tags(cell):
             continue
         try:
-            tree = ast.parse(cell.source)
+            tree = parse_python(cell.source)
         except SyntaxError:
             return []
         assigned = {
@@ -281,7 +313,7 @@ def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | Non
             continue
         source = cell.source
         try:
-            tree = ast.parse(source)
+            tree = parse_python(source)
         except SyntaxError as exc:
             raise NotebookError(
                 f"cell {index} (tagged 'parameters') is not valid Python: line {exc.lineno}: "
@@ -295,9 +327,11 @@ def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | Non
         found = []
         for node in tree.body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                target, annotation = node.targets[0], _literal_type(node.value)
+                target, value = node.targets[0], node.value
+                annotation = _literal_type(value)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                target, annotation = node.target, ast.unparse(node.annotation)
+                target, value = node.target, node.value
+                annotation = ast.unparse(node.annotation)
             else:
                 continue
             if isinstance(target, ast.Name):
@@ -305,7 +339,7 @@ def notebook_parameters(notebook: NotebookNode) -> list[NotebookParameter] | Non
                     NotebookParameter(
                         name=target.id,
                         type_name=annotation,
-                        default=ast.get_source_segment(source, node.value) or "",
+                        default=ast.get_source_segment(source, value) or "",
                         help=comments.get(node.end_lineno or node.lineno, ""),
                     )
                 )
