@@ -223,7 +223,8 @@ def _add_run_command(
         "--json",
         action="store_true",
         help="print one JSON object on stdout, and nothing else there: the run's summary.json "
-        "(status, output_dir, stages, artifacts with sha256 and bytes, parameters, metrics) "
+        "(status, output_dir, stages, artifacts with size_bytes and sha256, parameters, "
+        "metrics) "
         "and exit_status",
     )
     command.add_argument(

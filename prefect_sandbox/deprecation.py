@@ -48,7 +48,7 @@ def renamed_attribute(old: str, new: str) -> Any:
     """A read-only property ``old`` that warns and returns the attribute ``new``.
 
     Args:
-        old: the attribute's old name, as the warning gives it (``"PipelineResult.bytes"``).
+        old: the attribute's old name, as the warning gives it (``"StoredArtifact.bytes"``).
         new: the attribute it now reads.
 
     Returns:

@@ -436,7 +436,8 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
     assert set(files) == {"metrics.json", "executed.ipynb"}
     for path, artifact in files.items():
         data = (run_dir / path).read_bytes()
-        assert artifact["bytes"] == len(data)
+        assert artifact["size_bytes"] == len(data)
+        assert artifact["bytes"] == len(data)  # its old key, kept for one release
         assert artifact["sha256"] == hashlib.sha256(data).hexdigest()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {k: v for k, v in result.items() if k != "exit_status"}

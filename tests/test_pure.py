@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import json
 import math
 import pickle
 import re
@@ -801,8 +802,12 @@ def test_summary_markdown_names_the_failing_cell_and_shows_figures() -> None:
             ),
         ],
         artifacts=[
-            StoredArtifact(path="figures/a.png", bytes=10, sha256="ab" * 32, location="s3://b/k/a"),
-            StoredArtifact(path="figures/b.png", bytes=10, sha256="cd" * 32, location="/out/b.png"),
+            StoredArtifact(
+                path="figures/a.png", size_bytes=10, sha256="ab" * 32, location="s3://b/k/a"
+            ),
+            StoredArtifact(
+                path="figures/b.png", size_bytes=10, sha256="cd" * 32, location="/out/b.png"
+            ),
         ],
         output_dir="s3://b/k",
         duration_s=2.0,
@@ -843,12 +848,14 @@ def _hostile_result(artifact_count: int) -> PipelineResult:
         artifacts=[
             StoredArtifact(
                 path="figures/](http:evil.test) `x` <b>.png",
-                bytes=10,
+                size_bytes=10,
                 sha256="ab" * 32,
                 location="/out/figures/](http:evil.test) `x` <b>.png",
             ),
             *(
-                StoredArtifact(path=f"f/{n}.txt", bytes=3, sha256="cd" * 32, location=f"/o/{n}")
+                StoredArtifact(
+                    path=f"f/{n}.txt", size_bytes=3, sha256="cd" * 32, location=f"/o/{n}"
+                )
                 for n in range(artifact_count)
             ),
         ],
@@ -1016,3 +1023,18 @@ def test_private_apis_are_reached_only_through_the_compat_module() -> None:
     }
     assert {path: names for path, names in reaching.items() if names} == {}
     assert _private_uses((package / "_compat.py").read_text()) == PRIVATE_NAMES | PRIVATE_KEYWORDS
+
+
+def test_a_stored_files_size_is_size_bytes_and_its_old_name_bytes_still_works() -> None:
+    from prefect_sandbox.results import StoredArtifact
+
+    fields = {"path": "a.csv", "sha256": "ab" * 32, "location": "/out/a.csv"}
+    new = StoredArtifact(size_bytes=12, **fields)
+    # An older summary.json has "bytes": it reads back as the same artifact.
+    old = StoredArtifact.model_validate({"bytes": 12, **fields})
+    assert old == new and old.size_bytes == 12
+    # Its JSON has both keys for one release; the old attribute warns.
+    assert json.loads(new.model_dump_json()) == {"size_bytes": 12, "bytes": 12, **fields}
+    assert StoredArtifact.model_validate_json(new.model_dump_json()) == new
+    with pytest.warns(DeprecationWarning, match=r"StoredArtifact\.bytes is deprecated.*size_bytes"):
+        assert new.bytes == 12

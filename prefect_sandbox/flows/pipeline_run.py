@@ -477,7 +477,7 @@ class PipelineRun:
         stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
         if stored is None:
             return {}
-        metrics, problem = read_metrics(stored.bytes, (outputs / METRICS_NAME).read_bytes)
+        metrics, problem = read_metrics(stored.size_bytes, (outputs / METRICS_NAME).read_bytes)
         if problem:
             get_run_logger().warning("No metrics from %r: %s", METRICS_NAME, problem)
         return metrics
@@ -570,10 +570,10 @@ def _figure_urls(
         if not artifact.path.lower().endswith(".png"):
             continue
         url = store.view_url(artifact)
-        if url is None and artifact.bytes <= budget:
+        if url is None and artifact.size_bytes <= budget:
             data = resolve_inside(staged, artifact.path).read_bytes()
             if data.startswith(_PNG_SIGNATURE):
                 url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
-                budget -= artifact.bytes
+                budget -= artifact.size_bytes
         urls[artifact.path] = url
     return urls

@@ -238,7 +238,7 @@ class LocalFolderStore(ArtifactStore):
             ) from exc
         return StoredArtifact(
             path=relative,
-            bytes=target.stat().st_size,
+            size_bytes=target.stat().st_size,
             sha256=digest.hexdigest(),
             location=str(target),
         )
@@ -345,7 +345,7 @@ class S3Store(ArtifactStore):
             ) from exc
         return StoredArtifact(
             path=relative,
-            bytes=size,
+            size_bytes=size,
             sha256=whole.hex(),
             location=f"s3://{self._bucket.bucket_name}/{key}",
         )
@@ -478,14 +478,15 @@ def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]
         ``{"key": location, "bytes": size, "sha256": hex digest}`` rows.
     """
     rows: list[dict[str, str | int]] = [
-        {"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored[:TABLE_ROWS_SHOWN]
+        {"key": a.location, "bytes": a.size_bytes, "sha256": a.sha256}
+        for a in stored[:TABLE_ROWS_SHOWN]
     ]
     rest = stored[TABLE_ROWS_SHOWN:]
     if rest:
         rows.append(
             {
                 "key": f"… and {len(rest)} more file(s), all listed in summary.json",
-                "bytes": sum(a.bytes for a in rest),
+                "bytes": sum(a.size_bytes for a in rest),
                 "sha256": "",
             }
         )

@@ -104,7 +104,9 @@ def collect_branch(
     if artifact is None:
         return result
     try:
-        result.metrics, problem = read_metrics(artifact.bytes, lambda: store.read(artifact.path))
+        result.metrics, problem = read_metrics(
+            artifact.size_bytes, lambda: store.read(artifact.path)
+        )
     except SandboxError as exc:
         problem = str(exc)
     if problem:
