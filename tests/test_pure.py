@@ -1038,3 +1038,12 @@ def test_a_stored_files_size_is_size_bytes_and_its_old_name_bytes_still_works() 
     assert StoredArtifact.model_validate_json(new.model_dump_json()) == new
     with pytest.warns(DeprecationWarning, match=r"StoredArtifact\.bytes is deprecated.*size_bytes"):
         assert new.bytes == 12
+
+
+def test_a_stores_folder_is_output_dir_and_its_old_name_location_warns(tmp_path: Path) -> None:
+    from prefect_sandbox.tasks.storage import LocalFolderStore
+
+    store = LocalFolderStore(tmp_path / "run")
+    assert store.output_dir == str((tmp_path / "run").resolve())
+    with pytest.warns(DeprecationWarning, match=r"ArtifactStore\.location is deprecated"):
+        assert store.location == store.output_dir

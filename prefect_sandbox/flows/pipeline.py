@@ -175,7 +175,7 @@ async def _run_pipeline(
     with shielded():
         await run.post_summary(result, "pipeline-summary", "Pipeline summary")
     if run.cancelled:
-        where = run.store.location
+        where = run.store.output_dir
         message = f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
@@ -190,7 +190,7 @@ async def _run_pipeline(
             else stopped.failed_cell_index
             if stopped
             else None,
-            output_dir=run.store.location,
+            output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
             result=result,
         ) from run.failure

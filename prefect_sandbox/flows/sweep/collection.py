@@ -92,7 +92,7 @@ def collect_branch(
         return result
     result.flow_run_id, result.flow_run_name = str(branch.flow_run_id), branch.name
     store = resolve_storage(storage, RUN_NOTEBOOK, branch.name, str(branch.flow_run_id))
-    result.output_dir = store.location
+    result.output_dir = store.output_dir
     try:
         summary = PipelineResult.model_validate_json(store.read(SUMMARY_NAME))
     except (SandboxError, ValueError):

@@ -137,7 +137,7 @@ def _branch_storage(storage: S3Bucket | str, store: ArtifactStore, mode: Mode) -
     """
     if mode != "deployment":
         return store.nested_storage()
-    return storage if isinstance(storage, S3Bucket) else store.location
+    return storage if isinstance(storage, S3Bucket) else store.output_dir
 
 
 def _launcher(plan: _Plan, options: BranchOptions, sweep_id: UUID) -> BranchLauncher:
@@ -168,7 +168,7 @@ async def _store(result: SweepResult, store: ArtifactStore) -> None:
         key="sweep-summary",
         table=sweep_table(result),
         description=f"Sweep of {len(result.branches)} parameter set(s); {SWEEP_NAME} in "
-        f"{table_cell(store.location)}",
+        f"{table_cell(store.output_dir)}",
     )
 
 
@@ -313,11 +313,11 @@ async def asweep_notebook(
         status="cancelled" if cancelled else "failed" if failed else "completed",
         mode=plan.mode,
         notebook=notebook,
-        output_dir=store.location,
+        output_dir=store.output_dir,
         metrics_artifact=metrics_artifact or None,
         duration_s=round(time.monotonic() - start, 6),
         branches=results,
-        error=failure_message(failed, len(results), store.location) if failed else None,
+        error=failure_message(failed, len(results), store.output_dir) if failed else None,
     )
     await _store(result, store)
     return _outcome(result, failed)
