@@ -23,7 +23,7 @@ local backend's guard process (one small ``python -I -S`` per sandbox) is only i
 counts shared pages (libraries) in every process, so N sandboxes need less than N times one
 sandbox's RSS.
 
-    python bench/bench_sweep.py [--quick] [--sizes 1,4,16] [--repeats 2] [--max-sandboxes N]
+    python bench/bench_sweep.py [--quick] [--sizes 1,4,16] [--repeats 2] [--max-live-sandboxes N]
                                 [--papermill-only]
 
 Prints a markdown table and writes it with every sample to ``bench/results/sweep.json``.
@@ -234,10 +234,10 @@ async def run_papermill(params: list[dict[str, Any]], work: Path) -> None:
 
 
 async def run_sweep(
-    params: list[dict[str, Any]], work: Path, max_sandboxes: int | None = None
+    params: list[dict[str, Any]], work: Path, max_live_sandboxes: int | None = None
 ) -> None:
     """The sweep flow over the same parameter sets (branches as subflows, all started at once;
-    with ``max_sandboxes``, at most that many sandboxes alive, the others waiting for a slot).
+    with ``max_live_sandboxes``, at most that many sandboxes alive, the others waiting for a slot).
 
     Raises:
         SweepFailedError: a branch did not complete.
@@ -250,20 +250,20 @@ async def run_sweep(
         inputs=[str(CO2 / "co2.csv")],
         artifacts=["figures/*.png", "forecast.csv", "metrics.json"],
         storage=str(work),
-        max_sandboxes=max_sandboxes,
+        max_live_sandboxes=max_live_sandboxes,
     )
     assert [branch.status for branch in result.branches] == ["completed"] * len(params)
 
 
 async def timed(
-    side: str, size: int, work: Path, max_sandboxes: int | None
+    side: str, size: int, work: Path, max_live_sandboxes: int | None
 ) -> tuple[float, dict[str, Any]]:
     """Wall seconds of one side over ``size`` branches, and what the memory sampler saw."""
     folder = Path(tempfile.mkdtemp(prefix=f"{side}-{size}-", dir=work))
     with MemorySampler() as peaks:
         start = time.perf_counter()
         if side == "sweep":
-            await run_sweep(grid(size), folder, max_sandboxes)
+            await run_sweep(grid(size), folder, max_live_sandboxes)
         else:
             await run_papermill(grid(size), folder)
         elapsed = time.perf_counter() - start
@@ -272,18 +272,18 @@ async def timed(
 
 
 async def run_all(
-    sizes: list[int], sides: list[str], repeats: int, work: Path, max_sandboxes: int | None
+    sizes: list[int], sides: list[str], repeats: int, work: Path, max_live_sandboxes: int | None
 ) -> dict[str, Any]:
     """A warm-up of each side, then ``repeats`` rounds of each size on each side, alternating
     which side goes first."""
     raw: dict[str, Any] = {"warmup_s": {}, "runs": []}
     for side in sides:
-        raw["warmup_s"][side], _ = await timed(side, 1, work, max_sandboxes)
+        raw["warmup_s"][side], _ = await timed(side, 1, work, max_live_sandboxes)
     for repeat in range(repeats):
         for index, size in enumerate(sizes):
             order = sides if (index + repeat) % 2 == 0 else sides[::-1]
             for side in order:
-                elapsed, memory = await timed(side, size, work, max_sandboxes)
+                elapsed, memory = await timed(side, size, work, max_live_sandboxes)
                 raw["runs"].append(
                     {
                         "side": side,
@@ -369,9 +369,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every size (default 2)")
     parser.add_argument("--sizes", default="1,4,16", help="branch counts (default 1,4,16)")
     parser.add_argument(
-        "--max-sandboxes",
+        "--max-live-sandboxes",
         type=int,
-        help="the sweep's max_sandboxes (a cap on its sandboxes alive at once; default none)",
+        help="the sweep's max_live_sandboxes (a cap on its sandboxes alive at once; default none)",
     )
     parser.add_argument(
         "--papermill-only", action="store_true", help="the papermill side alone (no sweep flow)"
@@ -393,7 +393,7 @@ def main() -> int:
         with private_tmpdir("bench-sweep-tmp-") as private_tmp:
             work = Path(tempfile.mkdtemp(prefix="work-"))
             try:
-                raw = asyncio.run(run_all(sizes, sides, repeats, work, args.max_sandboxes))
+                raw = asyncio.run(run_all(sizes, sides, repeats, work, args.max_live_sandboxes))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             raw["leftovers"] = leftovers(private_tmp, connection_files_before)
@@ -405,7 +405,7 @@ def main() -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "sizes": sizes,
         "repeats": repeats,
-        "max_sandboxes": args.max_sandboxes,
+        "max_live_sandboxes": args.max_live_sandboxes,
         "sides": sides,
         "git": git_state(),
         "cpus": os.cpu_count(),
@@ -425,7 +425,8 @@ def main() -> int:
     over = [
         run
         for run in raw["runs"]
-        if run["side"] == "sweep" and run["memory"]["max_live"] > (args.max_sandboxes or 1 << 30)
+        if run["side"] == "sweep"
+        and run["memory"]["max_live"] > (args.max_live_sandboxes or 1 << 30)
     ]
     if over:
         print(f"CAP EXCEEDED: {over}", file=sys.stderr)

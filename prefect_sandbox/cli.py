@@ -35,13 +35,14 @@ takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2
 ``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
 `DockerBackend` block's default settings (no network, read-only root, limits).
 
-``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-sandboxes N]
+``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-live-sandboxes N]
 [--deployment NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the
 ``sweep-notebook`` flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of
 the grid (a list of parameter sets, or a mapping of name to a list of values: their cartesian
 product), each in its own sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds
-``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-sandboxes`` caps the
-backend's sandboxes alive at once (subflows only); ``--deployment NAME`` runs the branches as
+``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-live-sandboxes`` caps the
+sweep's sandboxes alive at once (not with ``--deployment``; the old spelling
+``--max-sandboxes`` still works); ``--deployment NAME`` runs the branches as
 runs of that ``run-notebook`` deployment on its workers (then the notebook and inputs are paths
 on the workers, ``--out`` must be reachable by them, and a backend must be a saved block). Exit
 status as ``run``: 1 when a branch did not complete (the last stderr line names each, and where
@@ -96,7 +97,7 @@ _EXAMPLES = """examples:
   prefect-sandbox run analysis.ipynb -f params.yaml -p alpha=0.6 --artifact 'figures/*.png'
   prefect-sandbox run analysis.ipynb --help-notebook
   prefect-sandbox run analysis.ipynb --backend e2b --out s3://bucket/runs
-  prefect-sandbox sweep analysis.ipynb --grid grid.yaml --max-sandboxes 4
+  prefect-sandbox sweep analysis.ipynb --grid grid.yaml --max-live-sandboxes 4
 """
 
 
@@ -141,11 +142,18 @@ def _parser() -> argparse.ArgumentParser:
         "of values (their cartesian product)",
     )
     sweep.add_argument(
-        "--max-sandboxes",
+        "--max-live-sandboxes",
         type=int,
         default=None,
         metavar="N",
-        help="sandboxes of the backend alive at once at most (default: the backend's cap)",
+        help="the sweep's sandboxes alive at once at most (default: the backend's cap)",
+    )
+    sweep.add_argument(
+        "--max-sandboxes",
+        type=int,
+        dest="max_live_sandboxes",
+        action=_RenamedFlag,
+        help=argparse.SUPPRESS,
     )
     sweep.add_argument(
         "--deployment",
@@ -170,6 +178,22 @@ def _parser() -> argparse.ArgumentParser:
         "(default: metrics.json; '' for none)",
     )
     return parser
+
+
+class _RenamedFlag(argparse.Action):
+    """A flag's old spelling, hidden from ``--help``: it stores into the new flag's ``dest`` and
+    says on stderr which flag to use instead (the first of the new flag's spellings)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        print(f"prefect-sandbox: {option_string} is deprecated; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _add_run_command(
@@ -199,7 +223,8 @@ def _add_run_command(
         "--json",
         action="store_true",
         help="print one JSON object on stdout, and nothing else there: the run's summary.json "
-        "(status, output_dir, stages, artifacts with sha256 and bytes, parameters, metrics) "
+        "(status, output_dir, stages, artifacts with size_bytes and sha256, parameters, "
+        "metrics) "
         "and exit_status",
     )
     command.add_argument(
@@ -386,7 +411,7 @@ def _call_flow(
             storage=storage,
             cell_timeout_s=args.cell_timeout,
             backend=backend,
-            max_sandboxes=args.max_sandboxes,
+            max_live_sandboxes=args.max_live_sandboxes,
             deployment=args.deployment,
             metrics_artifact=args.metrics_artifact or None,
             task_runner=args.task_runner,
@@ -664,7 +689,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
     if args.command == "run":
         return RunOptions.model_validate(values, context=CLI)
     values.update(
-        max_sandboxes=args.max_sandboxes,
+        max_live_sandboxes=args.max_live_sandboxes,
         deployment=args.deployment,
         task_runner=args.task_runner,
         metrics_artifact=args.metrics_artifact,

@@ -64,7 +64,7 @@ CLI_FLAGS: Mapping[str, str] = {
     "backend_block": "--backend-block",
     "docker_image": "--docker-image",
     "aws_credentials": "--aws-credentials",
-    "max_sandboxes": "--max-sandboxes",
+    "max_live_sandboxes": "--max-live-sandboxes",
     "deployment": "--deployment",
     "task_runner": "--task-runner",
     "metrics_artifact": "--metrics-artifact",
@@ -259,8 +259,9 @@ class SweepOptions(RunOptions):
         ValidationError: as `RunOptions`, or a rule on the fields below is broken.
     """
 
-    max_sandboxes: int | None = None
-    """Sandboxes of the backend alive at once at most, over the branches (subflows only)."""
+    max_live_sandboxes: int | None = None
+    """The sweep's sandboxes alive at once at most (subflow and Dask modes; a backend block's
+    ``max_live_sandboxes`` caps them across runs)."""
     deployment: str | None = None
     """A ``run-notebook`` deployment whose runs are the branches; None for subflows."""
     task_runner: str | None = None
@@ -268,11 +269,11 @@ class SweepOptions(RunOptions):
     metrics_artifact: str | None = "metrics.json"
     """The JSON file each branch's metrics are read from; None or ``""`` for none."""
 
-    @field_validator("max_sandboxes")
+    @field_validator("max_live_sandboxes")
     @classmethod
     def _cap(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:
-            raise ValueError(f"{_name(info, 'max_sandboxes')} must be 1 or more; got {value}")
+            raise ValueError(f"{_name(info, 'max_live_sandboxes')} must be 1 or more; got {value}")
         return value
 
     @field_validator("task_runner")
@@ -303,9 +304,9 @@ class SweepOptions(RunOptions):
     @model_validator(mode="after")
     def _sweep_rules(self, info: ValidationInfo) -> Self:
         deployment = _name(info, "deployment")
-        if self.deployment is not None and self.max_sandboxes is not None:
+        if self.deployment is not None and self.max_live_sandboxes is not None:
             raise ValueError(
-                f"{_name(info, 'max_sandboxes')} is not sent to a deployment's runs (their "
+                f"{_name(info, 'max_live_sandboxes')} is not sent to a deployment's runs (their "
                 "backend is a saved block): set max_live_sandboxes on that block"
             )
         if self.deployment is not None and self.task_runner is not None:

@@ -5,8 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
+from prefect_sandbox.deprecation import renamed_attribute
 from prefect_sandbox.sandbox.base import CellError, CellResult
 
 __all__ = [
@@ -52,19 +59,32 @@ class StageResult(BaseModel):
 
 
 class StoredArtifact(BaseModel):
-    """A file stored by a flow.
+    """A file stored by a flow (an artifact: a file a run stores, not a Prefect artifact).
 
     Attributes:
         path: POSIX path relative to the sandbox's working directory (or the notebook's name).
-        bytes: its size in bytes.
+        size_bytes: its size in bytes. Read also from ``bytes``, its old name (an older
+            ``summary.json``); its JSON keeps ``bytes`` beside it for one release, and the
+            attribute ``bytes`` reads it with a `DeprecationWarning`.
         sha256: hex SHA-256 of its content.
-        location: where it was stored (a local path, or later an ``s3://`` URI).
+        location: where it was stored (a local path, or an ``s3://`` URI).
     """
 
     path: str
-    bytes: int
+    size_bytes: int = Field(validation_alias=AliasChoices("size_bytes", "bytes"))
     sha256: str
     location: str
+
+    bytes = renamed_attribute("StoredArtifact.bytes", "size_bytes")
+
+    @model_serializer(mode="wrap")
+    def _with_old_key(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Also write ``size_bytes`` as ``bytes``, its old key, for readers of ``summary.json``
+        written before the rename (one release)."""
+        data = handler(self)
+        if isinstance(data, dict) and "size_bytes" in data:
+            data["bytes"] = data["size_bytes"]
+        return data
 
 
 class StageSummary(BaseModel):

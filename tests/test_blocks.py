@@ -67,3 +67,34 @@ def test_prefect_finds_the_blocks_when_it_loads_the_collection() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert done.stdout.strip() == "LocalKernelBackend"
+
+
+async def _resave_with_old_field(block: Block, name: str, new: str, old: str) -> None:
+    """Save ``block`` as ``name``, then rewrite its block document through Prefect's API as an
+    earlier release saved it: field ``new`` stored under its old name ``old``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import BlockDocumentUpdate
+
+    document_id = await block.save(name, overwrite=True)
+    async with get_client() as client:
+        document = await client.read_block_document(document_id, include_secrets=True)
+        data = dict(document.data)
+        data[old] = data.pop(new)
+        await client.update_block_document(
+            document_id, BlockDocumentUpdate(data=data, merge_existing_data=False)
+        )
+        stored = (await client.read_block_document(document_id)).data
+    assert old in stored and new not in stored
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_saved_e2b_block_with_the_old_field_file_retries_still_loads() -> None:
+    credentials = E2BCredentials(api_key="e2b_key")
+    await credentials.save("old-names-e2b-credentials", overwrite=True)
+    block = E2BBackend(credentials=credentials, request_retries=7)
+    await _resave_with_old_field(block, "old-names-e2b", "request_retries", "file_retries")
+    loaded = await E2BBackend.load("old-names-e2b")
+    assert loaded.request_retries == 7
+    assert loaded._config().request_retries == 7
+    assert loaded.credentials.api_key.get_secret_value() == "e2b_key"
+    assert E2BBackend(credentials=credentials, file_retries=2).request_retries == 2

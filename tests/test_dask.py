@@ -355,7 +355,7 @@ async def _check_branches_ran_as_the_sweeps_tasks(result: Any) -> None:
             assert parent.flow_run_id == sweep_id
 
 
-async def test_a_sweep_on_a_local_dask_cluster_keeps_max_sandboxes_alive_at_most(
+async def test_a_sweep_on_a_local_dask_cluster_keeps_max_live_sandboxes_alive_at_most(
     tmp_path: Path,
 ) -> None:
     """The short form of the twelve-branch CO2 sweep below (in ``slow``): each branch's cell
@@ -379,7 +379,7 @@ async def test_a_sweep_on_a_local_dask_cluster_keeps_max_sandboxes_alive_at_most
         grid=grid,
         backend=LocalKernelBackend(isolation="none"),
         storage=str(tmp_path / "out"),
-        max_sandboxes=2,
+        max_live_sandboxes=2,
         task_runner="dask",
     )
     assert result.mode == "dask"
@@ -407,7 +407,7 @@ async def test_a_sweep_of_twelve_on_a_local_dask_cluster_keeps_three_sandboxes_a
         inputs=[str(CO2 / "co2.csv")],
         backend=LocalKernelBackend(),
         storage=str(tmp_path),
-        max_sandboxes=3,
+        max_live_sandboxes=3,
         task_runner="dask",
     )
     assert result.mode == "dask"

@@ -176,7 +176,7 @@ async def test_bugs_are_let_through_the_error_mapper_unchanged() -> None:
         raise KeyError("boom")
 
     with pytest.raises(KeyError):
-        await _call("get", "sb-1", DaytonaSandboxConfig(request_attempts=3), buggy, True)
+        await _call("get", "sb-1", DaytonaSandboxConfig(request_retries=2), buggy, True)
     assert calls == 1
 
 

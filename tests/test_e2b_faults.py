@@ -61,7 +61,7 @@ async def test_file_call_that_stays_rate_limited_gives_up_with_429(
     e2b_emulator: E2BEmulator, box: E2BSandbox, tmp_path: Path
 ) -> None:
     await box.run_cell("open('out.txt', 'w').write('x')")
-    fast = E2BSandbox(box._sdk, E2BConfig(file_retries=2, retry_backoff_s=0.05), box.handle)
+    fast = E2BSandbox(box._sdk, E2BConfig(request_retries=2, retry_backoff_s=0.05), box.handle)
     start = time.monotonic()
     e2b_emulator.inject(Fault("download", status=429, retry_after_s=1, times=None))
     with pytest.raises(SandboxUnavailableError) as info:
@@ -75,7 +75,9 @@ async def test_slow_file_listing_times_out_as_unavailable(
     e2b_emulator: E2BEmulator, box: E2BSandbox
 ) -> None:
     credentials = _credentials(e2b_emulator, request_timeout_s=0.5)
-    config = E2BConfig(client_factory=credentials.get_client, file_retries=1, retry_backoff_s=0.05)
+    config = E2BConfig(
+        client_factory=credentials.get_client, request_retries=1, retry_backoff_s=0.05
+    )
     impatient = await E2BSandbox.attach(box.handle, config)
     e2b_emulator.inject(Fault("list_files", delay_s=2.0, times=2))
     start = time.monotonic()

@@ -147,7 +147,7 @@ async def test_idempotent_file_calls_are_retried_and_then_fail_with_status_and_o
     assert (tmp_path / "back.csv").read_bytes() == source.read_bytes()
     vendor.emulator.inject(Fault("download", status=503, times=2))
     assert await box.download("data.csv", tmp_path / "again.csv") == source.stat().st_size
-    # Four tries in all on both backends (E2B's file_retries=3, Daytona's request_attempts=4).
+    # Four tries in all on both backends (request_retries=3 on E2B and on Daytona).
     vendor.emulator.inject(Fault("download", status=503, times=4))
     with pytest.raises(SandboxUnavailableError) as info:
         await box.download("data.csv", tmp_path / "never.csv")

@@ -145,7 +145,7 @@ async def test_failing_stage_stores_partial_notebook_and_artifacts(tmp_path: Pat
     stored = {a["path"]: a for a in summary["artifacts"]}
     assert set(stored) == {"early.txt", "executed.ipynb"}
     assert stored["early.txt"]["sha256"] == hashlib.sha256(b"made before").hexdigest()
-    assert stored["early.txt"]["bytes"] == len(b"made before")
+    assert stored["early.txt"]["size_bytes"] == len(b"made before")
     assert {p.pid for p in kernel_processes()} == before
 
 
@@ -229,7 +229,7 @@ async def test_summary_shows_local_figures_inline_within_a_budget(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from prefect_sandbox.flows import pipeline
+    from prefect_sandbox.flows import pipeline_run
 
     draw = (
         "import os, matplotlib.pyplot as plt; os.makedirs('figures'); plt.plot([1, 2]); "
@@ -239,9 +239,9 @@ async def test_summary_shows_local_figures_inline_within_a_budget(
     first = await amodeling_pipeline(
         stages={"draw": [draw]}, artifacts=["figures/*.png"], storage=str(tmp_path / "probe")
     )
-    png_bytes = next(a.bytes for a in first.artifacts if a.path == "figures/a.png")
+    png_bytes = next(a.size_bytes for a in first.artifacts if a.path == "figures/a.png")
     # Room for one of the two PNGs only.
-    monkeypatch.setattr(pipeline, "INLINE_FIGURES_BYTES", png_bytes)
+    monkeypatch.setattr(pipeline_run, "INLINE_FIGURES_BYTES", png_bytes)
     result = await amodeling_pipeline(
         stages={"draw": [draw]}, artifacts=["figures/*.png"], storage=str(tmp_path / "out")
     )
@@ -287,7 +287,7 @@ async def test_h22_odd_names_round_trip_and_escapes_are_refused(tmp_path: Path) 
     assert set(stored) == {*names, "résumé plot.png", "executed.ipynb"}
     for name in names:
         assert stored[name].sha256 == hashlib.sha256((inputs / name).read_bytes()).hexdigest()
-    assert stored["résumé plot.png"].bytes == 108
+    assert stored["résumé plot.png"].size_bytes == 108
     listing = _cells(Path(result.output_dir) / "executed.ipynb")[1].outputs[0]["text"]
     assert all(repr(name) in listing for name in [*names, "résumé plot.png", "link.txt"])
     out_files = {
@@ -516,7 +516,7 @@ def test_main_job_co2_forecast_through_the_cli(tmp_path: Path) -> None:
     for artifact in summary["artifacts"]:
         data = (run_dir / artifact["path"]).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (
-            artifact["bytes"],
+            artifact["size_bytes"],
             artifact["sha256"],
         )
     assert {p.pid for p in kernel_processes()} == before
@@ -854,7 +854,7 @@ async def test_c05_an_artifact_named_like_the_runs_own_files_is_kept_under_anoth
     for artifact in summary["artifacts"]:
         data = (run_dir / artifact["path"]).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (
-            artifact["bytes"],
+            artifact["size_bytes"],
             artifact["sha256"],
         )
     warnings = [log.message for log in await flow_run_logs(result.flow_run_id) if log.level == 30]

@@ -183,7 +183,7 @@ async def test_a_sweeps_cap_is_a_limit_of_its_own_deleted_when_it_ends(
         grid={"x": [1, 2, 3]},
         backend=LocalKernelBackend(),
         storage=str(tmp_path / "out"),
-        max_sandboxes=1,
+        max_live_sandboxes=1,
     )
     assert result.status == "completed"
     summaries = [

@@ -117,12 +117,15 @@ def test_paths_on_this_machine_are_checked_for_the_cli_only(tmp_path: Path, note
 
 
 def test_a_sweep_cap_is_one_or_more_and_not_sent_to_a_deployment() -> None:
-    assert _problem(SweepOptions, max_sandboxes=0) == "max_sandboxes must be 1 or more; got 0"
-    assert _problem(SweepOptions, CLI, max_sandboxes=0) == (
-        "--max-sandboxes must be 1 or more; got 0"
+    assert (
+        _problem(SweepOptions, max_live_sandboxes=0)
+        == "max_live_sandboxes must be 1 or more; got 0"
     )
-    assert _problem(SweepOptions, CLI, max_sandboxes=2, deployment="d").startswith(
-        "--max-sandboxes is not sent to a deployment's runs"
+    assert _problem(SweepOptions, CLI, max_live_sandboxes=0) == (
+        "--max-live-sandboxes must be 1 or more; got 0"
+    )
+    assert _problem(SweepOptions, CLI, max_live_sandboxes=2, deployment="d").startswith(
+        "--max-live-sandboxes is not sent to a deployment's runs"
     )
 
 
@@ -163,11 +166,13 @@ def test_a_metrics_file_stays_in_the_working_directory() -> None:
 
 def test_several_problems_are_one_line_and_wrong_types_name_the_option() -> None:
     with pytest.raises(ValueError) as caught:
-        check_options(SweepOptions, max_sandboxes=0, cell_timeout_s=0)
+        check_options(SweepOptions, max_live_sandboxes=0, cell_timeout_s=0)
     assert caught.type is ValueError
     assert str(caught.value) == (
         "cell_timeout_s must be a positive number of seconds, or -1 for no timeout; got 0; "
-        "max_sandboxes must be 1 or more; got 0"
+        "max_live_sandboxes must be 1 or more; got 0"
     )
-    assert _problem(SweepOptions, CLI, max_sandboxes="many").startswith("--max-sandboxes: ")
+    assert _problem(SweepOptions, CLI, max_live_sandboxes="many").startswith(
+        "--max-live-sandboxes: "
+    )
     assert "\n" not in _problem(RunOptions, unknown=1)

@@ -121,7 +121,10 @@ async def test_inputs_from_s3_and_odd_artifacts_round_trip(
     assert not [key for key in keys if ".." in key.split("/")]
     for artifact in result.artifacts:
         data = _fresh_download(moto, bucket.bucket_name, f"{prefix}/{artifact.path}")
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (artifact.bytes, artifact.sha256)
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (
+            artifact.size_bytes,
+            artifact.sha256,
+        )
     assert (
         _fresh_download(moto, bucket.bucket_name, f"{prefix}/out dir/年 report.txt")
         == b"a,b\n1,2\n"
@@ -208,7 +211,7 @@ def test_main_job_stores_everything_in_s3_from_the_cli(
     for path, artifact in stored.items():
         data = _fresh_download(moto, bucket.bucket_name, f"{prefix}/{path}")
         assert (len(data), hashlib.sha256(data).hexdigest()) == (
-            artifact["bytes"],
+            artifact["size_bytes"],
             artifact["sha256"],
         )
     metrics = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/metrics.json"))
@@ -302,7 +305,7 @@ async def test_one_gibibyte_artifact_round_trips_in_bounded_memory(
     print(f"peak RSS growth during the 1 GiB pipeline: {growth_mib:.1f} MiB")
     assert growth_mib < 64
     (big,) = [a for a in result.artifacts if a.path == "big.bin"]
-    assert big.bytes == 2**30
+    assert big.size_bytes == 2**30
     prefix = result.output_dir.removeprefix(f"s3://{bucket.bucket_name}/")
     body = moto.client().get_object(Bucket=bucket.bucket_name, Key=f"{prefix}/big.bin")["Body"]
     digest = hashlib.sha256()

@@ -298,9 +298,30 @@ async def test_a_bad_grid_or_notebook_is_refused_before_any_branch(tmp_path: Pat
         await asweep_notebook(
             notebook=str(source), grid=[{"class": 1}], storage=str(tmp_path / "out")
         )
-    with pytest.raises(ValueError, match="max_sandboxes must be 1 or more; got 0"):
+    with pytest.raises(ValueError, match="max_live_sandboxes must be 1 or more; got 0"):
         await asweep_notebook(
-            notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=str(tmp_path / "out")
+            notebook=str(source),
+            grid=[{"x": 1}],
+            max_live_sandboxes=0,
+            storage=str(tmp_path / "out"),
+        )
+    assert not (tmp_path / "out").exists()
+
+
+async def test_the_old_name_max_sandboxes_still_caps_a_sweep_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    source = _notebook(tmp_path / "nb.ipynb", "pass")
+    out = str(tmp_path / "out")
+    # The old name's value reaches the same check as the new name's.
+    with (
+        pytest.warns(DeprecationWarning, match="max_sandboxes is deprecated.*max_live_sandboxes"),
+        pytest.raises(ValueError, match="max_live_sandboxes must be 1 or more; got 0"),
+    ):
+        await asweep_notebook(notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=out)
+    with pytest.raises(ValueError, match="give max_live_sandboxes only"):
+        await asweep_notebook(
+            notebook=str(source), grid=[{}], max_sandboxes=1, max_live_sandboxes=1, storage=out
         )
     assert not (tmp_path / "out").exists()
 
@@ -464,7 +485,7 @@ async def test_twelve_co2_branches_on_e2b_with_a_cap_of_three(
         artifacts=["metrics.json", "forecast.csv"],
         backend=backend,
         storage=str(tmp_path / "out"),
-        max_sandboxes=3,
+        max_live_sandboxes=3,
     )
     assert result.status == "completed", result.error
     (sweep_dir,) = (tmp_path / "out").iterdir()
@@ -503,9 +524,9 @@ async def test_deployment_mode_refuses_what_it_cannot_send_before_any_branch(
         await asweep_notebook(notebook=source, grid=[{}], deployment="other/x", storage=out)
     with pytest.raises(ValueError, match="no deployment 'run-notebook/nowhere' is known to the"):
         await asweep_notebook(notebook=source, grid=[{}], deployment="nowhere", storage=out)
-    with pytest.raises(ValueError, match="max_sandboxes is not sent to a deployment's runs"):
+    with pytest.raises(ValueError, match="max_live_sandboxes is not sent to a deployment's runs"):
         await asweep_notebook(
-            notebook=source, grid=[{}], deployment="x", max_sandboxes=2, storage=out
+            notebook=source, grid=[{}], deployment="x", max_live_sandboxes=2, storage=out
         )
     await _run_notebook_deployment("sweep-test")
     with pytest.raises(ValueError, match="backend must be a saved block to be sent to a deploym"):

@@ -6,7 +6,7 @@ import os
 from typing import Any, Self
 
 from prefect.blocks.abstract import CredentialsBlock
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.e2b import (
@@ -162,11 +162,15 @@ class E2BBackend(SandboxBackend):
         title="Working directory",
         description="Absolute path inside the sandbox where cells run and files go.",
     )
-    file_retries: int = Field(
+    request_retries: int = Field(
         default=3,
         ge=0,
-        title="File call retries",
-        description="Retries of a file transfer or listing that met a transient error.",
+        title="Request retries",
+        description=(
+            "Retries of an idempotent request (a file transfer or listing) that met a transient "
+            "error, after the first try."
+        ),
+        validation_alias=AliasChoices("request_retries", "file_retries"),
     )
     interrupt_settle_s: float = Field(
         default=DEFAULT_INTERRUPT_SETTLE_S,
@@ -185,10 +189,10 @@ class E2BBackend(SandboxBackend):
             client_factory=self.credentials.get_client,
             template=self.template,
             lifetime_s=self.lifetime_s,
-            envs=self.env,
+            env=self.env,
             metadata=self.metadata,
             allow_internet_access=self.allow_internet_access,
             workdir=self.workdir,
-            file_retries=self.file_retries,
+            request_retries=self.request_retries,
             interrupt_settle_s=self.interrupt_settle_s,
         )

@@ -9,7 +9,7 @@ where its size differs from the block's value (another block, or a user, set it)
 stands as it is and the run logs a warning naming both sizes and how to change the limit
 (``prefect gcl update NAME --limit N``). With no cap no limit is read or taken.
 
-A sweep's ``max_sandboxes`` is a limit of its own, ``prefect-sandbox:sweep:<flow run id>``
+A sweep's ``max_live_sandboxes`` is a limit of its own, ``prefect-sandbox:sweep:<flow run id>``
 (`sweep_limit`), made for the sweep's branches and deleted when they have ended; each branch
 holds a slot of it as well as its backend's (`also_holding` passes it to the branches' runs).
 A sweep killed outright leaves its limit behind; the reaper removes it once the sweep's flow
@@ -132,7 +132,7 @@ async def sweep_limit(sweep_id: UUID, size: int | None) -> AsyncIterator[LiveLim
     if size is None:
         yield None
         return
-    limit = LiveLimit(sweep_limit_name(sweep_id), size, "the sweep's max_sandboxes")
+    limit = LiveLimit(sweep_limit_name(sweep_id), size, "the sweep's max_live_sandboxes")
     async with get_client() as client:
         await client.create_global_concurrency_limit(
             GlobalConcurrencyLimitCreate(name=limit.name, limit=size)

@@ -17,7 +17,7 @@ the flow run's ``timeout_seconds`` passes (Prefect's cancel scope then cancels e
 until the flow returns), the same clean-up runs shielded from it, ``summary.json`` says
 ``"failed"`` and the flow run ends TimedOut. A flow retry runs the whole pipeline again in a
 fresh sandbox, after emptying the run's folder of what the earlier attempt stored. A backend
-block with ``max_live_sandboxes`` (and a sweep's ``max_sandboxes``, in its branches) makes the
+block with ``max_live_sandboxes`` (and a sweep's ``max_live_sandboxes``, in its branches) makes the
 run hold a slot of its live-sandbox limit from before the sandbox is made until after it is
 killed (`prefect_sandbox.flows.limits`);
 ``summary.json`` records when the sandbox was asked for and when its kill returned.
@@ -175,7 +175,7 @@ async def _run_pipeline(
     with shielded():
         await run.post_summary(result, "pipeline-summary", "Pipeline summary")
     if run.cancelled:
-        where = run.store.location
+        where = run.store.output_dir
         message = f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
@@ -190,7 +190,7 @@ async def _run_pipeline(
             else stopped.failed_cell_index
             if stopped
             else None,
-            output_dir=run.store.location,
+            output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
             result=result,
         ) from run.failure

@@ -423,7 +423,7 @@ class PipelineRun:
         if storage_failures and self.failure is None:
             self.failure = FileTransferError(
                 f"{len(storage_failures)} artifact(s) could not be stored in "
-                f"{self.store.location}: {'; '.join(storage_failures)}"
+                f"{self.store.output_dir}: {'; '.join(storage_failures)}"
             )
 
     async def store_summary(
@@ -458,7 +458,7 @@ class PipelineRun:
             else "completed",
             stages=_summaries(self.stages, self.stage_results),
             artifacts=self.stored,
-            output_dir=self.store.location,
+            output_dir=self.store.output_dir,
             duration_s=round(duration_s, 6),
             error=error,
             sandbox_id=self.sandbox_id,
@@ -477,7 +477,7 @@ class PipelineRun:
         stored = next((a for a in self.stored if a.path == METRICS_NAME), None)
         if stored is None:
             return {}
-        metrics, problem = read_metrics(stored.bytes, (outputs / METRICS_NAME).read_bytes)
+        metrics, problem = read_metrics(stored.size_bytes, (outputs / METRICS_NAME).read_bytes)
         if problem:
             get_run_logger().warning("No metrics from %r: %s", METRICS_NAME, problem)
         return metrics
@@ -488,7 +488,7 @@ class PipelineRun:
             key=key, markdown=summary_markdown(result, self.figures), description=description
         )
         get_run_logger().info(
-            "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.location
+            "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.output_dir
         )
 
 
@@ -533,7 +533,7 @@ async def new_run(
             "each attempt runs in a fresh sandbox and stores afresh",
             flow_run.run_count,
             removed,
-            store.location,
+            store.output_dir,
         )
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
@@ -570,10 +570,10 @@ def _figure_urls(
         if not artifact.path.lower().endswith(".png"):
             continue
         url = store.view_url(artifact)
-        if url is None and artifact.bytes <= budget:
+        if url is None and artifact.size_bytes <= budget:
             data = resolve_inside(staged, artifact.path).read_bytes()
             if data.startswith(_PNG_SIGNATURE):
                 url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
-                budget -= artifact.bytes
+                budget -= artifact.size_bytes
         urls[artifact.path] = url
     return urls

@@ -169,9 +169,9 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
             lines += ["", _more(len(figures) - FIGURES_SHOWN, "figure(s)")]
     lines += ["", "## Stored files", "", "| path | bytes | sha256 |", "|---|---|---|"]
     shown = result.artifacts[:ROWS_SHOWN]
-    lines += [f"| {table_cell(a.path)} | {a.bytes} | `{a.sha256[:16]}…` |" for a in shown]
+    lines += [f"| {table_cell(a.path)} | {a.size_bytes} | `{a.sha256[:16]}…` |" for a in shown]
     if len(result.artifacts) > ROWS_SHOWN:
         rest = result.artifacts[ROWS_SHOWN:]
-        total = sum(a.bytes for a in rest)
+        total = sum(a.size_bytes for a in rest)
         lines += ["", _more(len(rest), f"file(s) ({total} bytes)")]
     return "\n".join(lines) + "\n"

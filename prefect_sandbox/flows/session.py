@@ -406,7 +406,7 @@ async def _open_session(
     if run.failure is not None:
         raise SessionFailedError(
             result.error or "the session's files were not all stored",
-            output_dir=run.store.location,
+            output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
         ) from run.failure
 

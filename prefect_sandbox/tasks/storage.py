@@ -29,6 +29,7 @@ from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox._compat import called_blocking, join_bucket_folder
+from prefect_sandbox.deprecation import renamed_attribute
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.s3uri import is_s3_uri, normalised_s3_key, parse_s3_uri
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
@@ -112,8 +113,11 @@ class ArtifactStore(ABC):
 
     @property
     @abstractmethod
-    def location(self) -> str:
-        """Where the run's files go: a folder path or an ``s3://`` URI."""
+    def output_dir(self) -> str:
+        """Where the run's files go: a folder path or an ``s3://`` URI (a result's
+        ``output_dir``)."""
+
+    location = renamed_attribute("ArtifactStore.location", "output_dir")
 
     @abstractmethod
     def view_url(self, artifact: StoredArtifact) -> str | None:
@@ -129,7 +133,7 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def clear(self) -> int:
-        """Remove every file stored under the run's location (an earlier attempt's, when the
+        """Remove every file stored under the run's ``output_dir`` (an earlier attempt's, when the
         flow run is retried: its folder is the same), so that ``summary.json`` lists exactly
         the files there.
 
@@ -137,7 +141,7 @@ class ArtifactStore(ABC):
             How many files were removed.
 
         Raises:
-            FileTransferError: a file could not be removed (names the location).
+            FileTransferError: a file could not be removed (names the folder).
         """
 
     @abstractmethod
@@ -146,10 +150,10 @@ class ArtifactStore(ABC):
 
         Args:
             source: the local file.
-            relative: its POSIX path relative to the run's location.
+            relative: its POSIX path relative to the run's ``output_dir``.
 
         Returns:
-            What was stored: path, bytes, sha256 (hex) and where.
+            What was stored: path, size_bytes, sha256 (hex) and location.
 
         Raises:
             UnsafePathError: ``relative`` climbs out with ``..`` or is absolute.
@@ -161,7 +165,7 @@ class ArtifactStore(ABC):
         """Read back one stored file.
 
         Args:
-            relative: its POSIX path relative to the run's location.
+            relative: its POSIX path relative to the run's ``output_dir``.
 
         Returns:
             Its content.
@@ -174,7 +178,7 @@ class ArtifactStore(ABC):
     @abstractmethod
     def nested_storage(self) -> S3Bucket | str:
         """The ``storage`` argument under which another flow run's folder lands inside this
-        run's location (a sweep's branches do so).
+        run's ``output_dir`` (a sweep's branches do so).
 
         Returns:
             This run's folder (local), or a copy of the `S3Bucket` block whose folder is this
@@ -189,7 +193,7 @@ class LocalFolderStore(ArtifactStore):
         self._folder = folder
 
     @property
-    def location(self) -> str:
+    def output_dir(self) -> str:
         return str(self._folder.resolve())
 
     def view_url(self, artifact: StoredArtifact) -> str | None:
@@ -218,7 +222,7 @@ class LocalFolderStore(ArtifactStore):
             return removed
         except OSError as exc:
             raise FileTransferError(
-                f"output folder {self.location!r} cannot be emptied: {exc}", path=self.location
+                f"output folder {self.output_dir!r} cannot be emptied: {exc}", path=self.output_dir
             ) from exc
         return removed
 
@@ -233,12 +237,12 @@ class LocalFolderStore(ArtifactStore):
                     writer.write(chunk)
         except OSError as exc:
             raise FileTransferError(
-                f"artifact {relative!r} could not be stored in {self.location}: {_one_line(exc)}",
+                f"artifact {relative!r} could not be stored in {self.output_dir}: {_one_line(exc)}",
                 path=relative,
             ) from exc
         return StoredArtifact(
             path=relative,
-            bytes=target.stat().st_size,
+            size_bytes=target.stat().st_size,
             sha256=digest.hexdigest(),
             location=str(target),
         )
@@ -249,12 +253,12 @@ class LocalFolderStore(ArtifactStore):
             return source.read_bytes()
         except OSError as exc:
             raise FileTransferError(
-                f"stored file {relative!r} cannot be read from {self.location}: {exc.strerror}",
+                f"stored file {relative!r} cannot be read from {self.output_dir}: {exc.strerror}",
                 path=relative,
             ) from exc
 
     def nested_storage(self) -> str:
-        return self.location
+        return self.output_dir
 
 
 class S3Store(ArtifactStore):
@@ -291,7 +295,7 @@ class S3Store(ArtifactStore):
         except (ClientError, BotoCoreError) as exc:
             raise FileTransferError(
                 f"bucket {self._bucket.bucket_name!r} cannot be reached: {exc}",
-                path=self.location,
+                path=self.output_dir,
             ) from exc
 
     def clear(self) -> int:
@@ -312,19 +316,19 @@ class S3Store(ArtifactStore):
                 if answer.get("Errors"):
                     first = answer["Errors"][0]
                     raise FileTransferError(
-                        f"{len(answer['Errors'])} object(s) under {self.location} could not be "
+                        f"{len(answer['Errors'])} object(s) under {self.output_dir} could not be "
                         f"removed, e.g. {first['Key']!r}: {first.get('Message', first['Code'])}",
-                        path=self.location,
+                        path=self.output_dir,
                     )
                 removed += len(keys)
         except (ClientError, BotoCoreError) as exc:
             raise FileTransferError(
-                f"objects under {self.location} could not be removed: {exc}", path=self.location
+                f"objects under {self.output_dir} could not be removed: {exc}", path=self.output_dir
             ) from exc
         return removed
 
     @property
-    def location(self) -> str:
+    def output_dir(self) -> str:
         key = join_bucket_folder(self._bucket, self._prefix)
         return f"s3://{self._bucket.bucket_name}/{key}"
 
@@ -340,12 +344,12 @@ class S3Store(ArtifactStore):
             self._verify(key, size, whole, parts, relative)
         except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
             raise FileTransferError(
-                f"artifact {relative!r} could not be stored in {self.location}: {exc}",
+                f"artifact {relative!r} could not be stored in {self.output_dir}: {exc}",
                 path=relative,
             ) from exc
         return StoredArtifact(
             path=relative,
-            bytes=size,
+            size_bytes=size,
             sha256=whole.hex(),
             location=f"s3://{self._bucket.bucket_name}/{key}",
         )
@@ -358,7 +362,7 @@ class S3Store(ArtifactStore):
             )
         except (ClientError, BotoCoreError) as exc:
             raise FileTransferError(
-                f"stored file {relative!r} cannot be read from {self.location}: {exc}",
+                f"stored file {relative!r} cannot be read from {self.output_dir}: {exc}",
                 path=relative,
             ) from exc
         return data
@@ -478,14 +482,15 @@ def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]
         ``{"key": location, "bytes": size, "sha256": hex digest}`` rows.
     """
     rows: list[dict[str, str | int]] = [
-        {"key": a.location, "bytes": a.bytes, "sha256": a.sha256} for a in stored[:TABLE_ROWS_SHOWN]
+        {"key": a.location, "bytes": a.size_bytes, "sha256": a.sha256}
+        for a in stored[:TABLE_ROWS_SHOWN]
     ]
     rest = stored[TABLE_ROWS_SHOWN:]
     if rest:
         rows.append(
             {
                 "key": f"… and {len(rest)} more file(s), all listed in summary.json",
-                "bytes": sum(a.bytes for a in rest),
+                "bytes": sum(a.size_bytes for a in rest),
                 "sha256": "",
             }
         )
@@ -524,7 +529,7 @@ async def store_artifacts(
         await acreate_table_artifact(
             key="stored-artifacts",
             table=stored_table_rows(stored),
-            description=f"Files stored under {store.location}",
+            description=f"Files stored under {store.output_dir}",
         )
     return stored, failures
 

@@ -28,8 +28,9 @@ Three modes:
 
 The caps on sandboxes alive at once are Prefect global concurrency limits
 (`prefect_sandbox.flows.limits`): the backend's, when its block has ``max_live_sandboxes``, and
-with ``max_sandboxes`` one of the sweep's own, each held by a branch from its sandbox's creation
-to its kill, whatever mode: the sweep schedules nothing itself. Storage layout, in every mode::
+with ``max_live_sandboxes`` one of the sweep's own, each held by a branch from its sandbox's
+creation to its kill, whatever mode: the sweep schedules nothing itself. Storage layout, in
+every mode::
 
     local folder OUT:   OUT/<sweep-run-folder>/sweep.json
                         OUT/<sweep-run-folder>/<branch-run-folder>/summary.json, ...

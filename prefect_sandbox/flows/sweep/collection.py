@@ -92,7 +92,7 @@ def collect_branch(
         return result
     result.flow_run_id, result.flow_run_name = str(branch.flow_run_id), branch.name
     store = resolve_storage(storage, RUN_NOTEBOOK, branch.name, str(branch.flow_run_id))
-    result.output_dir = store.location
+    result.output_dir = store.output_dir
     try:
         summary = PipelineResult.model_validate_json(store.read(SUMMARY_NAME))
     except (SandboxError, ValueError):
@@ -104,7 +104,9 @@ def collect_branch(
     if artifact is None:
         return result
     try:
-        result.metrics, problem = read_metrics(artifact.bytes, lambda: store.read(artifact.path))
+        result.metrics, problem = read_metrics(
+            artifact.size_bytes, lambda: store.read(artifact.path)
+        )
     except SandboxError as exc:
         problem = str(exc)
     if problem:

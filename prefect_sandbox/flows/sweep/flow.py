@@ -19,6 +19,7 @@ from prefect.states import Cancelled
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
+from prefect_sandbox.deprecation import renamed_argument
 from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
@@ -76,7 +77,7 @@ async def _checked_parameters(
     artifacts: list[str] | None,
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
-    max_sandboxes: int | None,
+    max_live_sandboxes: int | None,
     deployment: str | None,
     metrics_artifact: str | None,
     task_runner: str | None,
@@ -92,7 +93,7 @@ async def _checked_parameters(
         artifacts=artifacts,
         storage=storage,
         cell_timeout_s=cell_timeout_s,
-        max_sandboxes=max_sandboxes,
+        max_live_sandboxes=max_live_sandboxes,
         deployment=deployment,
         task_runner=task_runner,
         metrics_artifact=metrics_artifact,
@@ -136,7 +137,7 @@ def _branch_storage(storage: S3Bucket | str, store: ArtifactStore, mode: Mode) -
     """
     if mode != "deployment":
         return store.nested_storage()
-    return storage if isinstance(storage, S3Bucket) else store.location
+    return storage if isinstance(storage, S3Bucket) else store.output_dir
 
 
 def _launcher(plan: _Plan, options: BranchOptions, sweep_id: UUID) -> BranchLauncher:
@@ -167,7 +168,7 @@ async def _store(result: SweepResult, store: ArtifactStore) -> None:
         key="sweep-summary",
         table=sweep_table(result),
         description=f"Sweep of {len(result.branches)} parameter set(s); {SWEEP_NAME} in "
-        f"{table_cell(store.location)}",
+        f"{table_cell(store.output_dir)}",
     )
 
 
@@ -207,10 +208,11 @@ async def asweep_notebook(
     backend: BackendBlock | None = None,
     storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
-    max_sandboxes: int | None = None,
+    max_live_sandboxes: int | None = None,
     deployment: str | None = None,
     metrics_artifact: str | None = "metrics.json",
     task_runner: str | None = None,
+    max_sandboxes: int | None = None,
 ) -> SweepResult:
     """Run a notebook once per parameter set, each run in its own sandbox, concurrently.
 
@@ -231,7 +233,7 @@ async def asweep_notebook(
         storage: Where the sweep and its branches store files (see `arun_notebook`); when
             empty, PREFECT_SANDBOX_STORAGE, else the folder prefect-sandbox-output.
         cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend's when empty.
-        max_sandboxes: The sweep's sandboxes alive at once at most: its branches hold a slot
+        max_live_sandboxes: The sweep's sandboxes alive at once at most: its branches hold a slot
             of a limit of the sweep's own, ``prefect-sandbox:sweep:<flow run id>``, deleted
             when they have ended (as well as their backend's limit, when the backend block has
             ``max_live_sandboxes``). Subflow and Dask modes only: deployment runs take the cap
@@ -246,6 +248,8 @@ async def asweep_notebook(
             whose scheduler is at ADDRESS (its workers must read the notebook and inputs, and
             reach the storage and, beyond this machine, a Prefect server; see
             `prefect_sandbox.flows.dask`). Empty: branches are subflows in this process.
+        max_sandboxes: Deprecated: the old name of ``max_live_sandboxes`` (a
+            `DeprecationWarning`; giving both is a `ValueError`).
 
     Returns:
         The `SweepResult`: every branch with its parameters, status, flow run, location,
@@ -256,8 +260,8 @@ async def asweep_notebook(
             value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`) or a
             Dask cluster's address as ``task_runner``.
         ValueError: a parameter breaks a rule of `prefect_sandbox.options.SweepOptions`
-            (``cell_timeout_s``, ``max_sandboxes`` or ``task_runner`` is no valid value, the
-            ``dask`` extra is missing, ``max_sandboxes`` or ``task_runner`` is given with
+            (``cell_timeout_s``, ``max_live_sandboxes`` or ``task_runner`` is no valid value,
+            the ``dask`` extra is missing, ``max_live_sandboxes`` or ``task_runner`` is given with
             ``deployment``, ``metrics_artifact`` or a pattern leaves the working directory:
             `UnsafePathError`), the deployment is unknown or of another flow, or a block to
             send to a deployment is not saved (before any branch starts).
@@ -273,9 +277,12 @@ async def asweep_notebook(
             stored.
     """
     start = time.monotonic()
+    max_live_sandboxes = renamed_argument(
+        "max_sandboxes", max_sandboxes, "max_live_sandboxes", max_live_sandboxes
+    )
     plan = await _checked_parameters(
-        notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_sandboxes, deployment,
-        metrics_artifact, task_runner,
+        notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_live_sandboxes,
+        deployment, metrics_artifact, task_runner,
     )  # fmt: skip
     context = FlowRunContext.get()
     assert context is not None and context.flow_run is not None and context.flow is not None
@@ -284,7 +291,7 @@ async def asweep_notebook(
     branches = _branches(plan, flow_run)
     how = _MODE_TEXT[plan.mode].format(task_runner=task_runner, deployment=plan.deployment)
     get_run_logger().info("Sweeping %d parameter set(s) as %s", len(branches), how)
-    async with sweep_limit(flow_run.id, max_sandboxes) as limit:
+    async with sweep_limit(flow_run.id, max_live_sandboxes) as limit:
         options = BranchOptions(
             notebook=notebook,
             inputs=inputs,
@@ -306,11 +313,11 @@ async def asweep_notebook(
         status="cancelled" if cancelled else "failed" if failed else "completed",
         mode=plan.mode,
         notebook=notebook,
-        output_dir=store.location,
+        output_dir=store.output_dir,
         metrics_artifact=metrics_artifact or None,
         duration_s=round(time.monotonic() - start, 6),
         branches=results,
-        error=failure_message(failed, len(results), store.location) if failed else None,
+        error=failure_message(failed, len(results), store.output_dir) if failed else None,
     )
     await _store(result, store)
     return _outcome(result, failed)

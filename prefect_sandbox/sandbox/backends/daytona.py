@@ -403,7 +403,8 @@ class DaytonaSandboxConfig(SandboxConfig):
         create_timeout_s: seconds a create may take, including the sandbox's start.
         activity_refresh_s: seconds between keep-alive calls while a cell runs; None for a
             quarter of the auto-stop interval.
-        request_attempts: tries of a call that may be repeated, on 429 and 5xx answers.
+        request_retries: retries of a call that may be repeated, on 429 and 5xx answers
+            (after the first try, as Prefect's ``retries`` and E2B's ``request_retries``).
     """
 
     client_factory: Callable[[], AsyncDaytona] | None = None
@@ -422,7 +423,7 @@ class DaytonaSandboxConfig(SandboxConfig):
     gpu: int | None = None
     create_timeout_s: float = 120.0
     activity_refresh_s: float | None = None
-    request_attempts: int = 4
+    request_retries: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -431,9 +432,9 @@ class DaytonaSandboxConfig(SandboxConfig):
         resources = (self.cpu, self.memory_gib, self.disk_gib, self.gpu)
         if not self.image and any(value is not None for value in resources):
             raise ValueError("cpu, memory_gib, disk_gib and gpu can only be set with an image")
-        self._check_positive(
-            "create_timeout_s", "activity_refresh_s", "request_attempts", "max_lifetime_s"
-        )
+        self._check_positive("create_timeout_s", "activity_refresh_s", "max_lifetime_s")
+        if self.request_retries < 0:
+            raise ValueError(f"request_retries must be zero or more, not {self.request_retries}")
         if self.auto_stop_interval_min < 0:
             raise ValueError("auto_stop_interval_min must be 0 or more")
         if self.auto_delete_interval_min is not None and self.auto_delete_interval_min < 0:
@@ -1029,7 +1030,7 @@ async def _call(
         )
 
     retrying = async_retrying(
-        attempts=config.request_attempts, retry_if=transient, what=f"Daytona {operation}"
+        attempts=config.request_retries + 1, retry_if=transient, what=f"Daytona {operation}"
     )
     async for attempt in retrying:
         with (
@@ -1049,7 +1050,7 @@ async def _create_remote(
     sdk = import_sdk()
     token = labels[CREATE_TOKEN_LABEL]
     retrying = async_retrying(
-        attempts=config.request_attempts,
+        attempts=config.request_retries + 1,
         retry_if=lambda error: isinstance(error, SandboxUnavailableError),
         what="Daytona create",
     )

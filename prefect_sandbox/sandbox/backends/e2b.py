@@ -318,11 +318,12 @@ class E2BConfig(SandboxConfig):
         template: the sandbox template; None for the SDK's default, ``code-interpreter-v1``.
         lifetime_s: seconds the sandbox lives past the last extension; set at creation and
             renewed before and during each cell.
-        envs: environment variables of the whole sandbox.
+        env: environment variables of the whole sandbox (the SDK's ``envs``).
         metadata: metadata besides the labels (flow run id and name, our marker).
         allow_internet_access: False to cut the sandbox off the internet; None for the default.
         workdir: the working directory inside the sandbox; made if missing.
-        file_retries: retries of an idempotent file or context call that met a transient error.
+        request_retries: retries of an idempotent file or context call that met a transient
+            error (retries after the first try, as Prefect's ``retries``).
         retry_backoff_s: the first wait between those retries, doubled each time (see
             `prefect_sandbox.sandbox.retries`).
         interrupt_settle_s: seconds from closing a timed-out cell's stream to the probe that
@@ -333,19 +334,19 @@ class E2BConfig(SandboxConfig):
     client_factory: Callable[[], Any] | None = None
     template: str | None = None
     lifetime_s: int = 600
-    envs: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
     metadata: Mapping[str, str] = field(default_factory=dict)
     allow_internet_access: bool | None = None
     workdir: str = DEFAULT_WORKDIR
-    file_retries: int = 3
+    request_retries: int = 3
     retry_backoff_s: float = 0.5
     interrupt_settle_s: float = DEFAULT_INTERRUPT_SETTLE_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_positive("lifetime_s", "retry_backoff_s", "interrupt_settle_s")
-        if self.file_retries < 0:
-            raise ValueError(f"file_retries must be zero or more, not {self.file_retries}")
+        if self.request_retries < 0:
+            raise ValueError(f"request_retries must be zero or more, not {self.request_retries}")
         if not PurePosixPath(self.workdir).is_absolute():
             raise ValueError(f"workdir must be an absolute path, not {self.workdir!r}")
 
@@ -529,11 +530,11 @@ async def _retrying(
     path: str | None = None,
     in_cell: bool = False,
 ) -> T:
-    """Run an idempotent call, retrying transient errors ``config.file_retries`` times with
+    """Run an idempotent call, retrying transient errors ``config.request_retries`` times with
     `async_retrying`'s backoff from ``config.retry_backoff_s``; errors translated as
     `_translated` does."""
     retrying = async_retrying(
-        attempts=config.file_retries + 1,
+        attempts=config.request_retries + 1,
         retry_if=lambda error: isinstance(error, SandboxUnavailableError),
         first_delay_s=config.retry_backoff_s,
         what=f"E2B {operation}",
@@ -614,7 +615,7 @@ class E2BSandbox(Sandbox):
                 template=config.template,
                 timeout=config.lifetime_s,
                 metadata=metadata,
-                envs=dict(config.envs),
+                envs=dict(config.env),
                 allow_internet_access=config.allow_internet_access,
                 idempotency_key=uuid.uuid4().hex,
             )
@@ -688,7 +689,7 @@ class E2BSandbox(Sandbox):
         """Reach a sandbox again by its id, from any task, thread or process.
 
         Connecting extends the sandbox's lifetime to ``lifetime_s`` from now, if that is later.
-        A transient failure (5xx, a dropped connection) is retried ``file_retries`` times.
+        A transient failure (5xx, a dropped connection) is retried ``request_retries`` times.
 
         Raises:
             SandboxNotFoundError: the sandbox was killed or expired.
