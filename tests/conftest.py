@@ -156,6 +156,19 @@ def cli_usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
     return status, capsys.readouterr().err
 
 
+def python_stdout(
+    *argv: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 300
+) -> str:
+    """What ``python *argv`` (``"-c", code`` or a script and its arguments) printed, run in a
+    fresh interpreter of this environment (nothing this test process imported counts), with
+    ``env`` (default: this process's) in ``cwd``, killed after ``timeout_s`` seconds. Fails the
+    test, with the interpreter's stderr, unless it exits 0."""
+    command = [sys.executable, *argv]
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    return done.stdout.decode()
+
+
 def kernel_processes() -> list[psutil.Process]:
     """Live (non-zombie) ipykernel processes started by this test process."""
     found = []

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from urllib.parse import urlparse
 
 import pytest
@@ -20,6 +18,7 @@ from prefect_sandbox.blocks import (
     E2BCredentials,
     LocalKernelBackend,
 )
+from tests.conftest import python_stdout
 
 SHIPPED = [
     LocalKernelBackend,
@@ -63,10 +62,7 @@ def test_prefect_finds_the_blocks_when_it_loads_the_collection() -> None:
         "load_prefect_collections()\n"
         "print(lookup_type(Block, 'local-kernel-sandbox').__name__)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
-    assert done.stdout.strip() == "LocalKernelBackend"
+    assert python_stdout("-c", code).strip() == "LocalKernelBackend"
 
 
 async def _resave_with_old_field(block: Block, name: str, new: str, old: str) -> None:

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from prefect_sandbox.sandbox.outputs import strip_ansi
-from tests.conftest import SUBPROCESS_TEST_TIMEOUT_S
+from tests.conftest import SUBPROCESS_TEST_TIMEOUT_S, python_stdout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,21 +83,12 @@ def test_a_flow_from_plain_python_waits_for_a_slow_temporary_server(tmp_path: Pa
 
 def _startup_allowance(tmp_path: Path, **env: str) -> str:
     """Prefect's start-up allowance once ``prefect_sandbox.flows`` is imported, with ``env``."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import prefect_sandbox.flows\n"
-            "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S\n"
-            "print(S.value())",
-        ],
-        env=_env(tmp_path, **env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+    code = (
+        "import prefect_sandbox.flows\n"
+        "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S\n"
+        "print(S.value())"
     )
-    return done.stdout.strip()
+    return python_stdout("-c", code, env=_env(tmp_path, **env)).strip()
 
 
 def test_the_startup_allowance_is_a_setting_and_prefects_own_wins(tmp_path: Path) -> None:
@@ -132,21 +123,13 @@ def test_importing_the_flows_imports_no_vendor_sdk_and_no_dask() -> None:
     it. (prefect_aws does load: the flows' ``storage: S3Bucket | str | None`` parameters need
     the block class when Prefect builds their parameter schema, at ``@flow``.)"""
     vendors = ["e2b", "e2b_code_interpreter", "daytona", "distributed", "dask", "prefect_dask"]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            # Every flow: the package imports each on first use.
-            "import sys, prefect_sandbox.cli\n"
-            "from prefect_sandbox.flows import *\n"
-            f"print(sorted(set({vendors!r}) & set(sys.modules)))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+    # Every flow: the package imports each on first use.
+    code = (
+        "import sys, prefect_sandbox.cli\n"
+        "from prefect_sandbox.flows import *\n"
+        f"print(sorted(set({vendors!r}) & set(sys.modules)))"
     )
-    assert done.stdout.strip() == "[]"
+    assert python_stdout("-c", code).strip() == "[]"
 
 
 def _cli(
@@ -361,15 +344,8 @@ def test_help_and_version_import_neither_prefect_nor_prefect_aws(tmp_path: Path)
         "print(sorted(heavy & set(sys.modules)))\n"
     )
     for args in (["--help"], ["--version"], ["run", "--help"], ["sweep", "--help"]):
-        done = subprocess.run(
-            [sys.executable, "-c", code, *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-        assert done.stdout.splitlines()[-2:] == ["exit 0", "[]"], args
+        stdout = python_stdout("-c", code, *args, cwd=tmp_path)
+        assert stdout.splitlines()[-2:] == ["exit 0", "[]"], args
 
 
 def test_the_run_command_imports_the_pipeline_flows_only() -> None:
@@ -385,10 +361,7 @@ def test_the_run_command_imports_the_pipeline_flows_only() -> None:
         "    assert all(getattr(module, name) for name in module.__all__)\n"
         "    assert set(module.__all__) <= set(dir(module))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
-    assert done.stdout.strip() == "[]"
+    assert python_stdout("-c", code).strip() == "[]"
 
 
 def _api_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

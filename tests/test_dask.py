@@ -13,8 +13,6 @@ import copy
 import json
 import os
 import pickle
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -57,7 +55,13 @@ from prefect_sandbox.tasks.sandbox import (
     upload_inputs,
 )
 from prefect_sandbox.testing.e2b import E2BEmulator
-from tests.conftest import ROOT, SUBPROCESS_TEST_TIMEOUT_S, max_alive_at_once, stream_text
+from tests.conftest import (
+    ROOT,
+    SUBPROCESS_TEST_TIMEOUT_S,
+    max_alive_at_once,
+    python_stdout,
+    stream_text,
+)
 from tests.test_flows import _cli
 from tests.test_sweep import _notebook, branch_run_states, cancel_sweep_through_the_api
 
@@ -316,16 +320,8 @@ def test_workers_report_to_the_flow_processs_temporary_api_server(
     script.write_text(_TEMPORARY_API_SCRIPT)
     env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    done = subprocess.run(
-        [sys.executable, str(script), workers.address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = python_stdout(str(script), workers.address, env=env, timeout_s=100)
+    seen = json.loads(stdout.strip().splitlines()[-1])
     assert seen["pid"] in workers.pids.values()
     assert seen["flow_api_url"].startswith("http://127.0.0.1:")
     assert seen["api_url"] == seen["flow_api_url"]
