@@ -169,6 +169,50 @@ def python_stdout(
     return done.stdout.decode()
 
 
+FLOW_TIMEOUT_S = 20
+"""The flow run's ``timeout_seconds`` in `run_past_a_flow_timeout`: room for a kernel to start on
+a busy machine; the notebook's second cell outlasts it anyway."""
+
+
+async def run_past_a_flow_timeout(
+    tmp_path: Path, backend: Any
+) -> tuple[dict[str, Any], Path, list[Any]]:
+    """Run a two-cell notebook through `arun_notebook` with a flow ``timeout_seconds`` of
+    `FLOW_TIMEOUT_S` and storage ``tmp_path/out``: cell 0 writes ``step1.txt`` (the run's one
+    artifact) and prints ``step 1 done``, cell 1 sleeps 600 s. ``backend`` is a backend block,
+    or None for the default local kernel.
+
+    Checks that the flow run ended Failed/TimedOut and stored exactly ``executed.ipynb``,
+    ``step1.txt`` and ``summary.json`` in its one run folder.
+
+    Returns:
+        ``summary.json`` parsed, the run folder, and the executed notebook's cells.
+    """
+    import nbformat
+
+    from prefect_sandbox.flows import arun_notebook
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')\nprint('step 1 done')"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(600)\nprint('slow step done')"),
+    ]
+    nbformat.write(notebook, tmp_path / "input.ipynb")
+    state = await arun_notebook.with_options(timeout_seconds=FLOW_TIMEOUT_S)(
+        notebook=str(tmp_path / "input.ipynb"),
+        backend=backend,
+        artifacts=["step1.txt"],
+        storage=str(tmp_path / "out"),
+        return_state=True,
+    )
+    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
+    executed = nbformat.read(run_dir / "executed.ipynb", as_version=4)
+    nbformat.validate(executed)
+    return json.loads((run_dir / "summary.json").read_text()), run_dir, list(executed.cells)
+
+
 def kernel_processes() -> list[psutil.Process]:
     """Live (non-zombie) ipykernel processes started by this test process."""
     found = []

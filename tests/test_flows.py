@@ -26,11 +26,13 @@ from prefect_sandbox.flows import (
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
 from tests.conftest import (
+    FLOW_TIMEOUT_S,
     ROOT,
     SUBPROCESS_TEST_TIMEOUT_S,
     cli_usage_error,
     flow_run_logs,
     kernel_processes,
+    run_past_a_flow_timeout,
     stream_text,
 )
 
@@ -749,29 +751,12 @@ def _c04_backend(request: pytest.FixtureRequest, where: str) -> Any:
 async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
     tmp_path: Path, request: pytest.FixtureRequest, where: str
 ) -> None:
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [
-        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')\nprint('step 1 done')"),
-        nbformat.v4.new_code_cell("import time\ntime.sleep(600)\nprint('slow step done')"),
-    ]
-    nbformat.write(notebook, tmp_path / "input.ipynb")
     before = {p.pid for p in kernel_processes()}
-    # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
-    state = await arun_notebook.with_options(timeout_seconds=20)(
-        notebook=str(tmp_path / "input.ipynb"),
-        backend=_c04_backend(request, where),
-        artifacts=["step1.txt"],
-        storage=str(tmp_path / "out"),
-        return_state=True,
-    )
-    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
-    (run_dir,) = (tmp_path / "out").iterdir()
-    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary, run_dir, cells = await run_past_a_flow_timeout(tmp_path, _c04_backend(request, where))
     assert summary["status"] == "failed"
     assert summary["error"] == (
-        "timed out (the flow run's timeout_seconds, 20.0 s) during stage 'setup', cell 1; "
-        "its sandbox was killed"
+        f"timed out (the flow run's timeout_seconds, {FLOW_TIMEOUT_S:.1f} s) during stage "
+        "'setup', cell 1; its sandbox was killed"
     )
     assert summary["sandbox_killed_at"] is not None
     assert [(s["status"], s["failed_cell_index"], s["ename"]) for s in summary["stages"]] == [
@@ -782,7 +767,6 @@ async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
         data = (run_dir / artifact["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == artifact["sha256"]
     assert (run_dir / "step1.txt").read_text() == "done"
-    cells = _cells(run_dir / "executed.ipynb")
     assert cells[0].outputs[0]["text"] == "step 1 done\n"
     assert cells[1].outputs[-1]["ename"] == "RunTimedOut"
     assert {p.pid for p in kernel_processes()} == before

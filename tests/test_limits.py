@@ -27,7 +27,7 @@ from prefect_sandbox import (
 from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
 from prefect_sandbox.flows.limits import live_sandbox_limit_name
 from prefect_sandbox.results import PipelineResult
-from tests.conftest import max_alive_at_once
+from tests.conftest import max_alive_at_once, run_past_a_flow_timeout
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -286,23 +286,8 @@ async def test_a_capped_run_past_its_flow_timeout_stores_everything_and_frees_it
 ) -> None:
     # The slot's exit is shielded from the passed deadline while Prefect's own cancel scopes
     # (its lease renewal) are left where they were entered: both must hold at once.
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [
-        nbformat.v4.new_code_cell("open('step1.txt', 'w').write('done')"),
-        nbformat.v4.new_code_cell("import time\ntime.sleep(600)"),
-    ]
-    nbformat.write(notebook, tmp_path / "input.ipynb")
-    # Room for a kernel to start on a busy machine; the second cell outlasts it anyway.
-    state = await arun_notebook.with_options(timeout_seconds=20)(
-        notebook=str(tmp_path / "input.ipynb"),
-        backend=LocalKernelBackend(max_live_sandboxes=1),
-        artifacts=["step1.txt"],
-        storage=str(tmp_path / "out"),
-        return_state=True,
+    summary, _, _ = await run_past_a_flow_timeout(
+        tmp_path, LocalKernelBackend(max_live_sandboxes=1)
     )
-    assert (state.type.value, state.name) == ("FAILED", "TimedOut")
-    (run_dir,) = (tmp_path / "out").iterdir()
-    assert {p.name for p in run_dir.iterdir()} == {"executed.ipynb", "step1.txt", "summary.json"}
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
     assert (await _read_limit()).active_slots == 0
