@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
@@ -550,6 +550,61 @@ def private_tmpdir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(private_tmp, ignore_errors=True)
 
 
+@dataclass
+class HarnessRun:
+    """What `timed_harness` measured: seconds (wall), load averages (1, 5, 15 min) and what
+    the benchmark left behind (see `leftovers`)."""
+
+    load_before: tuple[float, ...]
+    harness_s: float = 0.0
+    total_s: float = 0.0
+    load_after: tuple[float, ...] = ()
+    leftovers: dict[str, list[Any]] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """The report's timing and load fields."""
+        return {
+            "loadavg_before": [round(v, 2) for v in self.load_before],
+            "loadavg_after": [round(v, 2) for v in self.load_after],
+            "harness_start_s": round(self.harness_s, 2),
+            "total_s": round(self.total_s, 2),
+        }
+
+    def summary(self) -> str:
+        """One line: CPUs, total and server-start seconds, the 1-minute load before and after."""
+        return (
+            f"{os.cpu_count()} CPUs, total {self.total_s:.1f} s (server start "
+            f"{self.harness_s:.1f} s); load average 1 min before {self.load_before[0]:.2f}, "
+            f"after {self.load_after[0]:.2f}"
+        )
+
+
+@contextlib.contextmanager
+def timed_harness(tmp_prefix: str) -> Iterator[HarnessRun]:
+    """Prefect's throwaway server (``prefect_test_harness``) and, inside it, a `private_tmpdir`
+    named ``tmp_prefix...``, for a benchmark run in the ``with`` block. Set Prefect's settings in
+    the environment before: Prefect reads them once, at import.
+
+    Yields the `HarnessRun`, filled in on exit: the server's start, the whole run's wall time,
+    the load before and after (other work on a 2-core machine skews everything; readers judge by
+    it), and what was left behind in the private TMPDIR or as Jupyter connection files.
+    """
+    from prefect.testing.utilities import prefect_test_harness
+
+    run = HarnessRun(load_before=os.getloadavg())
+    connection_files_before = jupyter_connection_files()
+    total_start = time.perf_counter()
+    with prefect_test_harness(server_startup_timeout=90):
+        run.harness_s = time.perf_counter() - total_start
+        # Made after the harness, whose database dir is removed only at exit; kernels inherit
+        # TMPDIR too, so the leak check sees only the benchmark's files.
+        with private_tmpdir(tmp_prefix) as private_tmp:
+            yield run
+            run.leftovers = leftovers(private_tmp, connection_files_before)
+    run.total_s = time.perf_counter() - total_start
+    run.load_after = os.getloadavg()
+
+
 def git_state() -> dict[str, Any]:
     """The commit measured and whether the working tree had local changes."""
     import subprocess
@@ -596,22 +651,10 @@ def main() -> int:
     os.environ["PREFECT_LOGGING_LEVEL"] = args.log_level
     # The throwaway server's telemetry only adds noise (and a write that can hit a locked DB).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.testing.utilities import prefect_test_harness
-
     sizes = QUICK if args.quick else FULL
-    # Other work on a 2-core machine skews everything; record it so readers can judge.
-    load_before = os.getloadavg()
-    connection_files_before = jupyter_connection_files()
-    total_start = time.perf_counter()
-    with prefect_test_harness(server_startup_timeout=90):
-        harness_s = time.perf_counter() - total_start
-        # A private temp dir (kernels inherit TMPDIR too), so the leak check sees only our
-        # files; made after the harness, whose database dir is removed only at exit.
-        with private_tmpdir("bench-local-tmp-") as private_tmp:
-            raw = asyncio.run(run_all(sizes))
-            raw["leftovers"] = leftovers(private_tmp, connection_files_before)
-    total_s = time.perf_counter() - total_start
-    load_after = os.getloadavg()
+    with timed_harness("bench-local-tmp-") as measured:
+        raw = asyncio.run(run_all(sizes))
+    raw["leftovers"] = measured.leftovers
     rows = build_rows(raw["a"], raw["b"], raw["c"])
     table = markdown_table(rows)
     report = {
@@ -629,19 +672,12 @@ def main() -> int:
         },
         "git": git_state(),
         "sizes": sizes.__dict__,
-        "loadavg_before": [round(v, 2) for v in load_before],
-        "loadavg_after": [round(v, 2) for v in load_after],
-        "harness_start_s": round(harness_s, 2),
-        "total_s": round(total_s, 2),
+        **measured.fields(),
         "rows": rows,
         "table_markdown": table,
         "raw": raw,
     }
-    summary = (
-        f"{report['mode']} run, {os.cpu_count()} CPUs, total {total_s:.1f} s "
-        f"(server start {harness_s:.1f} s); load average 1 min before {load_before[0]:.2f}, "
-        f"after {load_after[0]:.2f}"
-    )
+    summary = f"{report['mode']} run, {measured.summary()}"
     return publish(RESULTS_PATH, report, summary)
 
 

@@ -46,14 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench_local import (
-    git_state,
-    jupyter_connection_files,
-    leftovers,
-    markdown_table,
-    private_tmpdir,
-    publish,
-)
+from bench_local import git_state, markdown_table, publish, timed_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 CO2 = ROOT / "examples" / "co2"
@@ -383,22 +376,13 @@ def main() -> int:
     # Must be set before prefect is imported, which reads its settings once.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.testing.utilities import prefect_test_harness
-
-    load_before = os.getloadavg()
-    connection_files_before = jupyter_connection_files()
-    total_start = time.perf_counter()
-    with prefect_test_harness(server_startup_timeout=90):
-        harness_s = time.perf_counter() - total_start
-        with private_tmpdir("bench-sweep-tmp-") as private_tmp:
-            work = Path(tempfile.mkdtemp(prefix="work-"))
-            try:
-                raw = asyncio.run(run_all(sizes, sides, repeats, work, args.max_live_sandboxes))
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            raw["leftovers"] = leftovers(private_tmp, connection_files_before)
-    total_s = time.perf_counter() - total_start
-    load_after = os.getloadavg()
+    with timed_harness("bench-sweep-tmp-") as measured:
+        work = Path(tempfile.mkdtemp(prefix="work-"))
+        try:
+            raw = asyncio.run(run_all(sizes, sides, repeats, work, args.max_live_sandboxes))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    raw["leftovers"] = measured.leftovers
     rows = build_rows(raw, sizes, sides)
     table = markdown_table(rows)
     report = {
@@ -409,18 +393,12 @@ def main() -> int:
         "sides": sides,
         "git": git_state(),
         "cpus": os.cpu_count(),
-        "loadavg_before": [round(v, 2) for v in load_before],
-        "loadavg_after": [round(v, 2) for v in load_after],
-        "harness_start_s": round(harness_s, 2),
-        "total_s": round(total_s, 2),
+        **measured.fields(),
         "rows": rows,
         "table_markdown": table,
         "raw": raw,
     }
-    summary = (
-        f"{os.cpu_count()} CPUs, total {total_s:.1f} s (server start {harness_s:.1f} s); load "
-        f"average 1 min before {load_before[0]:.2f}, after {load_after[0]:.2f}"
-    )
+    summary = measured.summary()
     status = publish(RESULTS_PATH, report, summary)
     over = [
         run
