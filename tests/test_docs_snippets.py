@@ -7,7 +7,8 @@ A ``python`` or ``sh`` block is preceded by a marker line:
   both with the project's environment first on ``PATH`` and Prefect's test API as
   ``PREFECT_API_URL``. ``<!-- snippet: run, with s3: ... -->`` adds moto's S3 server, holding
   ``my-bucket`` with ``data/co2.csv``, as the standard AWS variables. Every ``summary.json`` and
-  ``sweep.json`` the block stored must say ``completed``.
+  ``sweep.json`` the block stored must say ``completed``. Snippets run two at a time, each in
+  its own folder and process; one that runs the reaper runs alone, last.
 - ``<!-- snippet: not run, REASON -->``: needs what a test cannot have here (an account, a
   server that keeps running, an install). Its syntax is checked (``compile``, ``bash -n``), each
   ``prefect-sandbox`` command line in it is parsed by the CLI's own parser, each ``./dev.sh``
@@ -28,12 +29,17 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from markdown_it import MarkdownIt
 
+from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT
 
 COMMAND_LANGUAGES = {"python", "py", "sh", "bash", "shell", "console"}
@@ -104,11 +110,16 @@ def test_every_block_a_page_shows_to_run_is_marked_run_or_not_run_with_a_reason(
     assert {s.language for s in RUN} == {"python", "sh"}
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """An empty folder holding a copy of the repository's examples, as a clone has them."""
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    return tmp_path
+SNIPPETS_AT_ONCE = 2
+"""How many run-marked snippets run at the same time. Each is a fresh interpreter that spends
+seconds of CPU importing Prefect and its notebook's libraries, then mostly waits on its kernel
+and the API: two at once keep a 2-core machine busy without crowding it."""
+
+
+def _reaps(snippet: Snippet) -> bool:
+    """Whether the snippet runs the reaper, which kills the sandbox of a flow run that has just
+    ended before that run's own clean-up does: it runs alone, after every other snippet."""
+    return "reap_sandboxes" in snippet.code
 
 
 def _user_env(short_tmp: Path) -> dict[str, str]:
@@ -122,10 +133,9 @@ def _user_env(short_tmp: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def s3_bucket(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+@pytest.fixture(scope="module")
+def s3_bucket(moto: MotoServer) -> Iterator[dict[str, str]]:
     """moto's S3 server holding ``my-bucket/data/co2.csv``, as the standard AWS variables."""
-    moto = request.getfixturevalue("moto")
     client = moto.client()
     client.create_bucket(Bucket="my-bucket")
     client.upload_file(str(ROOT / "examples/co2/co2.csv"), "my-bucket", "data/co2.csv")
@@ -140,35 +150,18 @@ def s3_bucket(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     client.delete_bucket(Bucket="my-bucket")
 
 
-def _stored_results(workdir: Path, s3: dict[str, str] | None, moto: object | None) -> list[dict]:
-    """The ``summary.json`` and ``sweep.json`` files the snippet stored, parsed."""
-    found = [
-        json.loads(path.read_text())
-        for name in ("summary.json", "sweep.json")
-        for path in workdir.rglob(name)
-        if "examples" not in path.parts
-    ]
-    if s3 is not None:
-        client = moto.client()  # type: ignore[attr-defined]
-        for item in client.list_objects_v2(Bucket="my-bucket").get("Contents", []):
-            if item["Key"].endswith(("/summary.json", "/sweep.json")):
-                body = client.get_object(Bucket="my-bucket", Key=item["Key"])["Body"].read()
-                found.append(json.loads(body))
-    return found
+@dataclasses.dataclass(frozen=True)
+class SnippetRun:
+    """A run-marked snippet, run: its process's outcome and the folder it ran in."""
+
+    done: subprocess.CompletedProcess[str]
+    workdir: Path
 
 
-@pytest.mark.usefixtures("prefect_api")
-@pytest.mark.parametrize("snippet", RUN, ids=[s.where for s in RUN])
-@pytest.mark.timeout(600)
-def test_a_block_marked_run_runs_as_shown(
-    snippet: Snippet, workdir: Path, short_tmp: Path, request: pytest.FixtureRequest
-) -> None:
-    env = _user_env(short_tmp)
-    s3 = moto = None
-    if snippet.note.startswith("with s3"):
-        s3 = request.getfixturevalue("s3_bucket")
-        moto = request.getfixturevalue("moto")
-        env.update(s3)
+def _run_snippet(snippet: Snippet, workdir: Path, env: dict[str, str]) -> SnippetRun:
+    """Run the snippet as a user would, in ``workdir`` (an empty folder holding a copy of the
+    repository's examples, as a clone has them)."""
+    shutil.copytree(ROOT / "examples", workdir / "examples")
     if snippet.language == "python":
         (workdir / "snippet.py").write_text(snippet.code)
         command = [sys.executable, "snippet.py"]
@@ -178,8 +171,73 @@ def test_a_block_marked_run_runs_as_shown(
     done = subprocess.run(
         command, cwd=workdir, env=env, capture_output=True, text=True, timeout=540
     )
+    return SnippetRun(done, workdir)
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(
+    prefect_api: None, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Future[SnippetRun]]]:
+    """Every run-marked snippet, started at once, `SNIPPETS_AT_ONCE` at a time in page order
+    (one that `_reaps` alone, last), each in its own folder with its own short TMPDIR; by
+    `Snippet.where`. Waits for them all on teardown."""
+    short_tmps, prepared = [], {}
+    for snippet in RUN:
+        short_tmps.append(Path(tempfile.mkdtemp(prefix="sig-")))
+        env = _user_env(short_tmps[-1])
+        if snippet.note.startswith("with s3"):
+            env.update(request.getfixturevalue("s3_bucket"))
+        prepared[snippet.where] = (snippet, tmp_path_factory.mktemp("snippet"), env)
+    pool = ThreadPoolExecutor(SNIPPETS_AT_ONCE, thread_name_prefix="snippet")
+    others = {
+        where: pool.submit(_run_snippet, *args)
+        for where, args in prepared.items()
+        if not _reaps(args[0])
+    }
+
+    def alone(*args: Any) -> SnippetRun:
+        futures.wait(others.values())
+        return _run_snippet(*args)
+
+    reapers = {
+        where: pool.submit(alone, *args) for where, args in prepared.items() if _reaps(args[0])
+    }
+    try:
+        yield {**others, **reapers}
+    finally:
+        pool.shutdown(wait=True)
+        for path in short_tmps:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stored_results(workdir: Path, s3: bool, moto: MotoServer | None) -> list[dict[str, Any]]:
+    """The ``summary.json`` and ``sweep.json`` files the snippet stored, parsed."""
+    found = [
+        json.loads(path.read_text())
+        for name in ("summary.json", "sweep.json")
+        for path in workdir.rglob(name)
+        if "examples" not in path.parts
+    ]
+    if s3 and moto is not None:
+        client = moto.client()
+        for item in client.list_objects_v2(Bucket="my-bucket").get("Contents", []):
+            if item["Key"].endswith(("/summary.json", "/sweep.json")):
+                body = client.get_object(Bucket="my-bucket", Key=item["Key"])["Body"].read()
+                found.append(json.loads(body))
+    return found
+
+
+@pytest.mark.parametrize("snippet", RUN, ids=[s.where for s in RUN])
+@pytest.mark.timeout(600)
+def test_a_block_marked_run_runs_as_shown(
+    snippet: Snippet, snippet_runs: dict[str, Future[SnippetRun]], request: pytest.FixtureRequest
+) -> None:
+    run = snippet_runs[snippet.where].result()
+    done = run.done
     assert done.returncode == 0, f"{snippet.where}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    stored = _stored_results(workdir, s3, moto)
+    s3 = snippet.note.startswith("with s3")
+    moto = request.getfixturevalue("moto") if s3 else None
+    stored = _stored_results(run.workdir, s3, moto)
     assert [result["status"] for result in stored if result["status"] != "completed"] == []
 
 
