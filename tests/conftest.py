@@ -170,15 +170,15 @@ def python_stdout(
 
 
 FLOW_TIMEOUT_S = 20
-"""The flow run's ``timeout_seconds`` in `run_past_a_flow_timeout`: room for a kernel to start on
-a busy machine; the notebook's second cell outlasts it anyway."""
+"""The flow run's ``timeout_seconds`` in `run_past_a_flow_timeout` by default: room for a kernel
+to start on a busy machine; the notebook's second cell outlasts it anyway."""
 
 
 async def run_past_a_flow_timeout(
-    tmp_path: Path, backend: Any
+    tmp_path: Path, backend: Any, timeout_s: float = FLOW_TIMEOUT_S
 ) -> tuple[dict[str, Any], Path, list[Any]]:
     """Run a two-cell notebook through `arun_notebook` with a flow ``timeout_seconds`` of
-    `FLOW_TIMEOUT_S` and storage ``tmp_path/out``: cell 0 writes ``step1.txt`` (the run's one
+    ``timeout_s`` and storage ``tmp_path/out``: cell 0 writes ``step1.txt`` (the run's one
     artifact) and prints ``step 1 done``, cell 1 sleeps 600 s. ``backend`` is a backend block,
     or None for the default local kernel.
 
@@ -198,7 +198,7 @@ async def run_past_a_flow_timeout(
         nbformat.v4.new_code_cell("import time\ntime.sleep(600)\nprint('slow step done')"),
     ]
     nbformat.write(notebook, tmp_path / "input.ipynb")
-    state = await arun_notebook.with_options(timeout_seconds=FLOW_TIMEOUT_S)(
+    state = await arun_notebook.with_options(timeout_seconds=timeout_s)(
         notebook=str(tmp_path / "input.ipynb"),
         backend=backend,
         artifacts=["step1.txt"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import inspect
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,6 @@ from prefect_sandbox.flows import (
 from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
 from tests.conftest import (
-    FLOW_TIMEOUT_S,
     ROOT,
     SUBPROCESS_TEST_TIMEOUT_S,
     cli_usage_error,
@@ -747,15 +748,49 @@ def _c04_backend(request: pytest.FixtureRequest, where: str) -> Any:
     return None
 
 
-@pytest.mark.parametrize("where", ["local", "e2b", "daytona"])
-async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
-    tmp_path: Path, request: pytest.FixtureRequest, where: str
-) -> None:
+C04_BACKENDS = ["local", "e2b", "daytona"]
+
+C04_FLOW_TIMEOUT_S = 30
+"""C04's flow timeout. Its runs start together (they wait out one timeout, not one each in
+turn), so room for three sandboxes to start at once on a busy machine."""
+
+
+@pytest.fixture(scope="module")
+async def c04_runs(
+    prefect_api: None, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[set[int], dict[str, asyncio.Task[Any]]]]:
+    """C04's `run_past_a_flow_timeout` on each of `C04_BACKENDS`, started together, by
+    backend, with this process's kernel pids from before."""
     before = {p.pid for p in kernel_processes()}
-    summary, run_dir, cells = await run_past_a_flow_timeout(tmp_path, _c04_backend(request, where))
+    runs = {
+        where: asyncio.create_task(
+            run_past_a_flow_timeout(
+                tmp_path_factory.mktemp(f"c04-{where}"),
+                _c04_backend(request, where),
+                C04_FLOW_TIMEOUT_S,
+            )
+        )
+        for where in C04_BACKENDS
+    }
+    try:
+        yield before, runs
+    finally:
+        await asyncio.wait(runs.values())
+
+
+@pytest.mark.parametrize("where", C04_BACKENDS)
+async def test_c04_a_flow_timeout_mid_cell_stores_everything_and_ends_timed_out(
+    c04_runs: tuple[set[int], dict[str, asyncio.Task[Any]]],
+    request: pytest.FixtureRequest,
+    where: str,
+) -> None:
+    before, runs = c04_runs
+    # Every run ends first: the emulators' kernels are this process's children too.
+    await asyncio.wait(runs.values())
+    summary, run_dir, cells = runs[where].result()
     assert summary["status"] == "failed"
     assert summary["error"] == (
-        f"timed out (the flow run's timeout_seconds, {FLOW_TIMEOUT_S:.1f} s) during stage "
+        f"timed out (the flow run's timeout_seconds, {C04_FLOW_TIMEOUT_S:.1f} s) during stage "
         "'setup', cell 1; its sandbox was killed"
     )
     assert summary["sandbox_killed_at"] is not None
