@@ -191,7 +191,9 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
     with temporary_settings({PREFECT_API_URL: stack.url}):
         flow_run = await run_deployment(
             "modeling-pipeline/modeling-pipeline",
-            parameters={"stages": {"wait": ["import time; time.sleep(600)"]}},
+            parameters={
+                "stages": {"wait": ["import time; print('sleeping', flush=True); time.sleep(600)"]}
+            },
             timeout=0,
         )
     label = {FLOW_RUN_ID_LABEL: str(flow_run.id)}
@@ -204,7 +206,16 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
         assert time.monotonic() < deadline, "the run's sandbox never started"
         await asyncio.sleep(0.5)
     kernel = psutil.Process(int(pid_file.read_text()))
-    await asyncio.sleep(10)
+    # Mid-cell: the cell's first line has reached the run's logs (they are sent as they come).
+    while not [
+        log
+        for log in await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
+        )
+        if log.message.startswith("[wait cell") and "sleeping" in log.message
+    ]:
+        assert time.monotonic() < deadline, "the run's cell never started"
+        await asyncio.sleep(0.5)
     assert await _wait_for_state(client, flow_run.id, {StateType.RUNNING}, 5) == StateType.RUNNING
 
     cancel_at = time.monotonic()
