@@ -178,11 +178,17 @@ def _run_snippet(snippet: Snippet, workdir: Path, env: dict[str, str]) -> Snippe
 def snippet_runs(
     prefect_api: None, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[dict[str, Future[SnippetRun]]]:
-    """Every run-marked snippet, started at once, `SNIPPETS_AT_ONCE` at a time in page order
-    (one that `_reaps` alone, last), each in its own folder with its own short TMPDIR; by
-    `Snippet.where`. Waits for them all on teardown."""
+    """Every run-marked snippet this session runs a test of, started at once,
+    `SNIPPETS_AT_ONCE` at a time in page order (one that `_reaps` alone, last), each in its own
+    folder with its own short TMPDIR; by `Snippet.where`. Waits for them all on teardown."""
+    selected = {
+        item.callspec.params["snippet"].where
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and item.originalname == "test_a_block_marked_run_runs_as_shown"
+    }
     short_tmps, prepared = [], {}
-    for snippet in RUN:
+    for snippet in (s for s in RUN if s.where in selected):
         short_tmps.append(Path(tempfile.mkdtemp(prefix="sig-")))
         env = _user_env(short_tmps[-1])
         if snippet.note.startswith("with s3"):
