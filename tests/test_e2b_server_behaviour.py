@@ -6,12 +6,15 @@ tests/contract/test_server_edges.py."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.sandbox.backends.e2b import E2BSandbox
+from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import stream_text
 
@@ -97,5 +100,42 @@ async def test_the_cell_after_an_interrupt_from_outside_is_not_aborted(
         # Sent at once, it would reach the kernel before the server's interrupt and be aborted.
         after = await asyncio.wait_for(sandbox.run_cell("print(x)"), 30)
         assert (after.status, stream_text(after.outputs)) == ("ok", "1\n")
+    finally:
+        await sandbox.kill()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PROMPT = re.compile(r"In ?\[\d+\]")
+
+
+def _tracebacks(outputs: list[dict[str, Any]]) -> list[list[str]]:
+    """The error outputs' traceback lines, colours and prompt numbers masked."""
+    return [
+        [_PROMPT.sub("In[N]", _ANSI.sub("", line)) for line in output["traceback"]]
+        for output in outputs
+        if output["output_type"] == "error"
+    ]
+
+
+async def test_an_errors_traceback_lines_survive_the_reply_overtaking_them(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    """The server may pass on the error that the execute_reply carries before the iopub
+    messages sent ahead of it, our hook's traceback lines among them (the emulator reads the
+    shell socket first when both are ready): the error still gets IPython's lines, each of
+    40 times, as a local kernel gives them."""
+    cells = ["def broken(:\n    pass", "def inner():\n    raise ValueError('bad')\ninner()"]
+    local = await LocalKernelSandbox.create(LocalKernelConfig())
+    try:
+        expected = [_tracebacks((await local.run_cell(cell)).outputs) for cell in cells]
+    finally:
+        await local.kill()
+    assert all(len(tracebacks) == 1 for tracebacks in expected)
+    sandbox = await _backend(e2b_emulator).create(LABELS)
+    try:
+        for attempt in range(20):
+            for cell, want in zip(cells, expected, strict=True):
+                result = await sandbox.run_cell(cell)
+                assert _tracebacks(result.outputs) == want, (attempt, cell)
     finally:
         await sandbox.kill()

@@ -1013,11 +1013,15 @@ class _E2BCell(RunningCell):
     def __init__(self, sandbox: E2BSandbox, context: Any, code: str, outputs: CellOutputs) -> None:
         self._sandbox = sandbox
         self._context = context
+        self._outputs = outputs
         self._restarted: list[str] = []
         self._exited = False
         self._probe: asyncio.Task[Any] | None = None
 
         tracebacks: list[list[str]] = []
+        # The server may pass on the error from the execute_reply before the iopub messages
+        # that came ahead of it, our hook's traceback lines among them: the error waits for them.
+        self._pending_errors: list[dict[str, Any]] = []
 
         def on_error(error: Any) -> None:
             if error.name == _KERNEL_RESTARTED or error.name in _SERVER_LOST_CELL:
@@ -1026,14 +1030,20 @@ class _E2BCell(RunningCell):
             content = error_content(error.name, error.value, error.traceback)
             if tracebacks:
                 content["traceback"] = tracebacks.pop()
-            outputs.add("error", content)
+                outputs.add("error", content)
+            else:
+                self._pending_errors.append(content)
 
         def on_result(result: Any) -> None:
             msg_type, content = result_content(
                 mime_bundle(result), is_main_result=result.is_main_result
             )
             if msg_type == TRACEBACK_MSG_TYPE:
-                tracebacks.append(content["traceback"])
+                if self._pending_errors:
+                    self._pending_errors[-1]["traceback"] = content["traceback"]
+                    self._add_pending_errors()
+                else:
+                    tracebacks.append(content["traceback"])
             elif msg_type == EXIT_MSG_TYPE:
                 self._exited = True
             else:
@@ -1052,6 +1062,11 @@ class _E2BCell(RunningCell):
         )
         sandbox._running = self._execution
         self._keep_alive = asyncio.create_task(sandbox._keep_alive())
+
+    def _add_pending_errors(self) -> None:
+        """Add the error still waiting for its traceback lines, with the lines it has."""
+        while self._pending_errors:
+            self._outputs.add("error", self._pending_errors.pop(0))
 
     async def wait(self, deadline: float | None) -> bool:
         task = self._probe or self._execution
@@ -1097,10 +1112,12 @@ class _E2BCell(RunningCell):
         for task in (self._keep_alive, self._execution, self._probe):
             if task is not None:
                 await cancel_and_wait(task)
+        self._add_pending_errors()
 
     async def finish(self, *, state_lost: bool) -> CellReply:
         sandbox = self._sandbox
         sandbox._running = None
+        self._add_pending_errors()
         await cancel_and_wait(self._keep_alive)
         if state_lost:
             return CellReply()
