@@ -133,7 +133,8 @@ def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:
     Args:
         spec: ``"dask"``: a `distributed.LocalCluster` of worker processes on this machine
             (as many as Dask starts by default for its cores, `BRANCHES_PER_WORKER` threads
-            each, no dashboard), started for the run and closed after it;
+            each, no dashboard, the scheduler's HTTP endpoints on a free port), started for
+            the run and closed after it;
             ``"dask:ADDRESS"``: the running scheduler at ADDRESS (``tcp://host:8786``).
 
     Returns:
@@ -153,6 +154,9 @@ def dask_task_runner(spec: str) -> SandboxDaskTaskRunner:
             "processes": True,
             "threads_per_worker": BRANCHES_PER_WORKER,
             "dashboard_address": None,
+            # The scheduler's HTTP endpoints (/health, /metrics) on a free port: Dask's 8787,
+            # when another cluster on this machine holds it, costs a UserWarning.
+            "scheduler_kwargs": {"dashboard_address": ":0"},
         },
     )
 
