@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import pickle
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -79,15 +80,41 @@ class Workers:
         self.pids = pids
 
 
+WORKER_START_S = 120
+"""How long the module's worker processes may take to start and reach the scheduler: Dask's
+default 30 s ran out once at load 5 ("Cluster closed without starting up"; 25 s at load 6)."""
+
+
 @pytest.fixture(scope="module")
-def workers() -> Iterator[Workers]:
+def cluster() -> Iterator[Client]:
+    """Two single-thread worker processes; the client is not Dask's default, so a sweep with
+    ``task_runner="dask"`` starts its own cluster rather than queueing behind these workers."""
     with (
+        dask.config.set({"distributed.comm.timeouts.connect": f"{WORKER_START_S}s"}),
         LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster,
-        Client(cluster) as client,
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            scheduler_kwargs={"dashboard_address": ":0"},
+        ) as local,
+        Client(local, set_as_default=False, timeout=WORKER_START_S) as client,
     ):
-        yield Workers(cluster.scheduler_address, client.run(os.getpid))
+        yield client
+
+
+@pytest.fixture
+def workers(cluster: Client) -> Iterator[Workers]:
+    """The module's cluster, idle: a test that ends with tasks still on a single-thread worker
+    (one timed out, or a branch Dask cannot stop) has its workers restarted, or every later
+    test's tasks would queue behind them."""
+    yield Workers(cluster.scheduler.address, cluster.run(os.getpid))
+    if any(cluster.processing().values()):
+        # Where the left tasks stand, for the report of the test that left them.
+        for worker, tasks in cluster.call_stack().items():
+            for key, frames in tasks.items():
+                print(f"left on {worker}: {key}\n{''.join(frames)}", file=sys.stderr)
+        cluster.restart(timeout=WORKER_START_S)
 
 
 def _stage(name: str, index: int, source: str) -> StageSpec:
@@ -170,6 +197,7 @@ async def _run_staged(backend: SandboxBackend, workers: Workers, tmp_path: Path)
     return result
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 async def test_stages_on_two_worker_processes_share_one_local_sandbox(
     workers: Workers, tmp_path: Path
 ) -> None:
@@ -197,6 +225,7 @@ async def test_stages_on_two_worker_processes_share_one_local_sandbox(
     assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: handle.labels[FLOW_RUN_ID_LABEL]}) == []
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 async def test_stages_on_two_worker_processes_share_one_e2b_sandbox(
     workers: Workers, e2b_emulator: E2BEmulator, tmp_path: Path
 ) -> None:
@@ -276,6 +305,7 @@ def _secrets_flow(backend: E2BBackend) -> dict[str, Any]:
     return {**seen, "prefect_reveals": shipped.count(SECRET.encode())}
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 async def test_workers_get_the_flow_runs_parameters_with_secrets_masked(workers: Workers) -> None:
     backend = E2BBackend(credentials=E2BCredentials(api_key=SECRET))
     runner = SandboxDaskTaskRunner(address=workers.address)
@@ -351,6 +381,7 @@ async def _check_branches_ran_as_the_sweeps_tasks(result: Any) -> None:
             assert parent.flow_run_id == sweep_id
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
 async def test_a_sweep_on_a_local_dask_cluster_keeps_max_live_sandboxes_alive_at_most(
     tmp_path: Path,
 ) -> None:
