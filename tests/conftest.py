@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import copyreg
+import functools
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ import pytest
 # jupyter_core warns about its coming path change unless told which to use.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
+from prefect_sandbox.sandbox.notebook import retry_ast_race
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.s3 import MotoServer
 
@@ -33,6 +36,11 @@ if TYPE_CHECKING:
     from tests.test_deployments import PrefectStack
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# This process is full of threads that log exceptions, and CPython 3.11 builds an AST to format
+# each traceback: pytest's own reports (ast.parse in its source lookup) met the race that
+# `retry_ast_race` describes and stopped a whole run with an INTERNALERROR.
+ast.parse = functools.partial(retry_ast_race, ast.parse)
 
 SUBPROCESS_TEST_TIMEOUT_S = 400
 """pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask

@@ -109,9 +109,10 @@ _PROMPT = re.compile(r"In ?\[\d+\]")
 
 
 def _tracebacks(outputs: list[dict[str, Any]]) -> list[list[str]]:
-    """The error outputs' traceback lines, colours and prompt numbers masked."""
+    """The error outputs' name, value and traceback lines, colours and prompt numbers masked."""
     return [
-        [_PROMPT.sub("In[N]", _ANSI.sub("", line)) for line in output["traceback"]]
+        [output["ename"], output["evalue"]]
+        + [_PROMPT.sub("In[N]", _ANSI.sub("", line)) for line in output["traceback"]]
         for output in outputs
         if output["output_type"] == "error"
     ]
@@ -121,10 +122,16 @@ async def test_an_errors_traceback_lines_survive_the_reply_overtaking_them(
     e2b_emulator: E2BEmulator,
 ) -> None:
     """The server may pass on the error that the execute_reply carries before the iopub
-    messages sent ahead of it, our hook's traceback lines among them (the emulator reads the
-    shell socket first when both are ready): the error still gets IPython's lines, each of
-    40 times, as a local kernel gives them."""
-    cells = ["def broken(:\n    pass", "def inner():\n    raise ValueError('bad')\ninner()"]
+    messages sent ahead of it, our hook's among them (the emulator reads the shell socket
+    first when both are ready): each of 60 errors still has the name, value and lines that a
+    local kernel gives, including one raised while formatting the value, whose reply says
+    ``NoneType: None``."""
+    cells = [
+        "def broken(:\n    pass",
+        "def inner():\n    raise ValueError('bad')\ninner()",
+        "class Unprintable:\n    def __repr__(self):\n        raise KeyError('no repr')\n"
+        "Unprintable()",
+    ]
     local = await LocalKernelSandbox.create(LocalKernelConfig())
     try:
         expected = [_tracebacks((await local.run_cell(cell)).outputs) for cell in cells]

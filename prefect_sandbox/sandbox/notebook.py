@@ -18,9 +18,9 @@ import re
 import sys
 import tokenize
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import nbformat
 from markdown_it import MarkdownIt
@@ -45,6 +45,7 @@ __all__ = [
     "parse_python",
     "python_literal",
     "read_notebook",
+    "retry_ast_race",
     "split_stages",
     "undeclared_parameters",
 ]
@@ -233,17 +234,41 @@ def python_literal(value: Any) -> str:
     )
 
 
+T = TypeVar("T")
+
 _AST_DEPTH_MISMATCH = "AST constructor recursion depth mismatch"
 
+_ast_parse = ast.parse
+"""The interpreter's own `ast.parse`, even where a process wraps ``ast.parse`` in
+`retry_ast_race` (the test suite does)."""
 
-def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
-    """`ast.parse`, proof against a CPython 3.11 race.
+
+def retry_ast_race(parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``parse(*args, **kwargs)`` (`ast.parse` or the like), proof against a CPython 3.11 race.
 
     CPython 3.11 keeps the AST constructor's recursion depth in state that all threads share
     (gh-106905), so a parse in one thread while another builds an AST (Python 3.11's traceback
     formatting does, to place its carets, whenever a thread logs an exception) can end in a
-    spurious ``SystemError: AST constructor recursion depth mismatch``. The parse is then
-    tried again, at most twice.
+    spurious ``SystemError: AST constructor recursion depth mismatch``. The call is then made
+    again, at most twice.
+
+    Returns:
+        What ``parse`` returns.
+
+    Raises:
+        SyntaxError: the source is not valid Python (from ``parse``).
+    """
+    for _ in range(2):
+        try:
+            return parse(*args, **kwargs)
+        except SystemError as exc:
+            if _AST_DEPTH_MISMATCH not in str(exc):
+                raise
+    return parse(*args, **kwargs)
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse` of a module's source through `retry_ast_race`.
 
     Args:
         source: Python source text.
@@ -255,13 +280,8 @@ def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
     Raises:
         SyntaxError: the source is not valid Python.
     """
-    for _ in range(2):
-        try:
-            return ast.parse(source, filename)
-        except SystemError as exc:
-            if _AST_DEPTH_MISMATCH not in str(exc):
-                raise
-    return ast.parse(source, filename)
+    tree: ast.Module = retry_ast_race(_ast_parse, source, filename)
+    return tree
 
 
 def undeclared_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> list[str]:

@@ -165,7 +165,8 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
         return write_format_data(controlled(format_dict, md_dict), md_dict)
 
     def hooked_showtraceback(etype, evalue, stb):
-        publish({{key: {{"traceback": list(stb)}}}})
+        ename = getattr(etype, "__name__", str(etype))
+        publish({{key: {{"traceback": list(stb), "ename": ename, "evalue": str(evalue)}}}})
         return showtraceback(etype, evalue, stb)
 
     def hooked_ask_exit():
@@ -384,9 +385,10 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
 
     A bundle that our display hooks marked (`DISPLAY_CONTROL_MIME`) gets back what E2B drops:
     its display id, metadata and exact ``text/plain``; an update is ``update_display_data``
-    and a ``clear_output`` call is ``clear_output``. The lines of the traceback of the error
-    that follows come as `TRACEBACK_MSG_TYPE`, since E2B joins them without a separator, and
-    an ``exit()`` call as `EXIT_MSG_TYPE`.
+    and a ``clear_output`` call is ``clear_output``. The name, value and traceback lines of an
+    error the kernel shows come as `TRACEBACK_MSG_TYPE` (``{"ename", "evalue", "traceback"}``),
+    since E2B joins the lines without a separator and may pass on the execute_reply's error
+    instead, and an ``exit()`` call as `EXIT_MSG_TYPE`.
 
     Args:
         bundle: the result's MIME bundle (`mime_bundle`).
@@ -404,7 +406,8 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
     if control.get("exit"):
         return EXIT_MSG_TYPE, {}
     if "traceback" in control:
-        return TRACEBACK_MSG_TYPE, {"traceback": list(control["traceback"])}
+        shown = {name: str(control[name]) for name in ("ename", "evalue") if name in control}
+        return TRACEBACK_MSG_TYPE, {**shown, "traceback": list(control["traceback"])}
     if "text/plain" in control:
         data["text/plain"] = control["text/plain"]
     content: dict[str, Any] = {"data": data, "metadata": control.get("metadata") or {}}
@@ -1018,9 +1021,11 @@ class _E2BCell(RunningCell):
         self._exited = False
         self._probe: asyncio.Task[Any] | None = None
 
-        tracebacks: list[list[str]] = []
-        # The server may pass on the error from the execute_reply before the iopub messages
-        # that came ahead of it, our hook's traceback lines among them: the error waits for them.
+        shown_errors: list[dict[str, Any]] = []
+        # The server passes on the first error it reads, and may read the execute_reply's before
+        # the iopub messages sent ahead of it, our hook's among them: that error waits for the
+        # hook's name, value and lines (a reply's own can be ``NoneType: None``, as ipykernel
+        # reports an error raised while formatting the cell's value).
         self._pending_errors: list[dict[str, Any]] = []
 
         def on_error(error: Any) -> None:
@@ -1028,9 +1033,8 @@ class _E2BCell(RunningCell):
                 self._restarted.append(error.name)
                 return
             content = error_content(error.name, error.value, error.traceback)
-            if tracebacks:
-                content["traceback"] = tracebacks.pop()
-                outputs.add("error", content)
+            if shown_errors:
+                outputs.add("error", {**content, **shown_errors.pop()})
             else:
                 self._pending_errors.append(content)
 
@@ -1040,10 +1044,10 @@ class _E2BCell(RunningCell):
             )
             if msg_type == TRACEBACK_MSG_TYPE:
                 if self._pending_errors:
-                    self._pending_errors[-1]["traceback"] = content["traceback"]
+                    self._pending_errors[-1].update(content)
                     self._add_pending_errors()
                 else:
-                    tracebacks.append(content["traceback"])
+                    shown_errors.append(content)
             elif msg_type == EXIT_MSG_TYPE:
                 self._exited = True
             else:
