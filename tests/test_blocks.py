@@ -88,9 +88,15 @@ async def test_a_saved_e2b_block_with_the_old_field_file_retries_still_loads() -
     credentials = E2BCredentials(api_key="e2b_key")
     await credentials.save("old-names-e2b-credentials", overwrite=True)
     block = E2BBackend(credentials=credentials, request_retries=7)
-    await _resave_with_old_field(block, "old-names-e2b", "request_retries", "file_retries")
-    loaded = await E2BBackend.load("old-names-e2b")
-    assert loaded.request_retries == 7
-    assert loaded._config().request_retries == 7
-    assert loaded.credentials.api_key.get_secret_value() == "e2b_key"
-    assert E2BBackend(credentials=credentials, file_retries=2).request_retries == 2
+    try:
+        await _resave_with_old_field(block, "old-names-e2b", "request_retries", "file_retries")
+        loaded = await E2BBackend.load("old-names-e2b")
+        assert loaded.request_retries == 7
+        assert loaded._config().request_retries == 7
+        assert loaded.credentials.api_key.get_secret_value() == "e2b_key"
+        assert E2BBackend(credentials=credentials, file_retries=2).request_retries == 2
+    finally:
+        # A saved backend block stays in the session's API, where the reaper's docs snippet
+        # sweeps every saved backend (this one points at the real E2B, unreachable here).
+        await E2BBackend.adelete("old-names-e2b")
+        await E2BCredentials.adelete("old-names-e2b-credentials")
