@@ -8,7 +8,7 @@ import asyncio
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -155,11 +155,11 @@ async def test_co2_deployment_runs_to_completion_with_blocks_by_reference(
     progress = [a for a in artifacts if a.type == "progress"]
     assert [float(str(a.data)) for a in progress] == [100.0]
 
-    logs = await client.read_logs(
-        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
-    )
-    messages = [log.message for log in logs]
-    assert any(m.startswith("[evaluate cell") and "MAE" in m for m in messages)
+    def mae_logged(message: str) -> bool:
+        return message.startswith("[evaluate cell") and "MAE" in message
+
+    messages = await _messages_once_logged(client, flow_run.id, mae_logged, 60)
+    assert any(mae_logged(m) for m in messages), messages
 
     metrics_key = next(row["key"] for row in table if row["key"].endswith("/metrics.json"))
     bucket_name, _, key = metrics_key[len("s3://") :].partition("/")
@@ -181,6 +181,25 @@ async def _wait_for_state(
         assert flow_run.state is not None
         if flow_run.state.type in wanted or time.monotonic() > deadline:
             return flow_run.state.type
+        await asyncio.sleep(0.5)
+
+
+async def _messages_once_logged(
+    client: PrefectClient, flow_run_id: UUID, wanted: Callable[[str], bool], timeout_s: float
+) -> list[str]:
+    """A flow run's log messages, read until one is ``wanted`` or ``timeout_s`` (seconds) pass.
+
+    A worker's flow-run process sends its last log records as it exits, after the run's final
+    state, so a read made as soon as the state is final can miss them.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs = await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
+        messages = [log.message for log in logs]
+        if any(wanted(m) for m in messages) or time.monotonic() > deadline:
+            return messages
         await asyncio.sleep(0.5)
 
 
@@ -421,9 +440,9 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
         )
         assert task_runs == [], [t.name for t in task_runs]
     assert await _wait_for_state(client, allowed.id, final, 240) == StateType.COMPLETED
-    logs = await client.read_logs(
-        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[allowed.id]))
-    )
-    assert any(
-        log.message.startswith("[probe cell 0]") and "saved-block" in log.message for log in logs
-    )
+
+    def probe_logged(message: str) -> bool:
+        return message.startswith("[probe cell 0]") and "saved-block" in message
+
+    messages = await _messages_once_logged(client, allowed.id, probe_logged, 60)
+    assert any(probe_logged(m) for m in messages), messages
