@@ -225,16 +225,14 @@ async def test_h25_cancelling_mid_cell_kills_the_sandbox(
         assert time.monotonic() < deadline, "the run's sandbox never started"
         await asyncio.sleep(0.5)
     kernel = psutil.Process(int(pid_file.read_text()))
+
     # Mid-cell: the cell's first line has reached the run's logs (they are sent as they come).
-    while not [
-        log
-        for log in await client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]))
-        )
-        if log.message.startswith("[wait cell") and "sleeping" in log.message
-    ]:
-        assert time.monotonic() < deadline, "the run's cell never started"
-        await asyncio.sleep(0.5)
+    def cell_started(message: str) -> bool:
+        return message.startswith("[wait cell") and "sleeping" in message
+
+    left_s = deadline - time.monotonic()
+    messages = await _messages_once_logged(client, flow_run.id, cell_started, left_s)
+    assert any(cell_started(m) for m in messages), "the run's cell never started"
     assert await _wait_for_state(client, flow_run.id, {StateType.RUNNING}, 5) == StateType.RUNNING
 
     cancel_at = time.monotonic()
