@@ -68,6 +68,7 @@ from prefect_sandbox.sandbox.backends import (
     translated,
 )
 from prefect_sandbox.sandbox.backends.jupyter import FORKED_CHILD_GUARD_CODE
+from prefect_sandbox.sandbox.backends.native_threads import wait_for_quiet_threads_at_exit
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -300,13 +301,16 @@ _MIME_OF_FIELD = {
 
 
 def import_sdk() -> ModuleType:
-    """Import ``e2b_code_interpreter``.
+    """Import ``e2b_code_interpreter``, and make the interpreter's exit wait for the SDK's
+    native threads (`wait_for_quiet_threads_at_exit`).
 
     Raises:
         BackendNotInstalledError: the ``e2b`` extra is not installed (the message says how to
             install it).
     """
-    return import_extra("e2b_code_interpreter", extra="e2b", backend="E2B")
+    sdk = import_extra("e2b_code_interpreter", extra="e2b", backend="E2B")
+    wait_for_quiet_threads_at_exit()
+    return sdk
 
 
 @dataclass(frozen=True, kw_only=True)
