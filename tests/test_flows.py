@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -689,6 +690,36 @@ def test_c02_prefects_global_task_retries_never_run_a_stage_again(tmp_path: Path
     assert "RuntimeError: payment API said no" in done.stderr.strip().splitlines()[-1]
     (run_dir,) = (tmp_path / "out").iterdir()
     assert (run_dir / "ledger.txt").read_text() == "charge\n"
+
+
+def test_no_task_of_the_package_takes_prefects_global_retry_default() -> None:
+    # Prefect reads PREFECT_TASKS_DEFAULT_RETRIES when a task is defined: at import.
+    script = textwrap.dedent(
+        """
+        import importlib, json, pkgutil
+        from prefect import Task
+        import prefect_sandbox
+
+        retries = {}
+        for module in pkgutil.walk_packages(prefect_sandbox.__path__, "prefect_sandbox."):
+            if not module.name.startswith("prefect_sandbox.testing"):
+                for value in vars(importlib.import_module(module.name)).values():
+                    if isinstance(value, Task):
+                        retries[value.name] = value.retries
+        print(json.dumps(retries))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PREFECT_TASKS_DEFAULT_RETRIES": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    retries = json.loads(done.stdout)
+    assert {"run-stage", "store-artifacts", "sweep-branch"} <= set(retries)
+    assert set(retries.values()) == {0}, retries
 
 
 async def test_a_flow_retry_gets_a_fresh_sandbox_and_an_emptied_folder(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, 
 from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
 from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, flow_run_logs
 from tests.test_flows import _api_env, _cli
 
 if TYPE_CHECKING:
@@ -278,6 +278,29 @@ async def test_a_failing_branch_stops_no_other_and_fails_the_sweep_naming_it(
     # A branch's text is escaped: no HTML, link or table syntax reaches the table.
     assert rows[2]["label"] == r"&lt;b&gt;bold&lt;/b&gt; \| \[x\](http\://e.vil)"
     assert "<b>" not in json.dumps(rows)
+
+
+async def test_a_retried_sweep_runs_every_branch_again_in_the_folder_it_emptied(
+    tmp_path: Path,
+) -> None:
+    source = _notebook(tmp_path / "nb.ipynb", _METRICS)
+    state = await asweep_notebook.with_options(retries=1)(
+        notebook=str(source),
+        grid=[{"x": 1}, {"x": 2}],
+        storage=str(tmp_path / "out"),
+        return_state=True,
+    )
+    assert state.is_failed()
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [b["status"] for b in sweep["branches"]] == ["completed", "failed"]
+    # The first attempt's branch folders are gone: sweep.json lists all there is.
+    listed = {Path(b["output_dir"]).name for b in sweep["branches"]}
+    assert {p.name for p in sweep_dir.iterdir()} == {*listed, "sweep.json"}
+    messages = [log.message for log in await flow_run_logs(sweep["flow_run_id"])]
+    assert any(
+        m.startswith("Flow run attempt 2: removed the") and str(sweep_dir) in m for m in messages
+    ), messages
 
 
 async def test_a_sweep_where_every_branch_completes_returns_its_result(tmp_path: Path) -> None:

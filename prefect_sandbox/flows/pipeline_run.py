@@ -70,6 +70,7 @@ __all__ = [
     "RESERVED_NAMES",
     "SUMMARY_NAME",
     "PipelineRun",
+    "empty_for_this_attempt",
     "new_run",
     "own_names_kept",
     "uncancel_current_task",
@@ -492,6 +493,29 @@ class PipelineRun:
         )
 
 
+async def empty_for_this_attempt(store: ArtifactStore, flow_run: FlowRun) -> None:
+    """Remove what an earlier attempt of the flow run stored in its folder, which is the same
+    for each attempt of a retried flow run, so that what this attempt lists is all there is;
+    a warning says how many files went.
+
+    Args:
+        store: the flow run's store, made ready (`ArtifactStore.prepare`).
+        flow_run: the flow run; its ``run_count`` is the attempt's number.
+
+    Raises:
+        FileTransferError: a file could not be removed (names the folder).
+    """
+    removed = await asyncio.to_thread(store.clear)
+    if removed:
+        get_run_logger().warning(
+            "Flow run attempt %d: removed the %d file(s) an earlier attempt stored in %s; "
+            "each attempt starts afresh",
+            flow_run.run_count,
+            removed,
+            store.output_dir,
+        )
+
+
 async def new_run(
     source: NotebookNode,
     stages: list[StageSpec],
@@ -525,16 +549,7 @@ async def new_run(
         backend = await default_backend()
     store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
     store.prepare()
-    # The run's folder is the same for each attempt of a retried flow run: empty it.
-    removed = await asyncio.to_thread(store.clear)
-    if removed:
-        get_run_logger().warning(
-            "Flow run attempt %d: removed the %d file(s) an earlier attempt stored in %s; "
-            "each attempt runs in a fresh sandbox and stores afresh",
-            flow_run.run_count,
-            removed,
-            store.output_dir,
-        )
+    await empty_for_this_attempt(store, flow_run)
     executed = ExecutedNotebook(source)
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
     # Those of SIGKILLed runs on this machine, which could not remove their own.

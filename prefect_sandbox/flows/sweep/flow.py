@@ -24,6 +24,7 @@ from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline import sync_twin
+from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import table_cell
 from prefect_sandbox.flows.sweep.collection import collect, failure_message, run_branches
@@ -126,6 +127,9 @@ async def _sweep_storage(
         storage = cast(S3Bucket, await S3Bucket.aload(storage[len(S3_BLOCK_PREFIX) :]))
     store = resolve_storage(storage, flow_name, flow_run.name, str(flow_run.id))
     store.prepare()
+    # A retried sweep runs every branch again, as new flow runs: its folder holds what this
+    # attempt's branches store, which `sweep.json` lists, and nothing else.
+    await empty_for_this_attempt(store, flow_run)
     return storage, store
 
 

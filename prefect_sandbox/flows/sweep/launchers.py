@@ -169,7 +169,7 @@ class SubflowLauncher(BranchLauncher):
         stored what it made."""
 
 
-@task(name="sweep-branch", task_run_name="{name}", cache_policy=NO_CACHE)
+@task(name="sweep-branch", task_run_name="{name}", cache_policy=NO_CACHE, retries=0)
 async def _dask_branch(
     name: str, options: BranchOptions, parameters: dict[str, Any]
 ) -> dict[str, Any]:
