@@ -26,7 +26,7 @@ from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, 
 from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
 from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
-from tests.conftest import ROOT, flow_run_logs
+from tests.conftest import ROOT, flow_run_logs, kernel_processes
 from tests.test_flows import _api_env, _cli
 
 if TYPE_CHECKING:
@@ -301,6 +301,39 @@ async def test_a_retried_sweep_runs_every_branch_again_in_the_folder_it_emptied(
     assert any(
         m.startswith("Flow run attempt 2: removed the") and str(sweep_dir) in m for m in messages
     ), messages
+
+
+async def test_a_sweep_past_its_timeout_stops_its_branches_and_stores_everything(
+    tmp_path: Path,
+) -> None:
+    from prefect.client.orchestration import get_client
+
+    before = {p.pid for p in kernel_processes()}
+    source = _notebook(
+        tmp_path / "nb.ipynb",
+        "import json, time\n"
+        "json.dump({'x2': x * x}, open('metrics.json', 'w'))\n"
+        "time.sleep(x * 600)",
+    )
+    state = await asweep_notebook.with_options(timeout_seconds=15)(
+        notebook=str(source), grid={"x": [0, 1]}, storage=str(tmp_path / "out"), return_state=True
+    )
+    assert state.name == "TimedOut", state
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    sweep = json.loads((sweep_dir / "sweep.json").read_text())
+    assert sweep["status"] == "failed"
+    assert sweep["error"].startswith("timed out (the flow run's timeout_seconds, 15.0 s); ")
+    sleeper = sweep["branches"][1]
+    assert sleeper["status"] == "cancelled" and sleeper["summary_stored"] is True
+    assert json.loads((Path(sleeper["output_dir"]) / "summary.json").read_text())["status"] == (
+        "cancelled"
+    )
+    # No branch's flow run is left Running, and no branch's kernel is left alive.
+    async with get_client() as client:
+        for branch in sweep["branches"]:
+            run = await client.read_flow_run(uuid.UUID(branch["flow_run_id"]))
+            assert run.state is not None and run.state.is_final(), (branch, run.state)
+    assert {p.pid for p in kernel_processes()} == before
 
 
 async def test_a_sweep_where_every_branch_completes_returns_its_result(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, SWEEP_NAME, Branch
 from prefect_sandbox.results import BranchResult, PipelineResult
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.outputs import cap_text
+from prefect_sandbox.tasks.sandbox import shielded
 from prefect_sandbox.tasks.storage import resolve_storage
 
 __all__ = ["FAILED_NAMED", "collect", "failure_message", "run_branches"]
@@ -52,7 +53,9 @@ async def run_branches(branches: list[Branch], launcher: BranchLauncher) -> bool
         uncancel_current_task()
         for task in tasks:
             task.cancel()
-        await asyncio.wait(tasks)
+        # A passed deadline cancels every await in its scope: this one must see them end.
+        with shielded():
+            await asyncio.wait(tasks)
         return True
     return False
 

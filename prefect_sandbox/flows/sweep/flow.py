@@ -8,9 +8,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 from uuid import UUID
 
+import anyio
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 from prefect.client.schemas.objects import FlowRun
@@ -43,6 +44,7 @@ from prefect_sandbox.options import SweepOptions, check_options
 from prefect_sandbox.results import BranchResult, SweepResult
 from prefect_sandbox.sandbox.notebook import read_notebook, split_stages
 from prefect_sandbox.settings import PrefectSandboxSettings
+from prefect_sandbox.tasks.sandbox import shielded
 from prefect_sandbox.tasks.storage import S3_BLOCK_PREFIX, ArtifactStore, resolve_storage
 
 if TYPE_CHECKING:
@@ -176,6 +178,17 @@ async def _store(result: SweepResult, store: ArtifactStore) -> None:
     )
 
 
+def _status(
+    timed_out: bool, cancelled: bool, failed: list[BranchResult]
+) -> Literal["completed", "failed", "cancelled"]:
+    """The sweep's status: a timeout fails it, whatever stopped the branches after."""
+    if timed_out:
+        return "failed"
+    if cancelled:
+        return "cancelled"
+    return "failed" if failed else "completed"
+
+
 def _outcome(result: SweepResult, failed: list[BranchResult]) -> SweepResult:
     """What the flow returns (``result``) or raises, once ``sweep.json`` is stored."""
     completed = len(result.branches) - len(failed)
@@ -295,35 +308,46 @@ async def asweep_notebook(
     branches = _branches(plan, flow_run)
     how = _MODE_TEXT[plan.mode].format(task_runner=task_runner, deployment=plan.deployment)
     get_run_logger().info("Sweeping %d parameter set(s) as %s", len(branches), how)
-    async with sweep_limit(flow_run.id, max_live_sandboxes) as limit:
-        options = BranchOptions(
+    # The flow run's timeout_seconds stops the branches alone: waiting for them to store what
+    # they made, and storing sweep.json, run shielded from it (Prefect still ends it TimedOut).
+    deadline = anyio.current_effective_deadline()
+    with shielded():
+        async with sweep_limit(flow_run.id, max_live_sandboxes) as limit:
+            options = BranchOptions(
+                notebook=notebook,
+                inputs=inputs,
+                artifacts=plan.artifacts,
+                backend=backend,
+                storage=_branch_storage(storage, store, plan.mode),
+                cell_timeout_s=cell_timeout_s,
+                sweep_limit=limit,
+            )
+            launcher = _launcher(plan, options, flow_run.id)
+            poll_s = PrefectSandboxSettings().cancel_poll_s
+            async with launcher.started(), cancelled_from_api(flow_run.id, poll_s=poll_s):
+                with anyio.CancelScope(deadline=deadline) as timeout:
+                    cancelled = await run_branches(branches, launcher)
+        results = await collect(branches, options.storage, metrics_artifact)
+        failed = [branch for branch in results if branch.status != "completed"]
+        error = failure_message(failed, len(results), store.output_dir) if failed else None
+        if timeout.cancel_called:
+            timed_out = (
+                f"timed out (the flow run's timeout_seconds, {context.flow.timeout_seconds} s)"
+            )
+            error = f"{timed_out}; {error}" if error else timed_out
+        result = SweepResult(
+            flow_run_id=str(flow_run.id),
+            flow_run_name=flow_run.name,
+            status=_status(timeout.cancel_called, cancelled, failed),
+            mode=plan.mode,
             notebook=notebook,
-            inputs=inputs,
-            artifacts=plan.artifacts,
-            backend=backend,
-            storage=_branch_storage(storage, store, plan.mode),
-            cell_timeout_s=cell_timeout_s,
-            sweep_limit=limit,
+            output_dir=store.output_dir,
+            metrics_artifact=metrics_artifact or None,
+            duration_s=round(time.monotonic() - start, 6),
+            branches=results,
+            error=error,
         )
-        launcher = _launcher(plan, options, flow_run.id)
-        poll_s = PrefectSandboxSettings().cancel_poll_s
-        async with launcher.started(), cancelled_from_api(flow_run.id, poll_s=poll_s):
-            cancelled = await run_branches(branches, launcher)
-    results = await collect(branches, options.storage, metrics_artifact)
-    failed = [branch for branch in results if branch.status != "completed"]
-    result = SweepResult(
-        flow_run_id=str(flow_run.id),
-        flow_run_name=flow_run.name,
-        status="cancelled" if cancelled else "failed" if failed else "completed",
-        mode=plan.mode,
-        notebook=notebook,
-        output_dir=store.output_dir,
-        metrics_artifact=metrics_artifact or None,
-        duration_s=round(time.monotonic() - start, 6),
-        branches=results,
-        error=failure_message(failed, len(results), store.output_dir) if failed else None,
-    )
-    await _store(result, store)
+        await _store(result, store)
     return _outcome(result, failed)
 
 
