@@ -51,7 +51,7 @@ from prefect_sandbox.sandbox.errors import CellExecutionError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
-from tests.conftest import ROOT
+from tests.conftest import ROOT, kernel_processes
 from tests.test_reaper import _reap, _sigkill, _start_victim, e2b_backend
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -240,6 +240,52 @@ def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_
         )
         == []
     )
+
+
+_SESSION_TIMEOUT_S = 20
+"""A session flow's timeout: room for its kernel to start on a busy machine."""
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
+    tmp_path: Path, kind: str
+) -> None:
+    out = tmp_path / "out"
+    sleeper = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+    before = {p.pid for p in kernel_processes()}
+
+    @flow(timeout_seconds=_SESSION_TIMEOUT_S)
+    async def async_agent() -> None:
+        async with sandbox_session(storage=str(out), artifacts=["*.txt"]) as session:
+            await session.run_cell("open('kept.txt', 'w').write('kept')")
+            await session.run_cell(sleeper)
+
+    @flow(timeout_seconds=_SESSION_TIMEOUT_S)
+    def sync_agent() -> None:
+        with sandbox_session(storage=str(out), artifacts=["*.txt"]) as session:
+            session.run_cell("open('kept.txt', 'w').write('kept')")
+            session.run_cell(sleeper)
+
+    if kind == "async":
+        state = asyncio.run(async_agent(return_state=True))
+    else:
+        state = sync_agent(return_state=True)
+    assert state.name == "TimedOut", state
+    summary = _summary(out)
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(
+        f"timed out (the flow run's timeout_seconds, {float(_SESSION_TIMEOUT_S)} s) during "
+        "stage 'cell-2', cell 1"
+    )
+    assert [s["status"] for s in summary["stages"]] == ["ok", "failed"]
+    assert {a["path"] for a in summary["artifacts"]} == {"kept.txt", "executed.ipynb"}
+    assert summary["sandbox_killed_at"] is not None
+    notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
+    assert [o.get("text", o.get("ename")) for o in notebook.cells[1].outputs] == [
+        "sleeping\n",
+        "RunTimedOut",
+    ]
+    assert {p.pid for p in kernel_processes()} <= before
 
 
 async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_arguments(

@@ -388,11 +388,11 @@ class PipelineRun:
                 raise
         self.stage_results.append(result)
 
-    def take_cancellation(self) -> None:
+    def take_cancellation(self, *, timed_out: bool = False) -> None:
         """Take this task's cancellation as handled here: the run stops, kills its sandbox,
         stores what it made and ends Cancelled; or, when the flow run's ``timeout_seconds``
-        passed (`deadline_passed`), ends TimedOut."""
-        if deadline_passed():
+        passed (``timed_out``, or `deadline_passed`), ends TimedOut."""
+        if timed_out or deadline_passed():
             # Prefect's cancel scope cancels each await until the flow returns, whatever is
             # uncancelled here: the clean-up's awaits are shielded instead.
             self.timed_out = True

@@ -22,16 +22,19 @@ it by its labels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import nbformat
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 from pydantic import BaseModel
 
@@ -47,9 +50,11 @@ from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_te
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
 from prefect_sandbox.tasks.sandbox import (
     cell_failure,
+    deadline_passed,
     download_artifacts,
     partial_stage_result,
     run_stage,
+    shielded,
     stage_progress,
 )
 
@@ -153,6 +158,11 @@ class SandboxSession:
     def end(self) -> None:
         """Refuse any later call; the session's block is being left."""
         self._open = False
+
+    async def settled(self) -> None:
+        """Wait until no cell of this session is running, or recording how it ended."""
+        async with self._turn:
+            pass
 
     def _check_open(self) -> None:
         if not self._open:
@@ -340,6 +350,21 @@ class SandboxSession:
         return await download_artifacts(self._run.backend, self._handle, patterns, folder)
 
 
+_WAKE_S = 0.1
+"""Seconds a sync session's call waits at a time for its result (see `SyncSandboxSession`)."""
+
+
+def _flow_timeout_passed() -> bool:
+    """Whether the flow run's ``timeout_seconds`` has passed. A sync flow's timeout is raised
+    in its own thread (by a signal, or an exception Prefect sets there), which the session's
+    event loop sees as a plain cancellation, with no deadline of its own."""
+    context = FlowRunContext.get()
+    if context is None or context.flow is None or context.flow.timeout_seconds is None:
+        return False
+    elapsed = datetime.now(UTC) - context.start_time
+    return elapsed.total_seconds() >= context.flow.timeout_seconds
+
+
 def _body_failure(exc: BaseException) -> SandboxError:
     """What ``summary.json`` says of an exception that left the session's block."""
     if isinstance(exc, SandboxError):
@@ -378,7 +403,7 @@ async def _open_session(
                         yield session
                     except asyncio.CancelledError as exc:
                         cancellation = exc
-                        run.take_cancellation()
+                        run.take_cancellation(timed_out=_flow_timeout_passed())
                     except GeneratorExit:
                         raise
                     except BaseException as exc:
@@ -395,10 +420,14 @@ async def _open_session(
         except SandboxError as exc:
             # The sandbox was never made: the summary is still stored, then this is raised.
             run.failure = raised = run.failure or exc
-        result = await run.store_summary(
-            outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
-        )
-    await run.post_summary(result, SESSION_SUMMARY_KEY, "Sandbox session summary")
+        if not run.cancelled and deadline_passed():
+            run.timed_out = True  # it passed while the files were stored
+        with shielded():
+            result = await run.store_summary(
+                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
+            )
+    with shielded():
+        await run.post_summary(result, SESSION_SUMMARY_KEY, "Sandbox session summary")
     if cancellation is not None:
         raise cancellation
     if raised is not None:
@@ -452,7 +481,19 @@ class SyncSandboxSession:
 
     def _call(self, call: Callable[[], Awaitable[T]]) -> T:
         self._session._check_open()
-        return self._portal.call(_in_context, self._context, call)
+        future = self._portal.start_task_soon(_in_context, self._context, call)
+        try:
+            while True:
+                # In slices: the exception by which Prefect times out a sync flow outside the
+                # main thread reaches this thread only between two Python instructions.
+                with contextlib.suppress(TimeoutError):
+                    return future.result(timeout=_WAKE_S)
+        except BaseException:
+            # Raised in this thread while the call ran on (the flow's timeout comes so): stop
+            # the call, and let it record what its cell did, before the block is left.
+            if future.cancel():
+                self._portal.call(self._session.settled)
+            raise
 
     def run_cell(
         self,
