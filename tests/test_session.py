@@ -47,7 +47,7 @@ from prefect_sandbox.flows.tools import (
     openai_tool,
 )
 from prefect_sandbox.sandbox.base import CellResult
-from prefect_sandbox.sandbox.errors import CellExecutionError
+from prefect_sandbox.sandbox.errors import CellExecutionError, CellTimeoutError
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
@@ -215,6 +215,17 @@ def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> N
     summary = _summary(out)
     assert summary["status"] == "completed"
     assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
+
+
+def test_a_sync_session_raises_a_cells_timeout_when_asked_and_runs_on(tmp_path: Path) -> None:
+    @flow
+    def agent() -> str:
+        with sandbox_session(backend=LocalKernelBackend(), storage=str(tmp_path)) as session:
+            with pytest.raises(CellTimeoutError, match="stage 'cell-1', cell 0"):
+                session.run_cell("import time; time.sleep(60)", timeout_s=1, raise_on_error=True)
+            return session.run_cell("print('after')").text
+
+    assert agent() == "after"
 
 
 def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_it_is(

@@ -22,7 +22,7 @@ it by its labels.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import contextvars
 import inspect
 import time
@@ -483,11 +483,11 @@ class SyncSandboxSession:
         self._session._check_open()
         future = self._portal.start_task_soon(_in_context, self._context, call)
         try:
-            while True:
-                # In slices: the exception by which Prefect times out a sync flow outside the
-                # main thread reaches this thread only between two Python instructions.
-                with contextlib.suppress(TimeoutError):
-                    return future.result(timeout=_WAKE_S)
+            # In slices: the exception by which Prefect times out a sync flow outside the main
+            # thread reaches this thread only between two Python instructions.
+            while not concurrent.futures.wait([future], timeout=_WAKE_S).done:
+                pass
+            return future.result()
         except BaseException:
             # Raised in this thread while the call ran on (the flow's timeout comes so): stop
             # the call, and let it record what its cell did, before the block is left.
