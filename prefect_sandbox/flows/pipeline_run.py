@@ -73,6 +73,7 @@ __all__ = [
     "empty_for_this_attempt",
     "new_run",
     "own_names_kept",
+    "timed_out_reason",
     "uncancel_current_task",
 ]
 
@@ -442,10 +443,8 @@ class PipelineRun:
         if self.cancelled:
             error = f"cancelled {_stopped_where(self.stage_results)}"
         elif self.timed_out:
-            limit = f", {self.timeout_seconds} s" if self.timeout_seconds else ""
             timed_out = (
-                f"timed out (the flow run's timeout_seconds{limit}) "
-                f"{_stopped_where(self.stage_results)}"
+                f"{timed_out_reason(self.timeout_seconds)} {_stopped_where(self.stage_results)}"
             )
             error = f"{error}; then {timed_out}" if error else timed_out
         result = PipelineResult(
@@ -491,6 +490,12 @@ class PipelineRun:
         get_run_logger().info(
             "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.output_dir
         )
+
+
+def timed_out_reason(timeout_seconds: float | None) -> str:
+    """How a run's error says its flow run's ``timeout_seconds`` (None: not known) passed."""
+    limit = f", {timeout_seconds} s" if timeout_seconds else ""
+    return f"timed out (the flow run's timeout_seconds{limit})"
 
 
 async def empty_for_this_attempt(store: ArtifactStore, flow_run: FlowRun) -> None:

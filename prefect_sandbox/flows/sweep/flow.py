@@ -25,7 +25,7 @@ from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline import sync_twin
-from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt
+from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt, timed_out_reason
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.report import table_cell
 from prefect_sandbox.flows.sweep.collection import collect, failure_message, run_branches
@@ -331,9 +331,7 @@ async def asweep_notebook(
         failed = [branch for branch in results if branch.status != "completed"]
         error = failure_message(failed, len(results), store.output_dir) if failed else None
         if timeout.cancel_called:
-            timed_out = (
-                f"timed out (the flow run's timeout_seconds, {context.flow.timeout_seconds} s)"
-            )
+            timed_out = timed_out_reason(context.flow.timeout_seconds)
             error = f"{timed_out}; {error}" if error else timed_out
         result = SweepResult(
             flow_run_id=str(flow_run.id),

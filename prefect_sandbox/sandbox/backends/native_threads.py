@@ -8,7 +8,7 @@ interpreter began finalizing, CPython (3.11 to 3.13) ends it with ``pthread_exit
 unwind through Rust frames aborts the whole process (SIGABRT) after a run that succeeded:
 curioswitch/pyqwest#164, PyO3/pyo3#4874. A script that ends with its last E2B call (attach,
 run a cell, close) was killed so in 12 of 60 runs against our emulator with two CPU-bound
-processes beside it; with this wait, in none of 60, and the wait took 11 to 17 ms.
+processes beside it; with this wait, in none of 120, and the wait took 11 to 17 ms.
 
 `wait_for_quiet_threads_at_exit` registers an ``atexit`` handler, which runs before
 finalization: it sleeps, so the GIL is free, until no other thread of the process is running or
