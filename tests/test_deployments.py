@@ -51,6 +51,7 @@ class PrefectStack(PrefectServer):
     """`prefect server start` and process workers, in subprocesses, on 127.0.0.1."""
 
     def __init__(self, home: Path, input_roots: Path, database_url: str | None = None) -> None:
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
         super().__init__(
             home,
             database_url,
@@ -72,7 +73,24 @@ class PrefectStack(PrefectServer):
     def start_worker(self, name: str, limit: int) -> None:
         """Start a process worker called `name` on the pool, running at most `limit` flow runs."""
         args = ["--pool", "sandbox-process", "--type", "process", "--name", name]
-        self.start_process(name, ["worker", "start", *args, "--limit", str(limit)])
+        self.workers[name] = self.start_process(
+            name, ["worker", "start", *args, "--limit", str(limit)]
+        )
+
+    def wait_until_workers_are_idle(self, timeout_s: float = 120) -> None:
+        """Wait until no worker has a flow run's process left: a worker frees a run's slot only
+        when its process exits, which under load can be seconds after the run's final state."""
+        deadline = time.monotonic() + timeout_s
+        busy = self._busy_workers()
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.5)
+            busy = self._busy_workers()
+        assert not busy, f"workers still running flow runs after {timeout_s} s: {busy}"
+
+    def _busy_workers(self) -> list[str]:
+        return [
+            name for name, worker in self.workers.items() if psutil.Process(worker.pid).children()
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +108,7 @@ def stack(server: PrefectStack) -> Iterator[PrefectStack]:
         yield stack
     finally:
         stack.stop_started()
+        stack.workers.clear()
 
 
 @pytest.fixture
@@ -288,6 +307,8 @@ async def test_sweep_deployment_spreads_its_branches_over_both_workers(
 ) -> None:
     notebook = _square_notebook(tmp_path / "square.ipynb")
     out = tmp_path / "out"  # one folder the sweep and both workers reach
+    # A run of an earlier test still exiting would hold a slot, and one worker could be full.
+    stack.wait_until_workers_are_idle()
     parameters = {
         "notebook": str(notebook),
         "grid": {"x": [1, 2, 3, 4]},
@@ -312,6 +333,9 @@ async def test_sweep_deployment_spreads_its_branches_over_both_workers(
         )
     )
     assert {str(run.id) for run in children} == {b.flow_run_id for b in sweep.branches}
+    # Made one at a time, in the grid's order (at once, they came out of order, seconds apart).
+    made = {run.created: str(run.id) for run in children if run.created is not None}
+    assert [made[time] for time in sorted(made)] == [b.flow_run_id for b in sweep.branches]
     deployment = await client.read_deployment_by_name("run-notebook/run-notebook")
     assert {run.deployment_id for run in children} == {deployment.id}
     assert {run.labels.get("prefect.worker.name") for run in children} == set(WORKERS)
