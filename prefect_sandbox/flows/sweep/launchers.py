@@ -249,10 +249,9 @@ class DeploymentLauncher(BranchLauncher):
         self.deployment = deployment
         self.arguments = deployment_arguments(options)
         self.creating: dict[int, asyncio.Future[FlowRun]] = {}
-        # Prefect's SQLite server answers writes at once with 503 ("database is locked"), which
-        # its client retries after 2, 4, 8... s: branch runs made all at once appeared one
-        # by one over 14 s for four branches. Made in turn, in grid order, they take well
-        # under a second.
+        # On SQLite, Prefect's server answers a write that meets another with 503 ("database
+        # is locked"), retried by its client after 2, 4, 8... s: four branch runs asked for at
+        # once were made over 14 s, out of order. Made in turn, in grid order: under a second.
         self.one_creation_at_a_time = asyncio.Lock()
 
     async def launch(self, branch: Branch) -> None:
