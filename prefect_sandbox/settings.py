@@ -177,7 +177,18 @@ class PrefectSandboxSettings(BaseSettings):
         ),
     )
 
-    @field_validator("input_roots", mode="before")
+    output_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Folders on this machine, and s3:// prefixes, under which a deployment run's own "
+            "parameters may name its storage as a folder or an s3:// URI, comma-separated, e.g. "
+            "/srv/results,s3://team-results/runs; a folder is checked with its links resolved. "
+            "Empty: none (only a saved S3Bucket block, or the storage the deployment sets). "
+            "Runs that are not deployment runs store where they are told."
+        ),
+    )
+
+    @field_validator("input_roots", "output_roots", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):

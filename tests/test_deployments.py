@@ -56,8 +56,10 @@ class PrefectStack(PrefectServer):
             home,
             database_url,
             env={
-                # The tests' own folders: where their runs' notebooks and inputs may come from.
+                # The tests' own folders: where their runs' notebooks and inputs may come from,
+                # and where they may store.
                 "PREFECT_SANDBOX_INPUT_ROOTS": str(input_roots),
+                "PREFECT_SANDBOX_OUTPUT_ROOTS": str(input_roots),
                 # Workers poll every 2 s instead of 10: runs start sooner.
                 "PREFECT_WORKER_QUERY_SECONDS": "2",
             },
@@ -405,8 +407,8 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
     # As someone who may start runs but not save blocks would try it: a backend by value,
     # a reference with fields beside it, host folders as inputs (one through a link inside the
     # allowed root), the isolation setting through job variables, a sweep sent to a Dask
-    # cluster of the run's choosing. Each is refused before any sandbox starts; a saved block
-    # by reference runs.
+    # cluster of the run's choosing, storage by value or outside the allowed roots. Each is
+    # refused before any sandbox starts; a saved block by reference runs.
     etc = tmp_path / "etc"
     etc.symlink_to("/etc")
     saved = await LocalKernelBackend(env={"RUN_MARK": "saved-block"}).save(
@@ -419,6 +421,12 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
         "notebook": str(_square_notebook(tmp_path / "square.ipynb")),
         "grid": {"x": [1]},
         "task_runner": "dask:tcp://127.0.0.1:9",
+    }
+    # An S3Bucket by value at an endpoint of the run's choosing: the worker would sign its
+    # uploads there with its own AWS keys.
+    bucket_by_value = {
+        "bucket_name": "collected",
+        "credentials": {"aws_client_parameters": {"endpoint_url": "http://127.0.0.1:9"}},
     }
     attempts: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
         (pipeline, {**probe, "backend": {"isolation": "none"}}, {}, ["backend"]),
@@ -437,6 +445,8 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
             ["PREFECT_SANDBOX_ISOLATION"],
         ),
         (sweep, to_dask, {}, ["task_runner"]),
+        (pipeline, {**probe, "storage": bucket_by_value}, {}, ["storage"]),
+        (pipeline, {**probe, "storage": "/var/tmp/elsewhere"}, {}, ["storage"]),
     ]
     with temporary_settings({PREFECT_API_URL: stack.url}):
         runs = [

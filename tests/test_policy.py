@@ -25,8 +25,13 @@ def _refused(
     deployed: dict[str, Any] | None = None,
     job_variables: dict[str, Any] | None = None,
     roots: list[str] | None = None,
+    output_roots: list[str] | None = None,
 ) -> list[str]:
-    return list(refused_parameters(given, deployed or {}, job_variables or {}, roots or []))
+    return list(
+        refused_parameters(
+            given, deployed or {}, job_variables or {}, roots or [], output_roots or []
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,6 +91,45 @@ def test_paths_outside_the_roots_are_refused_links_resolved(tmp_path: Path) -> N
     ]
 
 
+@pytest.mark.parametrize(
+    "storage",
+    [
+        # A bucket by value, whatever it says: its endpoint gets the worker's signed uploads.
+        {"bucket_name": "b", "credentials": {"aws_client_parameters": {"endpoint_url": "x"}}},
+        {"bucket_name": "b"},
+        {**REFERENCE, "bucket_name": "b"},
+        "/var/tmp/elsewhere",
+        "s3://other-team/runs",
+        "s3://team-results/runs-elsewhere",
+    ],
+)
+def test_storage_by_value_or_outside_the_output_roots_is_refused(
+    storage: Any, tmp_path: Path
+) -> None:
+    output_roots = [str(tmp_path), "s3://team-results/runs"]
+    assert _refused({"storage": storage}, output_roots=output_roots) == ["storage"]
+
+
+def test_storage_a_saved_block_the_deployments_own_or_under_a_root_goes_ahead(
+    tmp_path: Path,
+) -> None:
+    output_roots = [str(tmp_path), "s3://team-results/runs"]
+    for storage in [
+        REFERENCE,
+        "s3-bucket/team-results",
+        str(tmp_path / "run"),
+        "s3://team-results/runs/today",
+        None,
+    ]:
+        assert _refused({"storage": storage}, output_roots=output_roots) == [], storage
+    own = {"bucket_name": "deployed"}
+    assert _refused({"storage": own}, deployed={"storage": own}) == []
+    assert _refused({"storage": "/srv/out"}, deployed={"storage": "/srv/out"}) == []
+    # A folder link out of a root is followed.
+    (tmp_path / "out").symlink_to("/var/tmp")
+    assert _refused({"storage": str(tmp_path / "out")}, output_roots=output_roots) == ["storage"]
+
+
 def test_a_runs_job_variables_may_not_set_the_sandbox_settings() -> None:
     env = {"PREFECT_SANDBOX_ISOLATION": "none", "prefect_sandbox_input_roots": "/", "TZ": "UTC"}
     assert _refused({}, job_variables={"env": env}) == [
@@ -114,6 +158,8 @@ def test_input_roots_are_read_comma_separated(monkeypatch: pytest.MonkeyPatch) -
     assert PrefectSandboxSettings().input_roots == ["/srv/notebooks", "s3://team-data/inputs"]
     monkeypatch.delenv("PREFECT_SANDBOX_INPUT_ROOTS")
     assert PrefectSandboxSettings().input_roots == []
+    monkeypatch.setenv("PREFECT_SANDBOX_OUTPUT_ROOTS", "/srv/results,s3://team-results/runs")
+    assert PrefectSandboxSettings().output_roots == ["/srv/results", "s3://team-results/runs"]
 
 
 def test_an_input_that_is_a_link_is_followed_only_to_a_file_in_its_folder(

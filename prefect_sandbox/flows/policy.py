@@ -14,6 +14,10 @@ sandbox starts:
   isolation, network and environment are those of a block someone saved;
 - ``notebook`` and each of ``inputs`` must be the deployment's own value or lie under a root
   of ``PREFECT_SANDBOX_INPUT_ROOTS`` (a folder, its links resolved, or an ``s3://`` prefix);
+- ``storage`` must be a saved ``S3Bucket`` block (by reference or ``s3-bucket/NAME``), the
+  deployment's own value, or a folder or ``s3://`` URI under ``PREFECT_SANDBOX_OUTPUT_ROOTS``:
+  a bucket by value would have the worker sign uploads with its own AWS keys to an endpoint
+  the run chose;
 - a sweep's ``task_runner`` may name no Dask cluster's address (``"dask:ADDRESS"``: its
   branches, backend credentials included, would go there) unless the deployment does;
 - the run's job variables may set no ``PREFECT_SANDBOX_*`` variable in ``env``.
@@ -36,6 +40,7 @@ from prefect.context import FlowRunContext
 from prefect_sandbox.flows.errors import ParameterRefusedError
 from prefect_sandbox.s3uri import is_s3_uri
 from prefect_sandbox.settings import PrefectSandboxSettings
+from prefect_sandbox.tasks.storage import S3_BLOCK_PREFIX
 
 __all__ = ["check_deployment_run", "refused_parameters"]
 
@@ -61,11 +66,29 @@ def _under_root(path: str, roots: list[str]) -> bool:
     )
 
 
+def _refused_storage(storage: Any, deployed: Any, output_roots: list[str]) -> str | None:
+    """Why a deployment run may not store in ``storage``; None when it may."""
+    if storage is None or storage == deployed or _is_reference(storage):
+        return None
+    if isinstance(storage, str):
+        if storage.startswith(S3_BLOCK_PREFIX) or _under_root(storage, output_roots):
+            return None
+        allowed = f"PREFECT_SANDBOX_OUTPUT_ROOTS ({', '.join(output_roots) or 'empty'})"
+        return f"{storage!r} is not under a root of {allowed}"
+    return (
+        "a deployment run takes a saved S3Bucket block by reference "
+        '({"$ref": {"block_document_id": ...}}) or a folder or s3:// URI under '
+        "PREFECT_SANDBOX_OUTPUT_ROOTS, not a bucket by value: its endpoint and credentials "
+        "are set by whoever saves blocks"
+    )
+
+
 def refused_parameters(
     given: Mapping[str, Any],
     deployed: Mapping[str, Any],
     job_variables: Mapping[str, Any],
     roots: list[str],
+    output_roots: list[str],
 ) -> dict[str, str]:
     """The parts of a deployment run that its starter may not set, each with why.
 
@@ -75,6 +98,8 @@ def refused_parameters(
         job_variables: the flow run's own job variables (the deployment's are not included).
         roots: local folders and ``s3://`` prefixes paths may lie under
             (``PREFECT_SANDBOX_INPUT_ROOTS``).
+        output_roots: local folders and ``s3://`` prefixes a ``storage`` given as text may lie
+            under (``PREFECT_SANDBOX_OUTPUT_ROOTS``).
 
     Returns:
         Each refused parameter's name (``inputs[INDEX]``, ``job_variables.env.NAME``) to a
@@ -97,6 +122,9 @@ def refused_parameters(
     for name, path in paths:
         if isinstance(path, str) and path not in deployed_paths and not _under_root(path, roots):
             refused[name] = f"{path!r} is not under a root of {allowed}"
+    storage_refused = _refused_storage(given.get("storage"), deployed.get("storage"), output_roots)
+    if storage_refused is not None:
+        refused["storage"] = storage_refused
     runner = given.get("task_runner")
     if isinstance(runner, str) and runner != "dask" and runner != deployed.get("task_runner"):
         refused["task_runner"] = (
@@ -128,11 +156,13 @@ async def check_deployment_run() -> None:
         return
     async with get_client() as client:
         deployment = await client.read_deployment(flow_run.deployment_id)
+    settings = PrefectSandboxSettings()
     refused = refused_parameters(
         flow_run.parameters,
         deployment.parameters,
         flow_run.job_variables or {},
-        PrefectSandboxSettings().input_roots,
+        settings.input_roots,
+        settings.output_roots,
     )
     if refused:
         reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
