@@ -20,7 +20,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from prefect_sandbox.sandbox.base import checked_timeout_s
 from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
-from prefect_sandbox.sandbox.paths import DEFAULT_MAX_ARTIFACT_BYTES
+from prefect_sandbox.sandbox.paths import (
+    DEFAULT_MAX_ARTIFACT_BYTES,
+    DEFAULT_MAX_TOTAL_ARTIFACT_BYTES,
+)
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",
@@ -106,11 +109,22 @@ class PrefectSandboxSettings(BaseSettings):
         ),
     )
 
+    max_total_artifact_bytes: int | None = Field(
+        default=DEFAULT_MAX_TOTAL_ARTIFACT_BYTES,
+        gt=0,
+        description=(
+            "The most bytes of artifacts one run collects from its sandbox, all files together "
+            "(default 4 GiB); a file past it is skipped with a warning naming it, and smaller "
+            "ones that still fit are collected. none: no cap."
+        ),
+    )
+
     @field_validator(
         "cell_timeout_s",
         "max_output_chars",
         "max_live_sandboxes",
         "max_artifact_bytes",
+        "max_total_artifact_bytes",
         mode="before",
     )
     @classmethod

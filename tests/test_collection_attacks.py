@@ -161,3 +161,25 @@ async def test_fifo_socket_device_sparse_big_and_folder_link_each_leave_a_warnin
         assert warning in caplog.text
     # The folder link is never entered: none of the host folder's names is seen.
     assert "passwd" not in caplog.text and "hostname" not in caplog.text
+
+
+async def test_a_run_past_the_total_cap_stores_what_fits_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many distinct files, each under the per-file cap, are bounded by the run's total.
+    monkeypatch.setenv("PREFECT_SANDBOX_MAX_TOTAL_ARTIFACT_BYTES", "2500")
+    caplog.set_level(logging.WARNING)
+    cell = "for name, size in [('a', 1000), ('b', 1000), ('c', 1000), ('d', 100)]:\n"
+    cell += "    open(f'{name}.bin', 'wb').write(b'x' * size)"
+    result = await amodeling_pipeline(
+        stages={"setup": [cell]},
+        artifacts=["*.bin"],
+        backend=LocalKernelBackend(),
+        storage=str(tmp_path / "out"),
+    )
+    assert result.status == "completed"
+    assert sorted(a.path for a in result.artifacts) == ["a.bin", "b.bin", "d.bin", "executed.ipynb"]
+    assert (
+        "Artifact 'c.bin' skipped: its 1000 bytes are past the run's total cap "
+        "(max_total_artifact_bytes, 500 bytes left)"
+    ) in caplog.text

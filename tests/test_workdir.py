@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from prefect_sandbox.sandbox.base import RemoteFile
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 from prefect_sandbox.sandbox.paths import (
     check_size,
@@ -38,6 +39,10 @@ def root(tmp_path: Path) -> Path:
 
 def _copy(root: Path, path: str, dest: Path, max_bytes: int | None = None) -> int:
     return copy_out(root, path, dest, sandbox_root=SANDBOX_ROOT, max_bytes=max_bytes)
+
+
+def _list(root: Path, pattern: str) -> list[RemoteFile]:
+    return list_workdir(root, pattern, SANDBOX_ROOT)
 
 
 def test_links_inside_are_resolved_by_hand_within_the_working_directory(
@@ -76,8 +81,8 @@ def test_a_folder_link_that_leads_out_is_never_entered(root: Path, tmp_path: Pat
     (root / "etc").symlink_to("/etc")
     with pytest.raises(UnsafePathError):
         _copy(root, "etc/passwd", tmp_path / "never")
-    assert list_workdir(root, "etc/*") == []
-    assert [f.path for f in list_workdir(root, "**/*")] == ["etc", "real.txt", "sub/deep.txt"]
+    assert _list(root, "etc/*") == []
+    assert [f.path for f in _list(root, "**/*")] == ["etc", "real.txt", "sub/deep.txt"]
 
 
 def test_a_link_loop_is_refused(root: Path, tmp_path: Path) -> None:
@@ -122,14 +127,14 @@ def test_a_gone_working_directory_lists_nothing_and_copies_nothing(
     root: Path, tmp_path: Path
 ) -> None:
     gone = tmp_path / "gone"
-    assert list_workdir(gone, "**/*") == []
+    assert _list(gone, "**/*") == []
     with pytest.raises(FileTransferError, match="not in the working directory"):
         _copy(gone, "real.txt", tmp_path / "never")
 
 
 def test_names_that_are_not_utf8_are_listed_and_copied(root: Path, tmp_path: Path) -> None:
     (root / os.fsdecode(b"r\xe9sum\xe9.csv")).write_text("a,b")
-    files = list_workdir(root, "*.csv")
+    files = _list(root, "*.csv")
     assert [(f.path, f.size_bytes) for f in files] == [("r\udce9sum\udce9.csv", 3)]
     assert not is_utf8(files[0].path) and is_utf8("données_年.csv")
     assert shown_path(files[0].path) == "r\\xe9sum\\xe9.csv"
@@ -160,16 +165,50 @@ def test_check_size_names_the_file_and_the_setting() -> None:
         check_size("a.bin", 11, 10)
 
 
+def printed_listing(root: Path) -> str:
+    """What `listing_code` prints, run in this process."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(listing_code(str(root)), {})
+    return printed.getvalue()
+
+
 def test_listing_code_lists_files_and_links_never_entering_folder_links(root: Path) -> None:
     (root / "etc").symlink_to("/etc")
     (root / os.fsdecode(b"caf\xe9")).write_text("x")
-    namespace: dict[str, object] = {}
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(listing_code(str(root)), namespace)
-    assert sorted(json.loads(printed.getvalue())) == [
+    (root / "again.txt").hardlink_to(root / "real.txt")
+    (root / "link.txt").symlink_to("real.txt")
+    (root / "dangling").symlink_to("nowhere")
+    real = os.stat(root / "real.txt")
+    same = f"{real.st_dev}:{real.st_ino}"
+    rows = sorted(json.loads(printed_listing(root)))
+    assert [row[:2] for row in rows] == [
+        ["again.txt", 6],
         ["caf\udce9", 1],
+        ["dangling", len("nowhere")],
         ["etc", len("/etc")],
+        ["link.txt", len("real.txt")],
         ["real.txt", 6],
         ["sub/deep.txt", 4],
     ]
+    identities = {row[0]: row[2] for row in rows}
+    assert identities["again.txt"] == identities["link.txt"] == identities["real.txt"] == same
+    assert identities["dangling"] is None and identities["sub/deep.txt"] != same
+
+
+def test_the_listing_knows_links_and_hard_links_to_one_file(root: Path) -> None:
+    (root / "again.txt").hardlink_to(root / "real.txt")
+    (root / "sub" / "up.txt").symlink_to("../real.txt")
+    (root / "abs.txt").symlink_to(SANDBOX_ROOT / "sub" / "up.txt")  # as the sandbox names it
+    (root / "out.txt").symlink_to("/etc/hostname")
+    identities = {f.path: f.identity for f in _list(root, "**/*")}
+    real = os.stat(root / "real.txt")
+    same = f"{real.st_dev}:{real.st_ino}"
+    assert {path for path, identity in identities.items() if identity == same} == {
+        "abs.txt",
+        "again.txt",
+        "real.txt",
+        "sub/up.txt",
+    }
+    assert identities["out.txt"] is None
+    assert identities["sub/deep.txt"] not in (None, same)

@@ -223,11 +223,15 @@ class RemoteFile(BaseModel):
 
     Attributes:
         path: POSIX path relative to the sandbox's working directory.
-        size_bytes: its size in bytes.
+        size_bytes: its size in bytes (a link's own, not its target's).
+        identity: the file the path leads to, links followed (``"DEV:INODE"``, or on E2B,
+            whose listing has no inode, the target's path): two paths with one identity are
+            one file, collected once. None where the backend cannot tell.
     """
 
     path: str
     size_bytes: int
+    identity: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

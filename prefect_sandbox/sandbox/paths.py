@@ -3,6 +3,7 @@ Pure functions, no I/O but `resolve`."""
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -10,16 +11,19 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePath, PurePosixPath
 
+from prefect_sandbox.sandbox.base import RemoteFile
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 
 __all__ = [
     "DEFAULT_MAX_ARTIFACT_BYTES",
+    "DEFAULT_MAX_TOTAL_ARTIFACT_BYTES",
     "check_size",
     "checked_relative_path",
     "checked_upload_source",
     "glob_match",
     "is_inside",
     "is_utf8",
+    "listed_files",
     "listing_code",
     "matching_files",
     "path_segment",
@@ -31,6 +35,9 @@ __all__ = [
 DEFAULT_MAX_ARTIFACT_BYTES = 1 << 30
 """The largest file collected as an artifact when setting ``max_artifact_bytes`` is not given:
 1 GiB."""
+DEFAULT_MAX_TOTAL_ARTIFACT_BYTES = 4 << 30
+"""The most bytes one run collects as artifacts when setting ``max_total_artifact_bytes`` is
+not given: 4 GiB."""
 SEGMENT_MAX_CHARS = 64
 _NOT_SEGMENT_CHARS = re.compile(r"[^\w.-]+")
 
@@ -153,18 +160,34 @@ found = []
 for folder, folders, files in os.walk({root!r}):
     for name in files + [f for f in folders if os.path.islink(os.path.join(folder, f))]:
         path = os.path.join(folder, name)
-        found.append([os.path.relpath(path, {root!r}), os.lstat(path).st_size])
+        try:
+            target = os.stat(path)
+            identity = "%d:%d" % (target.st_dev, target.st_ino)
+        except OSError:
+            identity = None
+        found.append([os.path.relpath(path, {root!r}), os.lstat(path).st_size, identity])
 print(json.dumps(found))
 """
+
+
+def listed_files(listing: str, pattern: str) -> list[RemoteFile]:
+    """The entries of `listing_code`'s printed JSON that ``pattern`` matches (`matching_files`)."""
+    found = {path: (size, identity) for path, size, identity in json.loads(listing)}
+    return [
+        RemoteFile(path=path, size_bytes=found[path][0], identity=found[path][1])
+        for path in matching_files(pattern, found)
+    ]
 
 
 def listing_code(root: str) -> str:
     """Python code that, run inside a remote sandbox, prints what is under ``root`` as JSON.
 
     For backends whose own listing cannot give every name: it prints
-    ``[[path relative to root, lstat size in bytes], ...]`` for every entry but folders
-    (links to folders included, never entered). A name that is not UTF-8 travels as JSON's
-    ``\\udcXX`` escape of `os.fsdecode`'s surrogate, and `json.loads` gives it back as such.
+    ``[[path relative to root, lstat size in bytes, identity], ...]`` for every entry but
+    folders (links to folders included, never entered); identity is ``"DEV:INODE"`` of what
+    the path leads to, links followed, or None for a dangling link (`RemoteFile.identity`).
+    A name that is not UTF-8 travels as JSON's ``\\udcXX`` escape of `os.fsdecode`'s
+    surrogate, and `json.loads` gives it back as such.
     """
     return _LISTING_CODE.format(root=root)
 

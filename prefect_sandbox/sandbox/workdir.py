@@ -86,7 +86,25 @@ def _walk(folder: bytes, fd: int) -> Iterator[tuple[bytes, os.stat_result]]:
             os.close(child)
 
 
-def list_workdir(root: Path, pattern: str) -> list[RemoteFile]:
+def _identity(
+    root_fd: int, path: str, info: os.stat_result, sandbox_root: PurePosixPath
+) -> str | None:
+    """``"DEV:INODE"`` of the file ``path`` leads to, a link resolved inside the root as
+    `copy_out` resolves it; None for a link that leads out or nowhere."""
+    if not stat.S_ISLNK(info.st_mode):
+        return f"{info.st_dev}:{info.st_ino}"
+    try:
+        found = _open_beneath(root_fd, path, sandbox_root)
+    except (OSError, UnsafePathError):
+        return None
+    try:
+        target = os.fstat(found)
+    finally:
+        os.close(found)
+    return f"{target.st_dev}:{target.st_ino}"
+
+
+def list_workdir(root: Path, pattern: str, sandbox_root: PurePosixPath) -> list[RemoteFile]:
     """The entries of a working directory on this machine that a glob matches.
 
     Every entry that is not a folder is listed (links and special files too, so that
@@ -97,9 +115,11 @@ def list_workdir(root: Path, pattern: str) -> list[RemoteFile]:
     Args:
         root: the working directory's path on this machine.
         pattern: a glob relative to it.
+        sandbox_root: the working directory's path as the sandbox's own links name it.
 
     Returns:
-        The matching entries, sorted by path; sizes are their ``lstat`` sizes in bytes.
+        The matching entries, sorted by path; sizes are their ``lstat`` sizes in bytes, and
+        each entry's identity the inode it leads to (`RemoteFile.identity`).
 
     Raises:
         UnsafePathError: the pattern is absolute or climbs with ``..``.
@@ -115,13 +135,19 @@ def list_workdir(root: Path, pattern: str) -> list[RemoteFile]:
         except OSError:
             return []
         try:
-            found = {os.fsdecode(path): info.st_size for path, info in _walk(b"", listing_fd)}
+            found = {os.fsdecode(path): info for path, info in _walk(b"", listing_fd)}
         finally:
             os.close(listing_fd)
+        return [
+            RemoteFile(
+                path=path,
+                size_bytes=found[path].st_size,
+                identity=_identity(root_fd, path, found[path], sandbox_root),
+            )
+            for path in matching_files(pattern, found)
+        ]
     finally:
         os.close(root_fd)
-    matches = matching_files(pattern, found)
-    return [RemoteFile(path=path, size_bytes=found[path]) for path in matches]
 
 
 def _link_parts(target: bytes, sandbox_root: PurePosixPath, path: str) -> tuple[list[bytes], bool]:

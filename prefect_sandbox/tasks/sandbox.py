@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import anyio
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.logging.loggers import LoggingAdapter
 from prefect.settings import get_current_settings
 
 from prefect_sandbox.blocks.base import SandboxBackend
@@ -30,6 +32,7 @@ from prefect_sandbox.sandbox.base import (
     CellError,
     CellResult,
     OutputCallback,
+    RemoteFile,
     Sandbox,
     SandboxHandle,
     checked_timeout_s,
@@ -655,8 +658,11 @@ async def download_artifacts(
     files that cannot be collected are skipped with a warning naming them, and the rest are
     still downloaded: a pattern that leaves the working directory (``..``, an absolute path),
     a link that leads out, a FIFO, a device, a socket, a sparse file, a file over setting
-    ``max_artifact_bytes`` (default 1 GiB), a file that went away meanwhile, and a file whose
-    name is not UTF-8 (no store, summary or S3 key can hold that name as it is).
+    ``max_artifact_bytes`` (default 1 GiB), a file past setting ``max_total_artifact_bytes``
+    (default 4 GiB, all files together), a file that went away meanwhile, and a file whose
+    name is not UTF-8 (no store, summary or S3 key can hold that name as it is). A link or a
+    hard link to a file already collected is skipped with a warning naming both: one file is
+    stored once, whatever the number of names it has (`RemoteFile.identity`).
 
     Args:
         backend: the backend block.
@@ -668,9 +674,7 @@ async def download_artifacts(
         Relative paths of the files downloaded.
     """
     logger = get_run_logger()
-    staging = Path(staging_dir)
-    max_bytes = PrefectSandboxSettings().max_artifact_bytes
-    downloaded: list[str] = []
+    collector = _Collector(Path(staging_dir), PrefectSandboxSettings(), logger)
     sandbox = await backend.attach(handle)
     try:
         for pattern in patterns:
@@ -682,27 +686,74 @@ async def download_artifacts(
             if not matches:
                 logger.warning("Artifact pattern %r matched no file", pattern)
             for remote in matches:
-                if remote.path in downloaded:
-                    continue
-                if not is_utf8(remote.path):
-                    logger.warning(
-                        "Artifact %r skipped: its name is not UTF-8 text, so it cannot be "
-                        "stored under it; rename it in a cell to collect it",
-                        shown_path(remote.path),
-                    )
-                    continue
-                dest = resolve_inside(staging, remote.path)
-                try:
-                    await sandbox.download(remote.path, dest, max_bytes=max_bytes)
-                except (UnsafePathError, FileTransferError) as exc:
-                    dest.unlink(missing_ok=True)
-                    logger.warning("Artifact refused: %s", exc)
-                    continue
-                downloaded.append(remote.path)
+                await collector.collect(sandbox, remote)
     finally:
         await sandbox.close()
-    logger.info("Downloaded %d artifact(s)", len(downloaded))
-    return downloaded
+    logger.info("Downloaded %d artifact(s)", len(collector.downloaded))
+    return collector.downloaded
+
+
+class _Collector:
+    """One run's artifact downloads: each file once, all of them within the run's total cap."""
+
+    def __init__(
+        self,
+        staging: Path,
+        settings: PrefectSandboxSettings,
+        logger: logging.Logger | LoggingAdapter,
+    ) -> None:
+        self.downloaded: list[str] = []
+        self._staging = staging
+        self._max_bytes = settings.max_artifact_bytes
+        self._left_bytes = settings.max_total_artifact_bytes
+        self._first_path_of: dict[str, str] = {}
+        self._logger = logger
+
+    async def collect(self, sandbox: Sandbox, remote: RemoteFile) -> None:
+        """Download ``remote`` unless it is collected already or cannot be (warned)."""
+        if remote.path in self.downloaded:
+            return
+        shown = shown_path(remote.path)
+        if not is_utf8(remote.path):
+            self._logger.warning(
+                "Artifact %r skipped: its name is not UTF-8 text, so it cannot be stored under "
+                "it; rename it in a cell to collect it",
+                shown,
+            )
+            return
+        first = self._first_path_of.get(remote.identity or "")
+        if first is not None:
+            self._logger.warning(
+                "Artifact %r skipped: it is a link to %r, collected already (a file is stored "
+                "once)",
+                shown,
+                shown_path(first),
+            )
+            return
+        max_bytes = self._max_bytes
+        if self._left_bytes is not None:
+            if remote.size_bytes > self._left_bytes:
+                self._logger.warning(
+                    "Artifact %r skipped: its %d bytes are past the run's total cap "
+                    "(max_total_artifact_bytes, %d bytes left)",
+                    shown,
+                    remote.size_bytes,
+                    self._left_bytes,
+                )
+                return
+            max_bytes = self._left_bytes if max_bytes is None else min(max_bytes, self._left_bytes)
+        dest = resolve_inside(self._staging, remote.path)
+        try:
+            size = await sandbox.download(remote.path, dest, max_bytes=max_bytes)
+        except (UnsafePathError, FileTransferError) as exc:
+            dest.unlink(missing_ok=True)
+            self._logger.warning("Artifact refused: %s", exc)
+            return
+        if self._left_bytes is not None:
+            self._left_bytes -= size
+        if remote.identity is not None:
+            self._first_path_of[remote.identity] = remote.path
+        self.downloaded.append(remote.path)
 
 
 @task(name="kill-sandbox", cache_policy=NO_CACHE, retries=0)

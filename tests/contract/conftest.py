@@ -44,6 +44,9 @@ LIMITS: dict[str, frozenset[str]] = {
             # before the execute_reply (two channels): an error the kernel reports only in its
             # reply (a magic's UsageError, printed on stderr) may then be missed.
             "reply_only_error",
+            # envd's file listing has no inode: hard links to one file are told apart only
+            # by a link's resolved target, so each hard link is collected as its own file.
+            "hard_links",
         }
     ),
     "daytona": frozenset(

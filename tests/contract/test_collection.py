@@ -1,4 +1,5 @@
-"""Contract: which files an artifact pattern names, and names that are not UTF-8 (issue 25).
+"""Contract: which files an artifact pattern names, names that are not UTF-8 (issue 25), and
+one file stored once whatever its links (issue 36).
 
 C06 (``shared/cases/found/C06``): a cell writes a file whose name is Latin-1 bytes beside
 ``clean.csv``; every cell succeeds, so the run completes with ``clean.csv``, the notebook and
@@ -16,6 +17,7 @@ import pytest
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.pipeline import amodeling_pipeline
 from prefect_sandbox.sandbox.base import Sandbox
+from tests.contract.conftest import LIMITS
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -71,3 +73,44 @@ async def test_a_pattern_that_spells_out_a_file_names_that_file_only(sandbox: Sa
     # ...and a pattern that names no file is a glob.
     assert [f.path for f in await sandbox.list_files("data[12].csv")] == ["data1.csv", "data2.csv"]
     assert [f.path for f in await sandbox.list_files("what*.txt")] == ["what?.txt", "whatever.txt"]
+
+
+LINKS = 20
+# One file with many names: links (relative, and through a folder) and hard links, as an
+# attacker multiplies what a run stores.
+LINKED_CELL = f"""
+import os
+os.makedirs("links", exist_ok=True)
+open("data.bin", "wb").write(os.urandom(1 << 20))
+for i in range({LINKS}):
+    os.symlink("data.bin", f"soft{{i:02}}.bin")
+    os.symlink("../data.bin", f"links/up{{i:02}}.bin")
+    os.link("data.bin", f"hard{{i:02}}.bin")
+"""
+
+
+async def test_a_file_with_many_links_is_stored_once(
+    backend: SandboxBackend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    result = await amodeling_pipeline(
+        stages={"setup": [LINKED_CELL]},
+        artifacts=["**/*.bin"],
+        backend=backend,
+        storage=str(tmp_path / "out"),
+    )
+    assert result.status == "completed"
+    stored = sorted(a.path for a in result.artifacts if a.path != "executed.ipynb")
+    # Listed in path order: the first name of the file is the one stored.
+    first = "data.bin"
+    if "hard_links" in LIMITS.get(backend.backend_slug, frozenset()):
+        assert stored == [first, *(f"hard{i:02}.bin" for i in range(LINKS))]
+    else:
+        assert stored == [first]
+    links = [f"soft{i:02}.bin" for i in range(LINKS)] + [
+        f"links/up{i:02}.bin" for i in range(LINKS)
+    ]
+    for link in links:
+        assert f"Artifact {link!r} skipped: it is a link to {first!r}" in caplog.text
+    run = Path(result.output_dir)
+    assert sum(p.stat().st_size for p in run.rglob("*.bin")) == len(stored) << 20

@@ -75,8 +75,8 @@ from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
     checked_upload_source,
     is_inside,
+    listed_files,
     listing_code,
-    matching_files,
 )
 from prefect_sandbox.sandbox.retries import async_retrying
 
@@ -787,10 +787,7 @@ class DaytonaSandbox(Sandbox):
         outside; `download` refuses those.
         """
         checked_relative_path(pattern)
-        sizes = dict(json.loads(await self._python(listing_code(self._workdir))))
-        return [
-            RemoteFile(path=path, size_bytes=sizes[path]) for path in matching_files(pattern, sizes)
-        ]
+        return listed_files(await self._python(listing_code(self._workdir)), pattern)
 
     async def interrupt(self) -> None:
         """Send SIGINT to the interpreter process, as Jupyter's stop button does.

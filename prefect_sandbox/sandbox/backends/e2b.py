@@ -94,6 +94,7 @@ from prefect_sandbox.sandbox.paths import (
     checked_relative_path,
     checked_upload_source,
     is_inside,
+    listed_files,
     listing_code,
     matching_files,
 )
@@ -923,19 +924,18 @@ class E2BSandbox(Sandbox):
         except SandboxError as exc:
             if _NOT_UTF8_LISTING not in str(exc):
                 raise
-            sizes = await self._list_by_code()
-        else:
-            sizes = {
-                PurePosixPath(entry.path).relative_to(workdir).as_posix(): entry.size
-                for entry in entries
-                if entry.type in (sdk.FileType.FILE, sdk.FileType.SYMLINK)
-            }
-        return [
-            RemoteFile(path=path, size_bytes=sizes[path])
-            for path in matching_files(str(checked), sizes)
-        ]
+            return listed_files(await self._list_by_code(), str(checked))
+        # envd's entries carry no inode: a file is known by its path, a link by its target's
+        # (envd resolves it), so links to one file are one file; hard links are not told apart.
+        found = {}
+        for entry in entries:
+            if entry.type in (sdk.FileType.FILE, sdk.FileType.SYMLINK):
+                path = PurePosixPath(entry.path).relative_to(workdir).as_posix()
+                identity = entry.symlink_target or entry.path
+                found[path] = RemoteFile(path=path, size_bytes=entry.size, identity=identity)
+        return [found[path] for path in matching_files(str(checked), found)]
 
-    async def _list_by_code(self) -> dict[str, int]:
+    async def _list_by_code(self) -> str:
         """Every file and link under the working directory, listed by a code context made for
         it (so the cells' context keeps its execution count and names) and removed after."""
         with _translated("list_files", sandbox_id=self._id):
@@ -957,7 +957,7 @@ class E2BSandbox(Sandbox):
                 f"{execution.error.value}",
                 sandbox_id=self._id,
             )
-        return {path: size for path, size in json.loads("".join(execution.logs.stdout))}
+        return "".join(execution.logs.stdout)
 
     # --- lifecycle -----------------------------------------------------------------------
 

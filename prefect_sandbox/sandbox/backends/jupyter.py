@@ -647,7 +647,9 @@ class JupyterKernelSandbox(Sandbox):
         Links and special files are listed as found, so that `download` refuses them by name;
         a folder that is a link is never entered.
         """
-        return await asyncio.to_thread(list_workdir, self._workdir, pattern)
+        return await asyncio.to_thread(
+            list_workdir, self._workdir, pattern, PurePosixPath(self._handle.workdir)
+        )
 
 
 class _KernelCell(RunningCell):
