@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,8 @@ __all__ = [
     "ISOLATION_LEVELS",
     "SANDBOX_ENV",
     "SANDBOX_USER",
+    "SECCOMP_REFUSED",
+    "SOCKET_FAMILIES_ALLOWED",
     "Isolation",
     "SandboxView",
     "bwrap_command",
@@ -134,10 +137,12 @@ _ETC_FILES = (
 )
 
 # Syscalls a notebook never needs that widen what the host's Linux kernel exposes, refused with
-# EPERM (Docker's default profile and Flatpak refuse them too): kernel keyrings, eBPF, perf
-# events, userfaultfd and io_uring (sources of exploits), modules and kexec, mounting, and new
-# namespaces (a user namespace would give the kernel capabilities over them).
-_SECCOMP_REFUSED = (
+# EPERM (Docker's default profile and Flatpak refuse most of them too): kernel keyrings, eBPF,
+# perf events, userfaultfd and io_uring (sources of exploits), modules and kexec, mounting, new
+# namespaces (a user namespace would give the kernel capabilities over them), secret memory,
+# LDT entries, Landlock, NUMA page moves and kcmp (which compares other processes' kernel
+# objects).
+SECCOMP_REFUSED = (
     "acct",
     "add_key",
     "bpf",
@@ -151,11 +156,19 @@ _SECCOMP_REFUSED = (
     "io_uring_enter",
     "io_uring_register",
     "io_uring_setup",
+    "kcmp",
     "kexec_file_load",
     "kexec_load",
     "keyctl",
+    "landlock_add_rule",
+    "landlock_create_ruleset",
+    "landlock_restrict_self",
+    "mbind",
+    "memfd_secret",
+    "modify_ldt",
     "mount",
     "move_mount",
+    "move_pages",
     "name_to_handle_at",
     "open_by_handle_at",
     "open_tree",
@@ -172,10 +185,25 @@ _SECCOMP_REFUSED = (
     "unshare",
     "userfaultfd",
 )
+SOCKET_FAMILIES_ALLOWED = (
+    socket.AF_UNIX,
+    socket.AF_INET,
+    socket.AF_INET6,
+    # glibc's getaddrinfo and getifaddrs ask the kernel over netlink.
+    socket.AF_NETLINK,
+)
+"""The address families ``socket`` and ``socketpair`` may make; any other (``AF_VSOCK``, which
+network namespaces do not cover, ``AF_PACKET``, ``AF_BLUETOOTH``, ...) fails with EPERM."""
+_AF_MAX = 64  # above every family Linux has (AF_MAX is 46 in 6.x)
 _CLONE_NEWUSER = 0x10000000
-# libseccomp's constants (seccomp.h): actions, and the masked-equal comparison.
+# libseccomp's constants (seccomp.h): actions, the filter attribute for calls through another
+# architecture's table (x32 numbers on x86_64 included), and comparisons.
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_ACT_ERRNO = 0x00050000
+_SCMP_ACT_KILL_PROCESS = 0x80000000
+_SCMP_FLTATR_ACT_BADARCH = 2
+_SCMP_CMP_EQ = 4
+_SCMP_CMP_GE = 5
 _SCMP_CMP_MASKED_EQ = 7
 
 logger = logging.getLogger(__name__)
@@ -374,10 +402,13 @@ def staged_command(bwrap_argv: Sequence[str], python: str = sys.executable) -> l
 def seccomp_filter() -> bytes | None:
     """The seccomp program (classic BPF, for ``bwrap --seccomp``) a sandbox runs under.
 
-    It refuses `_SECCOMP_REFUSED` and ``clone`` with ``CLONE_NEWUSER`` (EPERM), answers
-    ``clone3`` ENOSYS (its flags cannot be checked; glibc then uses ``clone``), allows the
-    rest, and kills a process that calls through another architecture's table. Made once per
-    process with libseccomp (installed with most distributions, for systemd and apt).
+    It refuses `SECCOMP_REFUSED`, ``clone`` with ``CLONE_NEWUSER``, and ``socket`` and
+    ``socketpair`` of a family outside `SOCKET_FAMILIES_ALLOWED` (EPERM), answers ``clone3``
+    ENOSYS (its flags cannot be checked; glibc then uses ``clone``), allows the rest, and kills
+    the whole process (not only the calling thread, libseccomp's default, which left the cell
+    running) that calls through another architecture's table: i386, or x32 numbers on x86_64.
+    Made once per process with libseccomp (installed with most distributions, for systemd
+    and apt).
 
     Returns:
         The program, or None when libseccomp cannot be loaded (logged once; the sandbox then
@@ -401,14 +432,12 @@ def seccomp_filter() -> bytes | None:
         ctypes.POINTER(_ArgCompare),
     ]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
     context = lib.seccomp_init(_SCMP_ACT_ALLOW)
     try:
-        rules: list[tuple[str, int, list[_ArgCompare]]] = [
-            (call, errno.EPERM, []) for call in _SECCOMP_REFUSED
-        ]
-        new_user = _ArgCompare(0, _SCMP_CMP_MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER)
-        rules += [("clone", errno.EPERM, [new_user]), ("clone3", errno.ENOSYS, [])]
-        for call, error, compare in rules:
+        if lib.seccomp_attr_set(context, _SCMP_FLTATR_ACT_BADARCH, _SCMP_ACT_KILL_PROCESS):
+            raise OSError("libseccomp refused to kill the process on a foreign architecture")
+        for call, error, compare in _seccomp_rules():
             number = lib.seccomp_syscall_resolve_name(call.encode())
             if number < 0:  # not a syscall of this architecture
                 continue
@@ -424,6 +453,27 @@ def seccomp_filter() -> bytes | None:
             return program.read()
     finally:
         lib.seccomp_release(context)
+
+
+def _seccomp_rules() -> list[tuple[str, int, list[_ArgCompare]]]:
+    """Each rule of `seccomp_filter`: (syscall, errno it answers, comparisons all true)."""
+    rules: list[tuple[str, int, list[_ArgCompare]]] = [
+        (call, errno.EPERM, []) for call in SECCOMP_REFUSED
+    ]
+    new_user = _ArgCompare(0, _SCMP_CMP_MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER)
+    rules += [("clone", errno.EPERM, [new_user]), ("clone3", errno.ENOSYS, [])]
+    # One rule per refused family, and one for every value above them: the kernel reads the
+    # family as an int, so a value with high bits set is refused too, as no family has them.
+    families = [
+        [_ArgCompare(0, _SCMP_CMP_EQ, family, 0)]
+        for family in range(_AF_MAX)
+        if family not in SOCKET_FAMILIES_ALLOWED
+    ]
+    families.append([_ArgCompare(0, _SCMP_CMP_GE, _AF_MAX, 0)])
+    rules += [
+        (call, errno.EPERM, family) for call in ("socket", "socketpair") for family in families
+    ]
+    return rules
 
 
 def limited_command(
