@@ -910,6 +910,33 @@ def test_summary_markdown_and_table_artifact_are_capped_for_10000_files() -> Non
     assert len(str(table).encode()) < 200_000
 
 
+def test_the_stored_files_table_renders_names_a_cell_chose_inert() -> None:
+    from markdown_it import MarkdownIt
+
+    from prefect_sandbox.results import StoredArtifact
+    from prefect_sandbox.tasks.storage import stored_table_rows
+
+    names = [
+        "<img src=x onerror=alert(1)>.png",
+        "clip\x1b]52;c;ZXZpbA==\x07board.txt",  # OSC 52: a clipboard write
+        "clear\x9b2J\x1b[2Jscreen.txt",  # C1 and ESC-led screen clears
+        "two\nlines\r.txt",
+        "gnp.\u202etxt",  # a right-to-left override: shows as 'txt.png'
+        "[x](http://evil.test).csv",
+    ]
+    stored = [
+        StoredArtifact(path=name, size_bytes=1, sha256="ab" * 32, location=f"/out/{name}")
+        for name in names
+    ]
+    rows = stored_table_rows(stored)
+    for row, name in zip(rows, names, strict=True):
+        key = str(row["key"])
+        html = MarkdownIt("commonmark", {"html": True}).render(key)
+        assert "<img" not in html and "<a " not in html, html
+        assert not re.search("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", key), key
+        assert key.startswith("/out/"), (name, key)
+
+
 def test_summary_markdown_lists_parameters_and_metrics_escaped() -> None:
     from markdown_it import MarkdownIt
 

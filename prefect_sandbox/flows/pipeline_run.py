@@ -29,8 +29,9 @@ from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
-from prefect_sandbox.flows.report import escape_markdown, summary_markdown
+from prefect_sandbox.flows.report import summary_markdown
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
+from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError, SandboxNotFoundError

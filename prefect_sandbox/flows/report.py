@@ -1,5 +1,4 @@
-"""What a finished run shows in the Prefect UI: a markdown summary (and `table_cell`, for the
-sweep's table). Pure functions.
+"""What a finished run shows in the Prefect UI: a markdown summary. Pure functions.
 
 Everything in it that a cell or a notebook could choose (error messages, file names, stage and
 flow-run names) is escaped, so the only links and images are the ones built here, and it is
@@ -16,79 +15,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_sandbox.markdown_text import code_span, table_cell
 from prefect_sandbox.results import PipelineResult
-from prefect_sandbox.sandbox.outputs import strip_ansi
 
-__all__ = [
-    "FIGURES_SHOWN",
-    "ROWS_SHOWN",
-    "escape_markdown",
-    "summary_markdown",
-    "table_cell",
-    "table_header",
-]
+__all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "summary_markdown"]
 
 ROWS_SHOWN = 100
 """Stages, and stored files, listed in the summary at most."""
 FIGURES_SHOWN = 50
 """Figures shown in the summary at most."""
-CELL_CHARS = 300
-"""Characters of one untrusted text (an error, a name) shown at most."""
-
-_HTML = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
-_MARKDOWN = frozenset("\\`*_[]|~@")
-# GFM autolinks (http://..., www....) become links by themselves; an escaped ':' or '.' stops it.
-_AUTOLINK = re.compile(r"(?i)(?<=[a-z]):(?=//)|(?<=www)\.")
-_WHITESPACE = re.compile(r"[\x00-\x1f\x7f]+")
-
-
-def escape_markdown(text: str) -> str:
-    """``text`` as literal markdown: no HTML, link, image, emphasis or table syntax in it.
-
-    HTML's ``& < >`` become entities; markdown's ``\\ ` * _ [ ] | ~ @`` and the ``:`` of
-    ``scheme://`` and the ``.`` of ``www.`` are backslash-escaped (CommonMark allows that for
-    any ASCII punctuation); control characters and line breaks become one space.
-
-    Args:
-        text: any text, e.g. an exception message a cell chose.
-
-    Returns:
-        Markdown that renders as ``text`` on one line.
-    """
-    text = _WHITESPACE.sub(" ", text)
-    autolink = {match.start() for match in _AUTOLINK.finditer(text)}
-    escaped = []
-    for index, char in enumerate(text):
-        if char in _HTML:
-            escaped.append(_HTML[char])
-        elif char in _MARKDOWN or index in autolink:
-            escaped.append(f"\\{char}")
-        else:
-            escaped.append(char)
-    return "".join(escaped)
-
-
-def _code(text: str) -> str:
-    """``text`` as an inline code span: fenced by more backticks than it holds in a row."""
-    text = _WHITESPACE.sub(" ", text)[:CELL_CHARS]
-    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def table_cell(text: str) -> str:
-    """Untrusted text safe inside a markdown table cell, cut at `CELL_CHARS` characters."""
-    return escape_markdown(strip_ansi(text)[:CELL_CHARS])
-
-
-def table_header(text: str) -> str:
-    """Untrusted text as a table artifact's column name, cut at `CELL_CHARS` characters.
-
-    The Prefect UI shows column names as plain text, not markdown, so nothing is escaped (an
-    escape would show, as ``mae\\_ppm``); ANSI codes are removed and control characters and
-    line breaks become one space.
-    """
-    return _WHITESPACE.sub(" ", strip_ansi(text))[:CELL_CHARS]
 
 
 def _url(url: str) -> str:
@@ -132,7 +67,7 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
         f"# {table_cell(result.flow_run_name)}: {result.status}",
         "",
         f"{len(result.stages)} stage(s) in {result.duration_s:.1f} s; "
-        f"stored in {_code(result.output_dir)}.",
+        f"stored in {code_span(result.output_dir)}.",
         "",
         "| stage | status | cells | duration (s) | error |",
         "|---|---|---|---|---|",
@@ -164,7 +99,7 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
             if url:
                 lines.append(f"![{table_cell(artifact.path)}]({_url(url)})")
             else:
-                lines.append(f"- {_code(artifact.path)}: {_code(artifact.location)}")
+                lines.append(f"- {code_span(artifact.path)}: {code_span(artifact.location)}")
         if len(figures) > FIGURES_SHOWN:
             lines += ["", _more(len(figures) - FIGURES_SHOWN, "figure(s)")]
     lines += ["", "## Stored files", "", "| path | bytes | sha256 |", "|---|---|---|"]

@@ -30,6 +30,7 @@ from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox._compat import called_blocking, join_bucket_folder
 from prefect_sandbox.deprecation import renamed_attribute
+from prefect_sandbox.markdown_text import table_cell
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.s3uri import is_s3_uri, normalised_s3_key, parse_s3_uri
 from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError
@@ -479,10 +480,11 @@ def stored_table_rows(stored: list[StoredArtifact]) -> list[dict[str, str | int]
     row saying how many more there are (and their bytes), all of them being in summary.json.
 
     Returns:
-        ``{"key": location, "bytes": size, "sha256": hex digest}`` rows.
+        ``{"key": location, "bytes": size, "sha256": hex digest}`` rows; the UI renders a cell
+        as markdown, so the location, whose file name a cell chose, is escaped (`table_cell`).
     """
     rows: list[dict[str, str | int]] = [
-        {"key": a.location, "bytes": a.size_bytes, "sha256": a.sha256}
+        {"key": table_cell(a.location), "bytes": a.size_bytes, "sha256": a.sha256}
         for a in stored[:TABLE_ROWS_SHOWN]
     ]
     rest = stored[TABLE_ROWS_SHOWN:]

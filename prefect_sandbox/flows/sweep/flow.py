@@ -27,7 +27,6 @@ from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt, timed_out_reason
 from prefect_sandbox.flows.policy import check_deployment_run
-from prefect_sandbox.flows.report import table_cell
 from prefect_sandbox.flows.sweep.collection import collect, failure_message, run_branches
 from prefect_sandbox.flows.sweep.deployment import checked_deployment
 from prefect_sandbox.flows.sweep.grid import expand_grid
@@ -40,6 +39,7 @@ from prefect_sandbox.flows.sweep.launchers import (
 )
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME, Branch, BranchOptions, Mode, sweep_mode
 from prefect_sandbox.flows.sweep.table import sweep_table
+from prefect_sandbox.markdown_text import table_cell
 from prefect_sandbox.options import SweepOptions, check_options
 from prefect_sandbox.results import BranchResult, SweepResult
 from prefect_sandbox.sandbox.notebook import read_notebook, split_stages

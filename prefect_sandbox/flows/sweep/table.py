@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefect_sandbox.flows.metrics import Metric
-from prefect_sandbox.flows.report import table_cell, table_header
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME
+from prefect_sandbox.markdown_text import table_cell, table_header
 from prefect_sandbox.results import SweepResult
 
 __all__ = ["METRIC_COLUMNS", "TABLE_ROWS_SHOWN", "sweep_table"]
