@@ -123,6 +123,8 @@ class PipelineResult(BaseModel):
             or was cancelled: after what it started was cleaned up); None if the kill failed
             or no sandbox was asked for. With ``sandbox_created_at`` it brackets the sandbox's
             whole life (``summary.json`` has both as ISO 8601 strings).
+        sandbox_limits: how each resource limit applied to the run's sandbox, as its backend
+            reports it (`SandboxHandle.limits`): to the whole sandbox, to each process, or not.
         parameters: the parameters injected into the notebook (empty when none were).
         metrics: the top-level numbers, booleans, nulls and short strings of the stored
             ``metrics.json``, read as a sweep reads its branches' (the first 50); empty when
@@ -141,6 +143,7 @@ class PipelineResult(BaseModel):
     sandbox_id: str | None = None
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
+    sandbox_limits: dict[str, str] = Field(default_factory=dict)
     parameters: dict[str, Any] = Field(default_factory=dict)
     metrics: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
 

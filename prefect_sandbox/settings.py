@@ -24,6 +24,7 @@ from prefect_sandbox.sandbox.paths import (
     DEFAULT_MAX_ARTIFACT_BYTES,
     DEFAULT_MAX_TOTAL_ARTIFACT_BYTES,
 )
+from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, parse_uid_range
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",
@@ -201,6 +202,20 @@ class PrefectSandboxSettings(BaseSettings):
             "Runs that are not deployment runs store where they are told."
         ),
     )
+
+    uid_range: Annotated[tuple[int, int], NoDecode] = Field(
+        default=DEFAULT_UID_RANGE,
+        description=(
+            "The host uids, FIRST-LAST, that local sandboxes take one each of when the flow "
+            "runs as root (under bubblewrap): no two live sandboxes share one, so neither can "
+            "use up the other's per-uid kernel counts. Default 1879048192-1879113727."
+        ),
+    )
+
+    @field_validator("uid_range", mode="before")
+    @classmethod
+    def _parse_uid_range(cls, value: object) -> object:
+        return parse_uid_range(value) if isinstance(value, str) else value
 
     @field_validator("input_roots", "output_roots", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.sandbox import isolation
+from prefect_sandbox.sandbox import uids as uids_module
 from prefect_sandbox.sandbox.backends.local import (
     KERNEL_LOG_BYTES,
     LocalKernelConfig,
@@ -42,7 +43,6 @@ from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxUnavailableError
 from prefect_sandbox.sandbox.isolation import (
     SANDBOX_HOME,
-    SANDBOX_USER,
     SECCOMP_REFUSED,
     SandboxView,
     bwrap_command,
@@ -457,7 +457,10 @@ async def test_the_local_kernels_processes_are_not_host_root_seen_from_the_host(
     # bwrap, its init, the kernel and the cell's own child: four processes at least.
     assert len(owners) >= 4, owners
     if os.geteuid() == 0:
-        assert all(set(uids) == {65534} for uids in owners.values()), owners
+        uid = box.handle.connection["uid"]
+        first, last = LocalKernelConfig().uid_range
+        assert first <= uid <= last
+        assert all(set(uids) == {uid} for uids in owners.values()), owners
     else:
         assert all(set(uids) == {os.getuid()} for uids in owners.values()), owners
 
@@ -900,7 +903,7 @@ def test_staged_command_mounts_every_bound_path_at_the_stage_and_drops_root() ->
     view = SandboxView(links=(), read_only=("/usr", "/root/venv"), writable=("/run/k/ipc",))
     argv = bwrap_command("/usr/bin/bwrap", view, ["python", "--bind", "/x"], seccomp_fd=9)
     assert argv[argv.index("--seccomp") + 1] == "9"
-    staged = staged_command(argv, python="/py")
+    staged = staged_command(argv, (1879048200, 1879048200), python="/py")
     if os.geteuid() != 0:
         assert staged == argv
         return
@@ -912,7 +915,7 @@ def test_staged_command_mounts_every_bound_path_at_the_stage_and_drops_root() ->
     ]
     spec = json.loads(staged[4])
     assert spec["sources"] == ["/proc/sys", "/usr", "/root/venv", "/run/k/ipc"]
-    assert (spec["uid"], spec["gid"]) == SANDBOX_USER
+    assert (spec["uid"], spec["gid"]) == (1879048200, 1879048200)
     stage = spec["stage"]
     # The same argv, each bound path replaced by its staged name; the command left alone.
     expected = [
@@ -1020,3 +1023,124 @@ def test_what_the_seccomp_filter_still_allows_is_listed() -> None:
     partly = {"clone", "clone3", "socket", "socketpair"}
     allowed = sorted({name.decode() for name in names} - set(SECCOMP_REFUSED) - partly)
     assert allowed == ALLOWED_SYSCALLS.read_text().split()
+
+
+_HOLD_INOTIFY_CELL = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+held = []
+while (fd := libc.inotify_init1(0)) >= 0:
+    held.append(fd)
+print(len(held), ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs sandboxes as uids of their own")
+async def test_two_live_sandboxes_have_their_own_uids_and_per_uid_limits() -> None:
+    # One sandbox takes every inotify instance its uid may have (128 here): another sandbox,
+    # of another uid, can still make one. All sandboxes were uid 65534 before, and it could not.
+    async with _created(LocalKernelBackend()) as first, _created(LocalKernelBackend()) as second:
+        uids = [box.handle.connection["uid"] for box in (first, second)]
+        assert uids[0] != uids[1]
+        hoarded = await first.run_cell(_HOLD_INOTIFY_CELL, timeout_s=60)
+        count, error = map(int, stream_text(hoarded.outputs).split())
+        assert error == errno.EMFILE and count > 0
+        made = await second.run_cell(
+            "import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)", timeout_s=60
+        )
+        assert stream_text(made.outputs) == "True\n"
+    assert not set(uids) & set(uids_module.claimed_uids())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs sandboxes as uids of their own")
+async def test_a_uid_range_in_use_refuses_a_sandbox_until_its_uid_is_released() -> None:
+    # A range of one uid, of the test's own: a second live sandbox cannot have it.
+    config = LocalKernelConfig(uid_range=(0x7100_0000, 0x7100_0000))
+    box = await LocalKernelSandbox.create(config)
+    try:
+        started = await box.run_cell("import subprocess; subprocess.Popen(['sleep', '600'])")
+        assert started.status == "ok"
+        with pytest.raises(SandboxUnavailableError, match="PREFECT_SANDBOX_UID_RANGE"):
+            await LocalKernelSandbox.create(config)
+    finally:
+        await box.kill()
+    assert uids_module.uid_processes(0x7100_0000) == []
+    again = await LocalKernelSandbox.create(config)
+    await again.kill()
+
+
+_FORK_CELL = """
+import os, time
+children = 0
+try:
+    for _ in range(10_000):
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        children += 1
+except OSError as exc:
+    print(children, exc.errno)
+"""
+
+_FILL_MEMORY_FOLDERS_CELL = """
+import os
+chunk = b"x" * (1 << 20)
+for folder in ["/dev/shm", "/tmp", os.environ["HOME"]]:
+    with open(os.path.join(folder, "fill"), "wb") as file:
+        for _ in range(1 << 14):
+            file.write(chunk)
+            file.flush()
+"""
+
+needs_cgroups = pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/fs/cgroup/pids/cgroup.procs").exists(),
+    reason="cgroups are made by root, and these tests read cgroup v1's pids and memory",
+)
+
+
+@needs_cgroups
+async def test_a_fork_bomb_is_stopped_at_the_sandboxs_process_cap() -> None:
+    config = LocalKernelConfig(max_processes=64)
+    box = await LocalKernelSandbox.create(config)
+    try:
+        [memory, pids, _] = box.handle.connection["cgroup"]["folders"]
+        assert box.handle.limits["processes"] == (
+            "whole sandbox (cgroup v1): 64 processes and threads"
+        )
+        result = await box.run_cell(_FORK_CELL, timeout_s=120)
+        children, error = map(int, stream_text(result.outputs).split())
+        assert error == errno.EAGAIN and 0 < children < 64
+        # The host counts no more of the sandbox's processes than its cap.
+        assert int(Path(pids, "pids.current").read_text()) <= 64
+    finally:
+        await box.kill()
+    assert not Path(pids).exists() and not Path(memory).exists()
+
+
+@needs_cgroups
+@pytest.mark.usefixtures("prefect_api")
+async def test_filling_the_memory_folders_ends_at_the_sandboxs_memory_limit(
+    tmp_path: Path,
+) -> None:
+    from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline
+
+    # 400 MiB for all: each of /dev/shm, /tmp and HOME may hold that much, and they are
+    # filled in turn, so only the sandbox's memory as a whole stops the cell (before: 400 MiB
+    # each, 1.2 GB of host memory).
+    limit = 400 << 20
+    with pytest.raises(PipelineFailedError) as failed:
+        await amodeling_pipeline(
+            stages={"fill": [_FILL_MEMORY_FOLDERS_CELL]},
+            backend=LocalKernelBackend(memory_limit_bytes=limit),
+            storage=str(tmp_path / "out"),
+        )
+    result = failed.value.result
+    assert result is not None and result.status == "failed"
+    assert result.error is not None and "the sandbox used all of its memory" in result.error
+    summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
+    assert summary["sandbox_limits"] == {
+        "memory": f"whole sandbox (cgroup v1): {limit} bytes; each process (RLIMIT_DATA): "
+        f"{limit} bytes",
+        "processes": "whole sandbox (cgroup v1): 4096 processes and threads",
+        "tmpfs": f"each of /tmp, /dev/shm, HOME: {limit} bytes",
+    }

@@ -185,6 +185,9 @@ def test_every_setting_and_the_host_env_key_a_pool_apart(monkeypatch: pytest.Mon
         "network": True,
         "bwrap_path": "/opt/bwrap",
         "warm_pool_size": 2,
+        "uid_range": (0x7100_0000, 0x7100_FFFF),
+        "max_processes": 64,
+        "cpu_limit": 0.5,
     }
     assert set(changed) == {setting.name for setting in dataclasses.fields(base)}
     keys = {_pool_key(base)}

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.local import (
     BACKEND_SLUG,
+    DEFAULT_MAX_PROCESSES,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
@@ -90,9 +91,28 @@ class LocalKernelBackend(SandboxBackend):
         gt=0,
         title="Memory limit (bytes)",
         description=(
-            "Memory each process of the sandbox (the kernel, and each process it starts) may "
-            "allocate, not a total; past it allocations fail with MemoryError. Also the most "
-            "its /tmp, HOME and /dev/shm each hold. Empty for none."
+            "Memory the whole sandbox may use, its /tmp, HOME and /dev/shm included, where "
+            "the flow runs as root and the host has cgroups (past it Linux's OOM killer ends "
+            "the kernel); also what each of its processes may allocate (past it MemoryError), "
+            "and the most each of /tmp, HOME and /dev/shm holds. Empty for none."
+        ),
+    )
+    max_processes: int | None = Field(
+        default=DEFAULT_MAX_PROCESSES,
+        gt=0,
+        title="Process limit",
+        description=(
+            "Processes and threads the whole sandbox may have at once (a fork past it fails), "
+            "where the flow runs as root and the host has cgroups. Empty for none."
+        ),
+    )
+    cpu_limit: float | None = Field(
+        default=None,
+        gt=0,
+        title="CPU limit (cores)",
+        description=(
+            "CPUs' worth of time the whole sandbox may use at once (0.5: half a core), where "
+            "the flow runs as root and the host has cgroups. Empty for none."
         ),
     )
     cpu_time_limit_s: int | None = Field(
@@ -168,7 +188,10 @@ class LocalKernelBackend(SandboxBackend):
             startup_timeout_s=self.startup_timeout_s,
             memory_limit_bytes=self.memory_limit_bytes,
             cpu_time_limit_s=self.cpu_time_limit_s,
+            max_processes=self.max_processes,
+            cpu_limit=self.cpu_limit,
             isolation=self.isolation,
             network=self.network,
             warm_pool_size=self.warm_pool_size,
+            uid_range=PrefectSandboxSettings().uid_range,
         )

@@ -219,6 +219,7 @@ class PipelineRun:
     attempt: int = 1
     """The flow run's attempt, Prefect's ``run_count``."""
     sandbox_id: str | None = None
+    sandbox_limits: dict[str, str] = field(default_factory=dict)
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
 
@@ -235,6 +236,7 @@ class PipelineRun:
             try:
                 handle = await create_sandbox(self.backend, labels)
                 self.sandbox_id = handle.sandbox_id
+                self.sandbox_limits = handle.limits
                 try:
                     yield handle
                 finally:
@@ -465,6 +467,7 @@ class PipelineRun:
             sandbox_id=self.sandbox_id,
             sandbox_created_at=self.sandbox_created_at,
             sandbox_killed_at=self.sandbox_killed_at,
+            sandbox_limits=self.sandbox_limits,
             parameters=parameters or {},
             metrics=self._metrics(outputs),
         )

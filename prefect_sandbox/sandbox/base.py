@@ -140,6 +140,9 @@ class SandboxHandle(BaseModel):
         connection: backend-specific details needed to reach the sandbox again.
         kernel: the kernel that runs its cells, as the backend knows it when the sandbox is
             made; None from handles that listings rebuilt.
+        limits: each resource limit set on the sandbox (``memory``, ``processes``, ``cpu``,
+            ...) to how it applies, e.g. ``"whole sandbox (cgroup v1): 1073741824 bytes"`` or
+            ``"each process (RLIMIT_DATA): ..."``; empty where the backend reports none.
     """
 
     backend: str
@@ -148,6 +151,7 @@ class SandboxHandle(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     connection: dict[str, Any] = Field(default_factory=dict)
     kernel: KernelInfo | None = None
+    limits: dict[str, str] = Field(default_factory=dict)
 
 
 class CellError(BaseModel):

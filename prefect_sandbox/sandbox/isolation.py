@@ -9,10 +9,11 @@ at most the memory limit); and, writable, only what the sandbox owns (its workin
 its sockets). Host paths keep their names inside, so the working directory is the same path on
 both sides.
 
-It never runs as host root: when this process is root, bwrap itself runs as `SANDBOX_USER`
-(``nobody``, as Docker sandboxes do), through `_drop_root.py`, which first makes the paths to
-mount reachable to that user; otherwise it runs as this process's user. Inside, the kernel is
-uid 0 of its own user namespace, mapped to that host uid alone (``uid_map`` ``0 65534 1``).
+It never runs as host root: when this process is root, bwrap itself runs as a uid of the
+sandbox's own (`prefect_sandbox.sandbox.uids`), through `_drop_root.py`, which first makes the
+paths to mount reachable to that user; otherwise it runs as this process's user. Inside, the
+kernel is uid 0 of its own user namespace, mapped to that host uid alone (``uid_map`` ``0 UID
+1``).
 
 `sandbox_view` looks at this machine's filesystem; `bwrap_command` and `staged_command` are
 pure; `check_bwrap` runs ``bwrap`` once per process to see that it can make namespaces here.
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -72,7 +74,8 @@ SANDBOX_ENV = {"HOME": SANDBOX_HOME, "TMPDIR": "/tmp"}
 """Variables an isolated kernel gets instead of the host's (its HOME and /tmp are its own)."""
 
 SANDBOX_USER = (65534, 65534)
-"""Host uid and gid that sandboxes run as when this process is root (``nobody:nogroup``)."""
+"""Host uid and gid (``nobody:nogroup``) a root process checks bwrap as, and runs a sandbox as
+when it is given no uid of its own."""
 
 # Where `_drop_root.py` mounts the paths bwrap binds, in a mount namespace of its own: a folder
 # every user can reach (unlike a private TMPDIR), whatever TMPDIR says.
@@ -369,17 +372,22 @@ def sandbox_user() -> tuple[int, int]:
     return os.getuid(), os.getgid()
 
 
-def staged_command(bwrap_argv: Sequence[str], python: str = sys.executable) -> list[str]:
-    """``bwrap_argv`` run as `sandbox_user` rather than as root, when this process is root.
+def staged_command(
+    bwrap_argv: Sequence[str],
+    user: tuple[int, int] = SANDBOX_USER,
+    python: str = sys.executable,
+) -> list[str]:
+    """``bwrap_argv`` run as ``user`` rather than as root, when this process is root.
 
     Args:
         bwrap_argv: a `bwrap_command` argv.
+        user: the host uid and gid bwrap runs as.
         python: the interpreter that runs `_drop_root.py`.
 
     Returns:
         ``bwrap_argv`` itself when this process is not root. Otherwise an argv that runs
         `_drop_root.py`, which mounts each path ``bwrap_argv`` binds at a staging folder only
-        its own mount namespace sees, drops to `SANDBOX_USER`, and runs ``bwrap_argv`` with
+        its own mount namespace sees, drops to ``user``, and runs ``bwrap_argv`` with
         those paths replaced by their staged names.
     """
     if os.geteuid() != 0:
@@ -393,7 +401,7 @@ def staged_command(bwrap_argv: Sequence[str], python: str = sys.executable) -> l
             sources.append(argv[index + 1])
             argv[index + 1] = f"{_STAGE}/{len(sources) - 1}"
         index += 1 + _BWRAP_ARITY[option]
-    uid, gid = SANDBOX_USER
+    uid, gid = user
     spec = {"stage": _STAGE, "sources": sources, "uid": uid, "gid": gid, "argv": argv}
     return [python, "-I", "-S", str(_DROP_ROOT), json.dumps(spec)]
 
@@ -477,7 +485,11 @@ def _seccomp_rules() -> list[tuple[str, int, list[_ArgCompare]]]:
 
 
 def limited_command(
-    command: Sequence[str], *, memory_limit_bytes: int | None, cpu_time_limit_s: int | None
+    command: Sequence[str],
+    *,
+    memory_limit_bytes: int | None,
+    cpu_time_limit_s: int | None,
+    cgroup_folders: Sequence[str] = (),
 ) -> list[str]:
     """``command`` run by ``/bin/sh`` after setting its rlimits, with SIGINT ignored.
 
@@ -497,12 +509,16 @@ def limited_command(
             mapped), rounded down to KiB; None for none.
         cpu_time_limit_s: CPU seconds (``RLIMIT_CPU``): SIGXCPU at this, SIGKILL
             `CPU_HARD_MARGIN_S` later; None for none.
+        cgroup_folders: cgroups the shell joins before ``command`` starts (so every process
+            of the sandbox is in them from its first); it exits 125 if it cannot.
 
     Returns:
         The argv.
     """
     # The shell exports PWD; the kernel gets only the environment it was given.
     script = 'trap "" INT; unset PWD'
+    for folder in cgroup_folders:
+        script += f"; echo $$ > {shlex.quote(folder + '/cgroup.procs')} || exit 125"
     if memory_limit_bytes is not None:
         script += f"; ulimit -d {memory_limit_bytes // 1024}"
     if cpu_time_limit_s is not None:

@@ -70,6 +70,7 @@ from prefect_sandbox.sandbox.backends.jupyter import (
 )
 from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, warm_pool
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
+from prefect_sandbox.sandbox.cgroups import SandboxCgroup, make_cgroup
 from prefect_sandbox.sandbox.errors import (
     SandboxError,
     SandboxNotFoundError,
@@ -89,9 +90,12 @@ from prefect_sandbox.sandbox.isolation import (
 )
 from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
 from prefect_sandbox.sandbox.paths import resolve_inside
+from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
 
 __all__ = [
     "BACKEND_SLUG",
+    "DEFAULT_MAX_PROCESSES",
+    "DEFAULT_TMPFS_BYTES",
     "HOST_ENV_ALLOW_LIST",
     "KERNEL_LOG_BYTES",
     "LocalKernelConfig",
@@ -105,6 +109,14 @@ HOST_ENV_ALLOW_LIST = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPD
 """Host variables a kernel inherits; everything else it gets only from the user's settings."""
 
 _REAP_WAIT_S = 10.0
+
+DEFAULT_MAX_PROCESSES = 4096
+"""Processes and threads a whole local sandbox may have at once, where it has a cgroup: far
+above what a notebook starts (a kernel has about 10 threads; OpenBLAS one per core), far below
+what stalls a host (a fork bomb)."""
+DEFAULT_TMPFS_BYTES = 1 << 30
+"""The most each of an isolated kernel's ``/tmp``, ``/dev/shm`` and ``HOME`` holds (they are
+memory) when ``memory_limit_bytes`` is smaller or unset: 1 GiB, not half the host's RAM."""
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +198,15 @@ class LocalKernelConfig(JupyterKernelConfig):
             keeps ready, so that `LocalKernelSandbox.create` returns in milliseconds; 0 for
             none (every create starts a kernel). The pool starts at the first create, which
             is a cold start, and refills in the background after each create.
+        uid_range: the host uids (first, last) sandboxes isolated by a root process take
+            one each of, never two live sandboxes the same (`prefect_sandbox.sandbox.uids`).
+        max_processes: processes and threads the whole sandbox may have at once (its cgroup's
+            ``pids.max``, where this process may make cgroups: it is root); None for no cap.
+        cpu_limit: CPUs' worth of time the whole sandbox may use at once (its cgroup's CPU
+            quota: 0.5 is half a core), where it has a cgroup; None for no cap.
+
+    With a cgroup (`prefect_sandbox.sandbox.cgroups`), ``memory_limit_bytes`` also bounds the
+    whole sandbox, its tmpfs included. The handle's ``limits`` says how each limit applied.
     """
 
     kernel_name: str = "python3"
@@ -197,6 +218,9 @@ class LocalKernelConfig(JupyterKernelConfig):
     network: bool = False
     bwrap_path: str = "bwrap"
     warm_pool_size: int = 0
+    uid_range: tuple[int, int] = DEFAULT_UID_RANGE
+    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    cpu_limit: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -236,7 +260,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             connection_file_of(handle),
             Path(handle.workdir),
             kernel_sockets=runtime_dir / "ipc" / "k",
-            socket_owner=_kernel_user(config)[0],
+            socket_owner=_kernel_user(handle, config)[0],
         )
 
     @classmethod
@@ -347,10 +371,25 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 "kernel_name": config.kernel_name,
             },
         )
-        _write_handle(handle)
-        _write_connection_files(runtime_dir, config.kernel_name)
         sandbox: LocalKernelSandbox | None = None
         try:
+            if config.isolation == "bubblewrap" and os.geteuid() == 0:
+                handle.connection["uid"] = await asyncio.to_thread(
+                    claim_uid, config.uid_range, sandbox_id, runtime_dir
+                )
+            cgroup = await asyncio.to_thread(
+                make_cgroup,
+                sandbox_id,
+                memory_limit_bytes=config.memory_limit_bytes,
+                max_processes=config.max_processes,
+                cpu_limit=config.cpu_limit,
+            )
+            if cgroup is not None:
+                folders = [str(folder) for folder in cgroup.folders]
+                handle.connection["cgroup"] = {"folders": folders, "version": cgroup.version}
+            handle.limits = _limits(config, cgroup)
+            _write_handle(handle)
+            _write_connection_files(runtime_dir, config.kernel_name)
             spec = await run_to_end_in_thread(_launch, handle, config)
             sandbox = cls(handle, config)
             sandbox._starting = True
@@ -412,7 +451,7 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         target = resolve_inside(self._workdir, dest)
         made = [folder for folder in target.parents if not folder.exists()]
         await super().upload(src, dest)
-        _hand_over([*reversed(made), target], self._config)
+        _hand_over([*reversed(made), target], self._handle, self._config)
 
     async def interrupt(self) -> None:
         """Send SIGINT to the kernel's process group, as Jupyter does for ``signal`` mode."""
@@ -468,6 +507,14 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         else:
             exit_code = signum = None
         cause = self._start_failure() if self._starting else None
+        cgroup = _sandbox_cgroup(self._handle)
+        if signum == signal.SIGKILL and cgroup is not None and cgroup.out_of_memory():
+            out_of_memory = (
+                "the sandbox used all of its memory "
+                f"(memory_limit_bytes={self._config.memory_limit_bytes}, for all its processes "
+                "and its /tmp, /dev/shm and HOME together) and Linux's OOM killer ended it"
+            )
+            cause = f"{cause}: {out_of_memory}" if cause else out_of_memory
         raise self._kernel_died(exit_code=exit_code, signal=signum, cause=cause, reason=reason)
 
     def _start_failure(self) -> str:
@@ -512,11 +559,47 @@ def _write_connection_files(runtime_dir: Path, kernel_name: str) -> None:
     )
 
 
-def _kernel_user(config: LocalKernelConfig) -> tuple[int, int]:
-    """The host uid and gid the kernel runs as."""
+def _tmpfs_size_bytes(config: LocalKernelConfig) -> int:
+    """The most each of an isolated kernel's ``/tmp``, ``/dev/shm`` and ``HOME`` holds."""
+    if config.memory_limit_bytes is None:
+        return DEFAULT_TMPFS_BYTES
+    return min(config.memory_limit_bytes, DEFAULT_TMPFS_BYTES)
+
+
+def _sandbox_cgroup(handle: SandboxHandle) -> SandboxCgroup | None:
+    """The sandbox's cgroup as its handle records it; None if it has none."""
+    recorded = handle.connection.get("cgroup")
+    if recorded is None:
+        return None
+    return SandboxCgroup(tuple(Path(f) for f in recorded["folders"]), recorded["version"])
+
+
+def _limits(config: LocalKernelConfig, cgroup: SandboxCgroup | None) -> dict[str, str]:
+    """How each of the config's limits applies: to the whole sandbox through its cgroup, else
+    to each process (rlimits), else not at all."""
+    applied = dict(cgroup.applied) if cgroup is not None else {}
+    if config.memory_limit_bytes is not None:
+        each = f"each process (RLIMIT_DATA): {config.memory_limit_bytes} bytes"
+        applied["memory"] = f"{applied['memory']}; {each}" if "memory" in applied else each
+    if config.max_processes is not None and "processes" not in applied:
+        applied["processes"] = "not applied: no cgroup here (the flow is not root, or no pids"
+        applied["processes"] += " controller)"
+    if config.cpu_limit is not None and "cpu" not in applied:
+        applied["cpu"] = "not applied: no cgroup here (the flow is not root, or no cpu controller)"
+    if config.cpu_time_limit_s is not None:
+        applied["cpu_time"] = f"each process (RLIMIT_CPU): {config.cpu_time_limit_s} s"
     if config.isolation == "bubblewrap":
-        return sandbox_user()
-    return os.getuid(), os.getgid()
+        applied["tmpfs"] = f"each of /tmp, /dev/shm, HOME: {_tmpfs_size_bytes(config)} bytes"
+    return applied
+
+
+def _kernel_user(handle: SandboxHandle, config: LocalKernelConfig) -> tuple[int, int]:
+    """The host uid and gid the kernel runs as: the sandbox's own uid (and group) when this
+    process is root and isolates it, else this process's."""
+    if config.isolation != "bubblewrap":
+        return os.getuid(), os.getgid()
+    uid = handle.connection.get("uid")
+    return (uid, uid) if uid is not None else sandbox_user()
 
 
 def _write_handle(handle: SandboxHandle) -> None:
@@ -693,13 +776,13 @@ def _bubblewrapped(
     runtime_dir = Path(handle.connection["runtime_dir"])
     bwrap = check_bwrap(config.bwrap_path)
     writable = [Path(handle.workdir), runtime_dir / "ipc", runtime_dir / "ipython"]
-    _hand_over([runtime_dir / "kernel.json", *writable, *ipython], config)
+    _hand_over([runtime_dir / "kernel.json", *writable, *ipython], handle, config)
     view = sandbox_view(
         cmd[0],
         read_only=[runtime_dir / "kernel.json"],
         writable=writable,
         network=config.network,
-        tmpfs_size_bytes=config.memory_limit_bytes if bwrap_sizes_tmpfs(bwrap) else None,
+        tmpfs_size_bytes=_tmpfs_size_bytes(config) if bwrap_sizes_tmpfs(bwrap) else None,
     )
     passed: list[int] = []
     program = seccomp_filter()
@@ -708,7 +791,8 @@ def _bubblewrapped(
         os.write(passed[0], program)
         os.lseek(passed[0], 0, os.SEEK_SET)
     seccomp_fd = passed[0] if passed else None
-    return staged_command(bwrap_command(bwrap, view, cmd, seccomp_fd=seccomp_fd)), passed
+    argv = bwrap_command(bwrap, view, cmd, seccomp_fd=seccomp_fd)
+    return staged_command(argv, _kernel_user(handle, config)), passed
 
 
 def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
@@ -736,6 +820,7 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
         cmd,
         memory_limit_bytes=config.memory_limit_bytes,
         cpu_time_limit_s=config.cpu_time_limit_s,
+        cgroup_folders=handle.connection.get("cgroup", {}).get("folders", ()),
     )
     output, into_log = os.pipe()
     try:
@@ -768,10 +853,10 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
     return spec
 
 
-def _hand_over(paths: list[Path], config: LocalKernelConfig) -> None:
+def _hand_over(paths: list[Path], handle: SandboxHandle, config: LocalKernelConfig) -> None:
     """Make ``paths`` the kernel's user's, not following links (a no-op unless that user is
     another than ours: this process is root); nothing inside a folder is touched."""
-    uid, gid = _kernel_user(config)
+    uid, gid = _kernel_user(handle, config)
     if uid == os.getuid():
         return
     for path in paths:
@@ -827,9 +912,16 @@ def _launcher() -> ThreadPoolExecutor:
 
 
 def _destroy(handle: SandboxHandle) -> bool:
-    """Kill the sandbox's kernel, if any, and remove its folders; False if already gone."""
+    """Kill the sandbox's kernel, if any, remove its folders and release its uid (every
+    process left of that uid killed first); False if already gone."""
     runtime_dir = Path(handle.connection["runtime_dir"])
+    uid = handle.connection.get("uid")
     if not runtime_dir.exists():
+        cgroup = _sandbox_cgroup(handle)
+        if cgroup is not None:
+            cgroup.kill_and_remove()
+        if uid is not None:
+            release_uid(uid, handle.sandbox_id)
         return False
     try:
         pid = int((runtime_dir / "kernel.pid").read_text())
@@ -837,6 +929,11 @@ def _destroy(handle: SandboxHandle) -> bool:
         pass
     else:
         _kill_process_group(handle.sandbox_id, pid)
+    cgroup = _sandbox_cgroup(handle)
+    if cgroup is not None:
+        cgroup.kill_and_remove()
+    if uid is not None:
+        release_uid(uid, handle.sandbox_id)
     owned = Path(handle.workdir) if handle.connection.get("owns_workdir") else None
     remove_folders(runtime_dir, owned)
     return True
