@@ -20,6 +20,7 @@ from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.sandbox.notebook import WIDGET_STATE_MIME, ExecutedNotebook
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import stream_text
+from tests.contract.test_execution import START_THREAD
 
 LABELS = {"prefect-sandbox": "true", "suite": "e2b-notebook"}
 TEMPLATE_IPYKERNEL = "6.31.0"  # what e2b-dev/code-interpreter's template/requirements.txt pins
@@ -135,38 +136,56 @@ async def test_200_runs_of_an_unknown_magic_all_end_error(box: Sandbox) -> None:
     assert await _unknown_magic_runs(box, 200) == ["error"] * 200
 
 
-WIDGET_CELLS = [
-    "from comm import create_comm\n"
-    "state = {'_model_name': 'IntSliderModel', '_model_module': '@jupyter-widgets/controls',\n"
-    "         '_model_module_version': '2.0.0', '_view_name': 'IntSliderView', 'value': 7}\n"
-    "c = create_comm(target_name='jupyter.widget', data={'state': state, 'buffer_paths': []},\n"
-    "                metadata={'version': '2.1.0'})\n"
-    "display({'text/plain': 'IntSlider(value=7)',\n"
-    "         'application/vnd.jupyter.widget-view+json':\n"
-    "             {'version_major': 2, 'version_minor': 0, 'model_id': c.comm_id}}, raw=True)\n"
-    "c.comm_id",
-    "c.send({'method': 'update', 'state': {'value': 9}, 'buffer_paths': [['data']]},\n"
-    "       buffers=[b'\\x01\\x02'])\n"
-    "print('updated')",
+SLIDER_CELLS = [
+    "import ipywidgets\nslider = ipywidgets.IntSlider(value=1, description='n')\nslider",
+    "slider.value = 5",
 ]
 
 
-async def test_a_widgets_last_state_is_in_the_notebooks_metadata(box: Sandbox) -> None:
+def _models(notebook: nbformat.NotebookNode) -> list[tuple[str, dict[str, Any]]]:
+    """The widget models of ``metadata.widgets``, model ids left out (they are random)."""
+    state = notebook.metadata["widgets"][WIDGET_STATE_MIME]["state"]
+    ids = set(state)
+    models = []
+    for model in state.values():
+        fields = {
+            k: ("<model>" if isinstance(v, str) and v.removeprefix("IPY_MODEL_") in ids else v)
+            for k, v in model["state"].items()
+        }
+        models.append((model["model_name"], fields))
+    return sorted(models, key=lambda model: model[0])
+
+
+@pytest.fixture(scope="module")
+def nbclient_slider() -> nbformat.NotebookNode:
+    """The slider notebook as nbclient executes it, widget state stored."""
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(code) for code in SLIDER_CELLS]
+    NotebookClient(notebook, timeout=60, kernel_name="python3").execute()
+    return notebook
+
+
+async def test_a_real_ipywidgets_slider_keeps_its_last_value_as_nbclient_does(
+    box: Sandbox, nbclient_slider: nbformat.NotebookNode
+) -> None:
+    cells = SLIDER_CELLS
     source = nbformat.v4.new_notebook()
-    source.cells = [nbformat.v4.new_code_cell(code) for code in WIDGET_CELLS]
+    source.cells = [nbformat.v4.new_code_cell(code) for code in cells]
     executed = ExecutedNotebook(source)
-    results = [await box.run_cell(code) for code in WIDGET_CELLS]
-    for index, result in enumerate(results):
+    for index, code in enumerate(cells):
+        result = await box.run_cell(code)
         assert result.status == "ok", result.error
         executed.record(index, "main", result)
-    model_id = results[0].outputs[-1]["data"]["text/plain"].strip("'")
-    widgets = executed.notebook.metadata["widgets"][WIDGET_STATE_MIME]
-    assert (widgets["version_major"], widgets["version_minor"]) == (2, 0)
-    model = widgets["state"][model_id]
-    assert model["model_name"] == "IntSliderModel"
-    assert model["model_module"] == "@jupyter-widgets/controls"
-    assert model["state"]["value"] == 9
-    assert model["buffers"] == [{"path": ["data"], "encoding": "base64", "data": "AQI="}]
+    view = executed.notebook.cells[0].outputs[-1]["data"][
+        "application/vnd.jupyter.widget-view+json"
+    ]
+    state = executed.notebook.metadata["widgets"][WIDGET_STATE_MIME]["state"]
+    assert state[view["model_id"]]["model_name"] == "IntSliderModel"
+    assert state[view["model_id"]]["state"]["value"] == 5
+    assert state[view["model_id"]]["state"]["description"] == "n"
+    assert _models(executed.notebook) == _models(nbclient_slider)
     nbformat.validate(executed.notebook)
 
 
@@ -204,14 +223,7 @@ async def test_on_the_templates_ipykernel_a_threads_output_is_kept_as_on_local(
     try:
         version = await sandbox.run_cell("import ipykernel; ipykernel.__version__")
         assert version.outputs[0]["data"]["text/plain"] == repr(TEMPLATE_IPYKERNEL)
-        start_thread = (
-            "import threading, time\n"
-            "def later(text, delay):\n"
-            "    time.sleep(delay)\n"
-            "    print(text, flush=True)\n"
-            "threading.Thread(target=later, args=({text!r}, {delay})).start()\n"
-            "print('started')"
-        )
+        start_thread = START_THREAD
         # Printed while a later cell runs: in that cell, as ipykernel 7 and local give it.
         await sandbox.run_cell(start_thread.format(text="during next", delay=0.2))
         during = await sandbox.run_cell("import time; time.sleep(0.8); print('cell two')")

@@ -52,6 +52,8 @@ LIMITS: dict[str, frozenset[str]] = {
             "fd_output",
             # Its runner takes a few magics, not IPython's shell: no %%capture, In or _i.
             "ipython_shell",
+            # Its interpreter is no Jupyter kernel: a comm goes nowhere, so no widget state.
+            "widget_state",
         }
     ),
 }
