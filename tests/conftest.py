@@ -58,10 +58,14 @@ def prefect_api() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def e2b_emulator() -> Iterator[E2BEmulator]:
-    """One offline E2B emulator for the session; stopping it kills what tests left alive."""
+    """One offline E2B emulator for the session; stopping it kills what tests left alive.
+
+    It reads every reply after its idle, the real server's harshest way now and then: an error
+    only the reply holds is dropped.
+    """
     from prefect_sandbox.testing.e2b import E2BEmulator
 
-    with E2BEmulator() as emulator:
+    with E2BEmulator(reply_after_idle=True) as emulator:
         yield emulator
 
 

@@ -72,8 +72,11 @@ async def test_the_templates_json_part_of_a_dict_or_list_reaches_the_outputs(
     sandbox = await _backend(e2b_emulator).create(LABELS)
     try:
         result = await sandbox.run_cell("display([1, 2])\n{'a': 1}")
+        frame = await sandbox.run_cell("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
     finally:
         await sandbox.kill()
+    # The template's e2b/data part (an object, not nbformat's text) is left out.
+    assert sorted(frame.outputs[0]["data"]) == ["text/html", "text/plain"]
     shown, value = result.outputs
     assert shown["data"] == {"text/plain": "[1, 2]", "application/json": [1, 2]}
     assert value["data"] == {"text/plain": "{'a': 1}", "application/json": {"a": 1}}

@@ -462,6 +462,46 @@ def test_an_output_that_is_not_valid_nbformat_is_dropped_with_a_warning(tmp_path
     assert [c.outputs for c in written.cells] == [[good], []]
 
 
+def test_widget_state_is_merged_across_cells_as_nbclient_stores_it() -> None:
+    from datetime import UTC, datetime
+
+    from prefect_sandbox.sandbox.base import CellResult
+    from prefect_sandbox.sandbox.notebook import WIDGET_STATE_MIME, ExecutedNotebook
+    from prefect_sandbox.sandbox.outputs import OutputCollector
+
+    model = {"_model_name": "M", "_model_module": "m", "_model_module_version": "1", "value": 1}
+    first, second = OutputCollector(), OutputCollector()
+    first.add_comm({"comm_id": "w", "data": {"state": model, "buffer_paths": []}}, [])
+    first.add_comm({"comm_id": "other", "data": {"state": {"value": 0}}}, [])  # no model name
+    first.add_comm({"comm_id": "w", "data": {"method": "custom", "content": {}}}, [])
+    update = {"state": {"value": 2}, "buffer_paths": [["b"]]}
+    second.add_comm({"comm_id": "w", "data": update}, [b"\x00"])
+    second.add_comm({"comm_id": "w", "data": update}, ["AQ=="])  # a path's buffer replaced
+    executed = ExecutedNotebook(_notebook(_code("a"), _code("b")))
+    now = datetime.now(UTC)
+    for index, collector in enumerate((first, second)):
+        result = CellResult(
+            status="ok", started_at=now, duration_s=0, widget_state=collector.widget_state
+        )
+        executed.record(index, "s", result)
+    assert executed.notebook.metadata["widgets"] == {
+        WIDGET_STATE_MIME: {
+            "state": {
+                "w": {
+                    "model_name": "M",
+                    "model_module": "m",
+                    "model_module_version": "1",
+                    "state": {**model, "value": 2},
+                    "buffers": [{"path": ["b"], "encoding": "base64", "data": "AQ=="}],
+                }
+            },
+            "version_major": 2,
+            "version_minor": 0,
+        }
+    }
+    nbformat.validate(executed.notebook)
+
+
 def test_stages_follow_tags_and_untagged_cells_join_the_previous_stage() -> None:
     notebook = _notebook(
         _code("a = 1", "stage:load"),

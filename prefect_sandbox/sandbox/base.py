@@ -205,6 +205,9 @@ class CellResult(BaseModel):
         display_updates: each display id to the last ``data`` and ``metadata`` the cell sent
             for it (an update, or a new display with that id): outputs that earlier cells
             showed with the id show it too, as nbclient does (see ``ExecutedNotebook``).
+        widget_state: each widget model's comm id to the ``state`` (and binary ``buffers``,
+            base64) the cell's ``comm_open`` and ``comm_msg`` messages sent for it; the
+            executed notebook keeps the last of each in ``metadata.widgets``.
     """
 
     status: Literal["ok", "error", "timeout"]
@@ -220,6 +223,7 @@ class CellResult(BaseModel):
     omitted_chars: int = 0
     display_ids: dict[str, list[int]] = Field(default_factory=dict)
     display_updates: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    widget_state: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class RemoteFile(BaseModel):
@@ -363,6 +367,7 @@ def cell_result(
         omitted_chars=collector.omitted_chars,
         display_ids=collector.display_ids,
         display_updates=collector.display_updates,
+        widget_state=collector.widget_state,
     )
 
 

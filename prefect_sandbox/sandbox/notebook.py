@@ -57,6 +57,8 @@ SKIP_TAG = "skip-execution"
 """Cells tagged so are not run, and keep their outputs as they are (nbclient's convention)."""
 LEADING_STAGE = "setup"
 METADATA_KEY = "prefect_sandbox"
+WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
+"""The key of ``metadata.widgets`` under which notebook viewers find the widgets' state."""
 
 
 class CellSpec(BaseModel):
@@ -564,6 +566,8 @@ class ExecutedNotebook:
         self.notebook = copy.deepcopy(source)
         # Display id -> cell index -> indexes of the cell's outputs shown with that id.
         self._displays: dict[str, dict[int, list[int]]] = {}
+        # Comm id -> the widget model's state (and buffers) as the cells left it.
+        self._widgets: dict[str, dict[str, Any]] = {}
         for cell in self.notebook.cells:
             if cell.cell_type == "code" and SKIP_TAG not in _tags(cell):
                 cell.outputs = []
@@ -594,6 +598,8 @@ class ExecutedNotebook:
                     output["metadata"] = nbformat.from_dict(copy.deepcopy(content["metadata"]))
         for display_id, indexes in result.display_ids.items():
             self._displays.setdefault(display_id, {})[cell_index] = list(indexes)
+        if result.widget_state:
+            self._record_widgets(result.widget_state)
         cell.execution_count = result.execution_count
         # Merged, so facts noted when the cell was added (a session's step and attempt) stay.
         cell.metadata.setdefault(METADATA_KEY, {}).update(
@@ -604,6 +610,40 @@ class ExecutedNotebook:
                 "duration_s": round(result.duration_s, 6),
             }
         )
+
+    def _record_widgets(self, widget_state: dict[str, dict[str, Any]]) -> None:
+        """Keep the widget models' last state in ``metadata.widgets``, in the widget-state
+        format nbclient's ``store_widget_state`` writes (``@jupyter-widgets/schema``, v2.0):
+        models with a ``_model_name``, their binary buffers base64."""
+        for comm_id, sent in widget_state.items():
+            kept = self._widgets.setdefault(comm_id, {"state": {}, "buffers": {}})
+            kept["state"].update(copy.deepcopy(sent["state"]))
+            for buffer in sent.get("buffers", []):
+                kept["buffers"][tuple(buffer["path"])] = dict(buffer)
+        models = {}
+        for comm_id, kept in self._widgets.items():
+            state = kept["state"]
+            if "_model_name" not in state:
+                continue
+            model: dict[str, Any] = {
+                "model_name": state["_model_name"],
+                "model_module": state.get("_model_module"),
+                "model_module_version": state.get("_model_module_version"),
+                "state": state,
+            }
+            if kept["buffers"]:
+                model["buffers"] = list(kept["buffers"].values())
+            models[comm_id] = model
+        if models:
+            self.notebook.metadata["widgets"] = nbformat.from_dict(
+                {
+                    WIDGET_STATE_MIME: {
+                        "state": copy.deepcopy(models),
+                        "version_major": 2,
+                        "version_minor": 0,
+                    }
+                }
+            )
 
     def add_code_cell(self, source: str, **facts: Any) -> int:
         """Append a code cell that is about to run (a session's cells are known only then).

@@ -11,12 +11,14 @@ logging, JSON and nbformat never choke on it.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "COMM_MSG_TYPES",
     "DEFAULT_MAX_OUTPUT_CHARS",
     "ERROR_TEXT_CHARS",
     "OUTPUT_MSG_TYPES",
@@ -37,6 +39,8 @@ __all__ = [
 
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "execute_result", "error"})
 _DISPLAY_MSG_TYPES = frozenset({"display_data", "execute_result", "update_display_data"})
+COMM_MSG_TYPES = frozenset({"comm_open", "comm_msg"})
+"""The comm messages that can carry a widget model's state (``data.state``)."""
 DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
 ERROR_TEXT_CHARS = 4096
 """Characters an exception's message keeps wherever it is copied (errors, logs, summaries)."""
@@ -300,6 +304,8 @@ class OutputCollector:
         """The last content (``data`` and ``metadata``) the cell sent for each display id, by
         an update or a new display with that id: outputs of earlier cells shown with the id
         show it too, as in nbclient."""
+        self.widget_state: dict[str, dict[str, Any]] = {}
+        """Each comm id to the widget state the cell sent for it (`add_comm`)."""
 
     @property
     def outputs(self) -> list[dict[str, Any]]:
@@ -382,6 +388,29 @@ class OutputCollector:
         else:
             self._keep_in_tail(kept)
         return output
+
+    def add_comm(self, content: dict[str, Any], buffers: list[Any]) -> None:
+        """Take a ``comm_open`` or ``comm_msg``: the model state it carries (an ipywidgets
+        model's, ``data.state``) is merged into `widget_state`, as nbclient's
+        ``store_widget_state`` keeps it; other comm messages are ignored.
+
+        Args:
+            content: the message's content (``comm_id``, ``data``).
+            buffers: its binary buffers (bytes, or base64 text), one per ``data.buffer_paths``
+                entry.
+        """
+        data = content.get("data") or {}
+        comm_id = content.get("comm_id")
+        if not isinstance(comm_id, str) or not isinstance(data.get("state"), dict):
+            return
+        kept = self.widget_state.setdefault(comm_id, {"state": {}, "buffers": []})
+        kept["state"].update(data["state"])
+        paths = data.get("buffer_paths") or []
+        by_path = {tuple(buffer["path"]): buffer for buffer in kept["buffers"]}
+        for path, buffer in zip(paths, buffers, strict=False):
+            text = buffer if isinstance(buffer, str) else base64.b64encode(bytes(buffer)).decode()
+            by_path[tuple(path)] = {"path": list(path), "encoding": "base64", "data": text}
+        kept["buffers"] = list(by_path.values())
 
     def omit_unread(self, msg_type: str, size_bytes: int) -> None:
         """Count a message its reader left undecoded as too large to keep (it names it in the
@@ -546,6 +575,10 @@ class CellOutputs:
             or len(self._held) >= _HAND_OVER_OUTPUTS
         ):
             self.flush()
+
+    def add_comm(self, content: dict[str, Any], buffers: list[Any]) -> None:
+        """Take a comm message's widget state (see `OutputCollector.add_comm`)."""
+        self.collector.add_comm(content, buffers)
 
     def omit_unread(self, msg_type: str, size_bytes: int) -> None:
         """Count a message left undecoded as too large (see `OutputCollector.omit_unread`)."""

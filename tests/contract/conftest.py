@@ -36,14 +36,6 @@ LIMITS: dict[str, frozenset[str]] = {
             # Its template shows every image saved to a path (PIL's Image.save, which
             # matplotlib's savefig uses for PNG) as a display_data.
             "quiet_image_save",
-            # Its server may take an error the kernel shows for the execution's error, so a
-            # display() whose formatter fails may fail the cell (a kernel shows it and goes
-            # on), that error standing for the cell's.
-            "shown_error",
-            # Its server ends an execution at the kernel's idle status, which can reach it
-            # before the execute_reply (two channels): an error the kernel reports only in its
-            # reply (a magic's UsageError, printed on stderr) may then be missed.
-            "reply_only_error",
             # envd's file listing has no inode: hard links to one file are told apart only
             # by a link's resolved target, so each hard link is collected as its own file.
             "hard_links",
@@ -63,6 +55,8 @@ LIMITS: dict[str, frozenset[str]] = {
             "fd_output",
             # Its runner takes a few magics, not IPython's shell: no %%capture, In or _i.
             "ipython_shell",
+            # Its interpreter is no Jupyter kernel: a comm goes nowhere, so no widget state.
+            "widget_state",
         }
     ),
 }

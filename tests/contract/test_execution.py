@@ -176,15 +176,19 @@ async def test_undecodable_output_becomes_replacement_characters(sandbox: Sandbo
     json.dumps(result.outputs, ensure_ascii=False).encode("utf-8")
 
 
+START_THREAD = (
+    "import threading, time\n"
+    "def later(text, delay):\n"
+    "    time.sleep(delay)\n"
+    "    print(text, flush=True)\n"
+    "threading.Thread(target=later, args=({text!r}, {delay})).start()\n"
+    "print('started')"
+)
+"""A cell that starts a thread printing ``text`` after ``delay`` seconds (``str.format``)."""
+
+
 async def test_background_thread_output_is_recorded_once(sandbox: Sandbox) -> None:
-    start_thread = (
-        "import threading, time\n"
-        "def later(text, delay):\n"
-        "    time.sleep(delay)\n"
-        "    print(text, flush=True)\n"
-        "threading.Thread(target=later, args=({text!r}, {delay})).start()\n"
-        "print('started')"
-    )
+    start_thread = START_THREAD
     # Printed while no cell runs: kept as the first cell's late output.
     first = await sandbox.run_cell(start_thread.format(text="between cells", delay=0.2))
     assert stream_text(first.outputs) == "started\n"

@@ -3,6 +3,7 @@ copied, on every backend."""
 
 from __future__ import annotations
 
+import nbformat
 import pytest
 from prefect import flow
 
@@ -10,9 +11,15 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxDiedError
-from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.sandbox.notebook import (
+    WIDGET_STATE_MIME,
+    CellSpec,
+    ExecutedNotebook,
+    StageSpec,
+)
 from prefect_sandbox.sandbox.outputs import ERROR_TEXT_CHARS, TRACEBACK_CHARS
 from prefect_sandbox.tasks.sandbox import partial_stage_result, run_stage
+from tests.conftest import stream_text
 from tests.contract.conftest import CONTRACT_LABELS, cannot
 
 
@@ -118,3 +125,44 @@ async def test_the_cell_that_ended_the_kernel_carries_an_error_output(
     if not cannot(sandbox, "exit_status") or how == "exit()":
         assert how in output["evalue"]
     assert result.error is not None and result.error.ename == "SandboxDiedError"
+
+
+# D23: a jupyter.widget model opened and updated over a raw comm, as ipywidgets does it.
+WIDGET_CELLS = [
+    "from comm import create_comm\n"
+    "state = {'_model_name': 'IntSliderModel', '_model_module': '@jupyter-widgets/controls',\n"
+    "         '_model_module_version': '2.0.0', '_view_name': 'IntSliderView', 'value': 7}\n"
+    "c = create_comm(target_name='jupyter.widget', data={'state': state, 'buffer_paths': []},\n"
+    "                metadata={'version': '2.1.0'})\n"
+    "display({'text/plain': 'IntSlider(value=7)',\n"
+    "         'application/vnd.jupyter.widget-view+json':\n"
+    "             {'version_major': 2, 'version_minor': 0, 'model_id': c.comm_id}}, raw=True)\n"
+    "print(c.comm_id)",
+    "c.send({'method': 'update', 'state': {'value': 9}, 'buffer_paths': [['data']]},\n"
+    "       buffers=[b'\\x01\\x02'])\n"
+    "print('updated')",
+]
+
+
+async def test_d23_a_widgets_last_state_is_in_the_notebooks_metadata(sandbox: Sandbox) -> None:
+    source = nbformat.v4.new_notebook()
+    source.cells = [nbformat.v4.new_code_cell(code) for code in WIDGET_CELLS]
+    executed = ExecutedNotebook(source)
+    results = [await sandbox.run_cell(code) for code in WIDGET_CELLS]
+    for index, result in enumerate(results):
+        assert result.status == "ok", result.error
+        executed.record(index, "main", result)
+    nbformat.validate(executed.notebook)
+    if cannot(sandbox, "widget_state"):
+        assert "widgets" not in executed.notebook.metadata
+        return
+    model_id = stream_text(results[0].outputs).strip()
+    widgets = executed.notebook.metadata["widgets"][WIDGET_STATE_MIME]
+    assert (widgets["version_major"], widgets["version_minor"]) == (2, 0)
+    model = widgets["state"][model_id]
+    assert (model["model_name"], model["model_module"]) == (
+        "IntSliderModel",
+        "@jupyter-widgets/controls",
+    )
+    assert model["state"]["value"] == 9
+    assert model["buffers"] == [{"path": ["data"], "encoding": "base64", "data": "AQI="}]

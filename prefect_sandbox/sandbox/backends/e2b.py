@@ -37,7 +37,12 @@ each context's kernel gets display hooks, applied by the first priming cell and 
 IPython startup file for restarts: they carry display ids, updates, ``clear_output``, metadata,
 the exact ``text/plain``, traceback lines and an ``exit()`` inside a bundle, under
 `DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages; a cell that
-called ``exit()`` raises `SandboxDiedError` itself (the kernel ends 0.1 s after its reply).
+called ``exit()`` raises `SandboxDiedError` itself (the kernel ends 0.1 s after its reply). The
+hooks also send the reply's status (the server stops at ``idle`` and may drop a reply's error,
+and takes an error a formatter showed for the cell's) and widgets' comm state (comms are
+dropped); a kernel hooked already (the startup file) is not hooked twice, which marked every
+update as a new display and ``exit()`` with an empty one; a thread's output is tagged with the
+running cell as ipykernel 7 does (the template's 6.x tags the finished cell the server forgot).
 
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
 and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
@@ -88,7 +93,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
+from prefect_sandbox.sandbox.outputs import COMM_MSG_TYPES, CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,
     checked_relative_path,
@@ -106,6 +111,7 @@ __all__ = [
     "DEFAULT_WORKDIR",
     "DISPLAY_CONTROL_MIME",
     "EXIT_MSG_TYPE",
+    "OUTCOME_MSG_TYPE",
     "TRACEBACK_MSG_TYPE",
     "E2BConfig",
     "E2BSandbox",
@@ -137,6 +143,9 @@ TRACEBACK_MSG_TYPE = "prefect_sandbox_traceback"
 """What `result_content` calls the traceback lines our hooks send ahead of an error."""
 EXIT_MSG_TYPE = "prefect_sandbox_exit"
 """What `result_content` calls our hooks' word that the cell called ``exit()``."""
+OUTCOME_MSG_TYPE = "prefect_sandbox_outcome"
+"""What `result_content` calls our hooks' word of how the cell ended, as ipykernel's
+``execute_reply`` says it (``{"status": "ok"}`` or ``{"status": "error", "ename", "evalue"}``)."""
 _DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
 # Runs at kernel start, in the user's namespace, which it leaves as it found it.
 _DISPLAY_HOOKS_CODE = (
@@ -145,6 +154,9 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
     from IPython import get_ipython
 
     shell = get_ipython()
+    if getattr(shell, "_prefect_sandbox_hooked", False):
+        return  # from the startup file already: hooks over hooks would mark displays twice
+    shell._prefect_sandbox_hooked = True
     publisher, displayhook = shell.display_pub, shell.displayhook
     publish, write_format_data = publisher.publish, displayhook.write_format_data
     showtraceback = shell._showtraceback
@@ -176,12 +188,50 @@ def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
             publish({{key: {{"exit": True}}}})
         return ask_exit()
 
+    def outcome(result):  # the execute_reply's status, by ipykernel's rule
+        error = result.error_before_exec or result.error_in_exec
+        if error is None and not getattr(shell, "_last_traceback_during_displayhook", False):
+            publish({{key: {{"outcome": "ok"}}}})
+        else:
+            shown = {{"ename": type(error).__name__, "evalue": str(error)}}
+            publish({{key: {{"outcome": "error", **shown}}}})
+
+    session = shell.kernel.session
+    send = session.send
+
+    def hooked_send(stream, msg_or_type, content=None, *args, buffers=None, **kwargs):
+        msg_type = msg_or_type if isinstance(msg_or_type, str) else None
+        if msg_type in ("comm_open", "comm_msg") and "state" in (content or {{}}).get("data", {{}}):
+            import base64
+
+            data = content["data"]
+            publish({{key: {{
+                "comm": msg_type,
+                "comm_id": content.get("comm_id"),
+                "state": data["state"],
+                "buffer_paths": data.get("buffer_paths") or [],
+                "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers or []],
+            }}}})
+        return send(stream, msg_or_type, content, *args, buffers=buffers, **kwargs)
+
+    class NoThreadParents(dict):
+        def __setitem__(self, ident, parent):
+            pass
+
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(getattr(stream, "_thread_to_parent_header", None), dict):
+            stream._thread_to_parent_header = NoThreadParents()
+
     ask_exit = shell.ask_exit
     publisher.publish = hooked_publish
     publisher.clear_output = hooked_clear_output
     displayhook.write_format_data = hooked_write_format_data
     shell._showtraceback = hooked_showtraceback
     shell.ask_exit = hooked_ask_exit
+    shell.events.register("post_run_cell", outcome)
+    session.send = hooked_send
 
 
 _prefect_sandbox_display_hooks()
@@ -393,7 +443,9 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
     and a ``clear_output`` call is ``clear_output``. The name, value and traceback lines of an
     error the kernel shows come as `TRACEBACK_MSG_TYPE` (``{"ename", "evalue", "traceback"}``),
     since E2B joins the lines without a separator and may pass on the execute_reply's error
-    instead, and an ``exit()`` call as `EXIT_MSG_TYPE`.
+    instead, an ``exit()`` call as `EXIT_MSG_TYPE`, how the cell ended (its reply's status,
+    which E2B may drop) as `OUTCOME_MSG_TYPE`, and a widget's ``comm_open`` or ``comm_msg``
+    (which E2B drops) as that message's content with its ``buffers`` base64.
 
     Args:
         bundle: the result's MIME bundle (`mime_bundle`).
@@ -410,6 +462,16 @@ def result_content(bundle: dict[str, Any], *, is_main_result: bool) -> tuple[str
         return "clear_output", {"wait": bool(control.get("wait"))}
     if control.get("exit"):
         return EXIT_MSG_TYPE, {}
+    if "outcome" in control:
+        shown = {name: str(control[name]) for name in ("ename", "evalue") if name in control}
+        return OUTCOME_MSG_TYPE, {"status": str(control["outcome"]), **shown}
+    if control.get("comm") in COMM_MSG_TYPES:
+        comm = {
+            "comm_id": control.get("comm_id"),
+            "data": {"state": control.get("state"), "buffer_paths": control.get("buffer_paths")},
+            "buffers": list(control.get("buffers") or []),
+        }
+        return str(control["comm"]), comm
     if "traceback" in control:
         shown = {name: str(control[name]) for name in ("ename", "evalue") if name in control}
         return TRACEBACK_MSG_TYPE, {**shown, "traceback": list(control["traceback"])}
@@ -1023,9 +1085,13 @@ class _E2BCell(RunningCell):
         self._outputs = outputs
         self._restarted: list[str] = []
         self._exited = False
+        self._outcome: dict[str, str] | None = None
         self._probe: asyncio.Task[Any] | None = None
 
-        shown_errors: list[dict[str, Any]] = []
+        # Errors the kernel showed, each waiting for the server's error line (it passes on only
+        # the first of an execution's: the others are added as they were shown, at the end).
+        self._shown_errors: list[dict[str, Any]] = []
+        shown_errors = self._shown_errors
         # The server passes on the first error it reads, and may read the execute_reply's before
         # the iopub messages sent ahead of it, our hook's among them: that error waits for the
         # hook's name, value and lines (a reply's own can be ``NoneType: None``, as ipykernel
@@ -1038,7 +1104,7 @@ class _E2BCell(RunningCell):
                 return
             content = error_content(error.name, error.value, error.traceback)
             if shown_errors:
-                outputs.add("error", {**content, **shown_errors.pop()})
+                outputs.add("error", {**content, **shown_errors.pop(0)})
             else:
                 self._pending_errors.append(content)
 
@@ -1054,6 +1120,10 @@ class _E2BCell(RunningCell):
                     shown_errors.append(content)
             elif msg_type == EXIT_MSG_TYPE:
                 self._exited = True
+            elif msg_type == OUTCOME_MSG_TYPE:
+                self._outcome = content
+            elif msg_type in COMM_MSG_TYPES:
+                outputs.add_comm(content, content["buffers"])
             else:
                 outputs.add(msg_type, content)
 
@@ -1072,9 +1142,12 @@ class _E2BCell(RunningCell):
         self._keep_alive = asyncio.create_task(sandbox._keep_alive())
 
     def _add_pending_errors(self) -> None:
-        """Add the error still waiting for its traceback lines, with the lines it has."""
+        """Add the error still waiting for its traceback lines, with the lines it has, and the
+        errors shown that the server passed on no line for."""
         while self._pending_errors:
             self._outputs.add("error", self._pending_errors.pop(0))
+        while self._shown_errors:
+            self._outputs.add("error", self._shown_errors.pop(0))
 
     async def wait(self, deadline: float | None) -> bool:
         task = self._probe or self._execution
@@ -1163,4 +1236,15 @@ class _E2BCell(RunningCell):
         if execution is None:
             # The stream was closed by `E2BSandbox.interrupt` from outside, not by a deadline.
             return CellReply(error=CellError(ename="KeyboardInterrupt", evalue="interrupted"))
-        return CellReply(execution_count=execution_count)
+        if self._outcome is None:  # no hooks in the kernel: judged by the errors that came
+            return CellReply(execution_count=execution_count)
+        # What the reply said, which the server may have dropped (it stops at the idle status)
+        # or stood in for by an error the kernel only showed (a display's failing formatter).
+        raised = self._outcome["status"] != "ok"
+        error = None
+        if raised:
+            error = CellError(
+                ename=self._outcome.get("ename", "UnknownError"),
+                evalue=self._outcome.get("evalue", "the cell failed"),
+            )
+        return CellReply(execution_count=execution_count, raised=raised, error=error)

@@ -42,7 +42,12 @@ from prefect_sandbox.sandbox.base import (
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
-from prefect_sandbox.sandbox.outputs import OUTPUT_MSG_TYPES, CellOutputs, OutputCollector
+from prefect_sandbox.sandbox.outputs import (
+    COMM_MSG_TYPES,
+    OUTPUT_MSG_TYPES,
+    CellOutputs,
+    OutputCollector,
+)
 from prefect_sandbox.sandbox.paths import checked_upload_source, resolve_inside
 from prefect_sandbox.sandbox.workdir import copy_out, list_workdir
 
@@ -715,6 +720,8 @@ class _KernelCell(RunningCell):
                 if self._reply is not None:
                     return True
                 continue
+            if msg_type in COMM_MSG_TYPES:
+                self._outputs.add_comm(content, msg.get("buffers") or [])
             self._outputs.add(msg_type, content, hold=True)
 
     async def interrupt(self, attempt: int) -> None:

@@ -8,7 +8,9 @@ module reproduces, timing and ordering included, over jupyter_client's shell and
   gets envd's ``GET /envs`` variables put before its code as ``import os; os.environ[k] = v``
   lines and a blank line, indented like the code's first line; per-execution variables follow.
 - An execution ends on the kernel's ``idle`` status once its input was accepted
-  (``execute_input``, or ``busy`` for the server's own silent executions). A reply with status
+  (``execute_input``, or ``busy`` for the server's own silent executions); what comes for it
+  after (a reply read after the idle: ``reply_after_idle``; a thread's output) is dropped, as
+  the server forgets a finished execution. A reply with status
   ``aborted`` (what ipykernel sends for requests it drops after an error) ends nothing: the
   server only knows ``abort``, so such a stream sends keepalives until the client leaves.
 - When the client leaves, the lock on the context is released at once and the kernel interrupt
@@ -99,6 +101,8 @@ class _Execution:
     background: bool = False
     input_accepted: bool = False
     errored: bool = False
+    ended: bool = False
+    held_reply: dict[str, Any] | None = None
 
 
 class KernelChannel:
@@ -109,6 +113,9 @@ class KernelChannel:
         interrupt: sends SIGINT to the kernel (Jupyter's interrupt).
         envd_envs: envd's ``GET /envs`` answer, asked before the first execution.
         interrupt_delay_s: seconds from a client leaving to its interrupt reaching the kernel.
+        reply_after_idle: pass each ``execute_reply`` on after its execution's ``idle``, as
+            the real server gets them now and then (two channels over one websocket): the
+            execution has ended, so an error in the reply is dropped.
     """
 
     def __init__(
@@ -118,7 +125,9 @@ class KernelChannel:
         interrupt: Callable[[], Any],
         envd_envs: Callable[[], dict[str, str]],
         interrupt_delay_s: float,
+        reply_after_idle: bool = False,
     ) -> None:
+        self._reply_after_idle = reply_after_idle
         self._interrupt = interrupt
         self._envd_envs = envd_envs
         self._interrupt_delay_s = interrupt_delay_s
@@ -314,6 +323,16 @@ class KernelChannel:
                 execution.input_accepted = True
             if state == "idle" and execution.input_accepted:
                 put(_END)
+                execution.ended = True
+                if execution.held_reply is not None:
+                    self._process(execution.held_reply)  # lands after the end: never read
+        elif (
+            msg_type == "execute_reply"
+            and self._reply_after_idle
+            and not execution.ended
+            and execution.held_reply is None
+        ):
+            execution.held_reply = message
         elif msg_type == "execute_reply":
             status = content["status"]
             if status == "error" and not execution.errored:

@@ -41,6 +41,13 @@ class E2BEmulator(EmulatorServer):
             (the real server's call to Jupyter, made after it let the context go).
         dead_kernel_poll_s: how often a dead kernel is looked for and restarted (Jupyter's
             restarter looks every 3 s).
+        reply_after_idle: pass each ``execute_reply`` on after its execution's ``idle``, so
+            an error only the reply holds is dropped, as the real server does now and then.
+        kernel_pythonpath: a folder first on the kernels' ``PYTHONPATH``; one holding
+            ipykernel 6.x (``pip install --target DIR ipykernel==6.31.0 --no-deps``) gives the
+            template's kernel, which tags a thread's output with the cell that started it.
+        shared_ipython_dir: one IPython folder for all sandboxes' kernels, as E2B's server
+            run on one machine has (see `prefect_sandbox.testing.e2b.state.World`).
         log_level: uvicorn's log level.
     """
 
@@ -52,6 +59,9 @@ class E2BEmulator(EmulatorServer):
         port: int = 0,
         interrupt_delay_s: float = 0.1,
         dead_kernel_poll_s: float = 3.0,
+        reply_after_idle: bool = False,
+        kernel_pythonpath: Path | None = None,
+        shared_ipython_dir: bool = False,
         log_level: str = "warning",
     ) -> None:
         super().__init__(
@@ -62,6 +72,9 @@ class E2BEmulator(EmulatorServer):
         self.root = root or Path(tempfile.mkdtemp(prefix="prefect-sandbox-e2b-"))
         self._interrupt_delay_s = interrupt_delay_s
         self._dead_kernel_poll_s = dead_kernel_poll_s
+        self._reply_after_idle = reply_after_idle
+        self._kernel_pythonpath = kernel_pythonpath
+        self._shared_ipython_dir = shared_ipython_dir
         self._world: World | None = None
 
     @property
@@ -112,6 +125,9 @@ class E2BEmulator(EmulatorServer):
             self.root,
             interrupt_delay_s=self._interrupt_delay_s,
             dead_kernel_poll_s=self._dead_kernel_poll_s,
+            reply_after_idle=self._reply_after_idle,
+            kernel_pythonpath=self._kernel_pythonpath,
+            shared_ipython_dir=self._shared_ipython_dir,
         )
         self._world.start_clock()
         return build_app(self._world, api_key=self.api_key, faults=self.faults)

@@ -194,12 +194,31 @@ class World:
         root: the folder under which each sandbox gets its own.
         interrupt_delay_s: seconds from a client leaving an execution to the kernel's interrupt.
         dead_kernel_poll_s: how often Jupyter's restarter looks for a dead kernel (seconds).
+        reply_after_idle: pass each ``execute_reply`` on after its ``idle`` (see
+            `KernelChannel`).
+        kernel_pythonpath: a folder put first on the kernels' ``PYTHONPATH``: one holding
+            another ipykernel (the template pins 6.31) makes the kernels that version.
+        shared_ipython_dir: give every sandbox's kernels one IPython folder, as a server run
+            on one machine does (a startup file one sandbox writes is run by every later
+            kernel); False for one per sandbox, as in E2B.
     """
 
-    def __init__(self, root: Path, *, interrupt_delay_s: float, dead_kernel_poll_s: float) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        interrupt_delay_s: float,
+        dead_kernel_poll_s: float,
+        reply_after_idle: bool = False,
+        kernel_pythonpath: Path | None = None,
+        shared_ipython_dir: bool = False,
+    ) -> None:
         self.root = root
         self.interrupt_delay_s = interrupt_delay_s
         self.dead_kernel_poll_s = dead_kernel_poll_s
+        self.reply_after_idle = reply_after_idle
+        self.kernel_pythonpath = kernel_pythonpath
+        self.shared_ipython_dir = shared_ipython_dir
         self.sandboxes: dict[str, EmulatedSandbox] = {}
         self._reaper: asyncio.Task[None] | None = None
 
@@ -371,11 +390,16 @@ class World:
 
     async def _start_kernel(self, sandbox: EmulatedSandbox, context: EmulatedContext) -> None:
         ipython_dir = sandbox.root / "root" / ".ipython"
+        if self.shared_ipython_dir:
+            ipython_dir = self.root / "_shared" / ".ipython"
         write_template_profile(ipython_dir)
+        # No envd variables: the kernel is Jupyter's child, not envd's.
+        env = {"IPYTHONDIR": str(ipython_dir)}
+        if self.kernel_pythonpath is not None:
+            env["PYTHONPATH"] = str(self.kernel_pythonpath)
         config = LocalKernelConfig(
             workdir_root=self.root / "_kernels",
-            # No envd variables: the kernel is Jupyter's child, not envd's.
-            env={"IPYTHONDIR": str(ipython_dir)},
+            env=env,
             max_output_chars=None,
             # The kernel works in the emulated sandbox's folder on this machine, outside its
             # own working directory: a test double, not a boundary (see docs/backends/e2b.md).
@@ -402,6 +426,7 @@ class World:
             interrupt=kernel.interrupt,
             envd_envs=sandbox.envd_envs,
             interrupt_delay_s=self.interrupt_delay_s,
+            reply_after_idle=self.reply_after_idle,
         )
 
     @staticmethod
