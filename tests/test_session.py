@@ -94,8 +94,9 @@ def test_the_text_for_a_model_keeps_what_it_can_read_in_order_and_caps_it() -> N
         duration_s=0.1,
     )
     assert cell_text(result, cell_index=4) == (
-        "100%\nline\n[stderr]\nwarned\n[figure inline-figures/cell-004-1.png]\n[result]\n42\n"
-        "[error] ValueError: bad\nCell In[3], line 2\n----> 2 f()"
+        "```stdout\n100%\nline\n```\n```stderr\nwarned\n```\n"
+        "[figure inline-figures/cell-004-1.png]\n```result\n42\n```\n"
+        "```error\nValueError: bad\nCell In[3], line 2\n----> 2 f()\n```"
     )
     assert "[figure: image/png]" in cell_text(result)
     long = CellResult(
@@ -105,7 +106,7 @@ def test_the_text_for_a_model_keeps_what_it_can_read_in_order_and_caps_it() -> N
         duration_s=0.1,
     )
     capped = cell_text(long, max_chars=500)
-    assert len(capped) == 500 and capped.endswith("END") and "left out here" in capped
+    assert len(capped) == 500 and capped.endswith("END\n```") and "left out here" in capped
     assert cell_text(CellResult(status="ok", started_at=started, duration_s=0.0)) == NO_OUTPUT
     with pytest.raises(ValueError, match="max_chars"):
         cell_text(long, max_chars=10)
@@ -211,7 +212,7 @@ def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> N
             fixed = session.run_cell("y = x +", fix=lambda c, r: "y = x + 2\ny", max_attempts=2)
             return [first.status, answer, fixed.text, str(fixed.attempt)]
 
-    assert agent() == ["ok", "[result]\n42", "[result]\n43", "2"]
+    assert agent() == ["ok", "```result\n42\n```", "```result\n43\n```", "2"]
     summary = _summary(out)
     assert summary["status"] == "completed"
     assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
@@ -337,10 +338,10 @@ async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_argum
     messages = [log.message for log in logs]
     assert "[cell-2 cell 1] 1" in messages
     assert any(m.startswith("[cell-1 cell 0] NameError") for m in messages)
-    assert error.startswith("[error] NameError: name 'undefined_name' is not defined")
+    assert error.startswith("```error\nNameError: name 'undefined_name' is not defined")
     assert "line 2" in error and "----> 2 y = undefined_name" in error
     assert "\x1b" not in error
-    assert anthropic == "1"
+    assert anthropic == "```stdout\n1\n```"
     assert not_json.startswith("Error: the arguments are not valid JSON")
     assert no_code == 'Error: the arguments must have "code", the Python code as a string'
 
@@ -480,7 +481,7 @@ async def test_the_co2_agent_example_fixes_its_bug_and_stores_a_figure_and_metri
     out = tmp_path / "out"
     found = await example.co2_agent(out=str(out), backend=LocalKernelBackend())
     assert found["steps"] == [(1, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (4, 1, "ok")]
-    assert found["last"] == "saved figures/co2_agent.png"
+    assert found["last"] == "```stdout\nsaved figures/co2_agent.png\n```"
     folder = _only_folder(out)
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["holdout_months"] == 60 and 0 < metrics["holdout_rmse_ppm"] < 2
