@@ -39,8 +39,6 @@ from prefect_sandbox.flows import (
     sandbox_session,
 )
 from prefect_sandbox.flows.tools import (
-    INTERPRETER_ERROR_CHARS,
-    SandboxCodeInterpreter,
     anthropic_tool,
     dispatch_tool_call,
     dispatch_tool_call_sync,
@@ -344,46 +342,6 @@ async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_argum
     assert anthropic == "```stdout\n1\n```"
     assert not_json.startswith("Error: the arguments are not valid JSON")
     assert no_code == 'Error: the arguments must have "code", the Python code as a string'
-
-
-async def test_the_mathmodelagent_interpreter_gives_its_tuple_and_syncs_files(
-    tmp_path: Path,
-) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "data.csv").write_text("a\n1\n2\n")
-    (work / "notes.txt").write_text("not uploaded")
-
-    @flow
-    async def agent() -> dict[str, Any]:
-        interpreter = await SandboxCodeInterpreter.create(
-            "task-1", str(work), backend=LocalKernelBackend(), storage=str(tmp_path / "out")
-        )
-        await interpreter.initialize(timeout=600)
-        try:
-            listed = await interpreter.execute_code("import os\nprint(sorted(os.listdir('.')))")
-            made = await interpreter.execute_code(
-                "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('plot.png')"
-            )
-            images = await interpreter.get_created_images("section-1")
-            again = await interpreter.get_created_images("section-1")
-            failed = await interpreter.execute_code(
-                "def f():\n    raise ValueError('x' * 5000)\nf()"
-            )
-        finally:
-            await interpreter.cleanup()
-        return {"listed": listed, "made": made, "images": [images, again], "failed": failed}
-
-    found = await agent()
-    assert found["listed"] == ("['data.csv']", False, "")
-    assert found["made"][1:] == (False, "")
-    assert found["images"] == [["plot.png"], []]
-    assert (work / "plot.png").read_bytes().startswith(b"\x89PNG")
-    text, error_occurred, message = found["failed"]
-    assert error_occurred is True
-    assert message.startswith("Error: ValueError: xxxx")
-    assert len(message) == INTERPRETER_ERROR_CHARS and "left out here" in message
-    assert "\x1b" not in message and "ValueError" in text
 
 
 def _kernel_pid(session: SandboxSession) -> int:
