@@ -190,7 +190,7 @@ class _ScriptedHandler(BaseHTTPRequestHandler):
         pass
 
 
-# The model's cell: reads the input, shows a figure, prints a line.
+# The model's cell: reads the input, shows a figure and a Markdown result, prints a line.
 MODEL_CODE = (
     "import csv, io\n"
     "import matplotlib\n"
@@ -202,7 +202,10 @@ MODEL_CODE = (
     "buffer = io.BytesIO()\n"
     "plt.savefig(buffer, format='png')\n"
     "display(Image(data=buffer.getvalue()))\n"
-    "print(len(rows) > 100)"
+    "from IPython.display import Markdown\n"
+    "display(Markdown('**RMSE = 0.42**'))\n"
+    # A screen clear and a right-to-left override, which the model must not get as such.
+    "print('\\x1b[2J\\u202e', len(rows) > 100)"
 )
 _USAGE_OPENAI = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
 _USAGE_ANTHROPIC = {"input_tokens": 1, "output_tokens": 1}
@@ -369,7 +372,10 @@ async def test_both_documented_loops_run_through_the_real_sdk_clients_and_send_t
     assert tool == {
         "role": "tool",
         "tool_call_id": "call_1",
-        "content": "[figure inline-figures/cell-000-1.png]\n```stdout\nTrue\n```",
+        "content": (
+            "[figure inline-figures/cell-000-1.png]\n```display\n**RMSE = 0.42**\n```\n"
+            "```stdout\n<U+202E> True\n```"
+        ),
     }
     assert [part["type"] for part in figures["content"]] == ["text", "image_url"]
     assert figures["content"][1]["image_url"]["url"].startswith("data:image/png;base64,iVBOR")

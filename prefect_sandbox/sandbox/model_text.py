@@ -175,44 +175,35 @@ def _render(parts: list[_Part]) -> str:
     return "\n".join(_fenced(p.line, p.body) if p.body is not None else p.line for p in parts)
 
 
-def _head(parts: list[_Part], budget: int) -> tuple[list[_Part], int]:
-    """The parts that the first ``budget`` characters of the output stream reach: our lines
-    whole or not at all, the cell's text cut; and the characters kept."""
+def _kept(parts: list[_Part], budget: int, *, from_end: bool) -> tuple[list[_Part], int]:
+    """The parts that the first (or last) ``budget`` characters of the output stream reach,
+    in order: our lines whole or not at all, the cell's text cut; and the characters kept."""
     kept: list[_Part] = []
     used = 0
-    for part in parts:
+    for part in reversed(parts) if from_end else parts:
         room = budget - used
         if room <= 0 or (part.body is None and part.size > room):
             break
-        if part.body is None:
-            kept.append(part)
-        else:
-            kept.append(_Part(part.line, part.body[:room]))
-        used += min(part.size, room)
-    return kept, used
-
-
-def _tail(parts: list[_Part], budget: int) -> tuple[list[_Part], int]:
-    reversed_parts = [
-        _Part(p.line, p.body[::-1] if p.body is not None else None) for p in reversed(parts)
-    ]
-    kept, used = _head(reversed_parts, budget)
-    return [
-        _Part(p.line, p.body[::-1] if p.body is not None else None) for p in reversed(kept)
-    ], used
+        if part.body is not None and part.size > room:
+            body = part.body[len(part.body) - room :] if from_end else part.body[:room]
+            part = _Part(part.line, body)
+        kept.append(part)
+        used += part.size
+    return (kept[::-1] if from_end else kept), used
 
 
 def _capped(parts: list[_Part], max_chars: int) -> str:
     """The rendering in at most ``max_chars``: the start and end of the output stream, and
     between them, outside any fence, a line saying how many characters were left out."""
-    rendered = _render(parts)
-    if len(rendered) <= max_chars:
-        return rendered
     total = sum(part.size for part in parts)
+    if total <= max_chars:  # else the rendering, longer still, cannot fit
+        rendered = _render(parts)
+        if len(rendered) <= max_chars:
+            return rendered
 
     def attempt(keep: int) -> str:
-        head, head_used = _head(parts, keep - keep // 2)
-        tail, tail_used = _tail(parts, keep // 2)
+        head, head_used = _kept(parts, keep - keep // 2, from_end=False)
+        tail, tail_used = _kept(parts, keep // 2, from_end=True)
         marker = _Part(f"[... {total - head_used - tail_used} characters left out here ...]")
         return _render([*head, marker, *tail])
 
