@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import unicodedata
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,6 +46,13 @@ RICH = (
 )
 PLOT = "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('plot.png')\nplt.close()"
 FAIL = "def f():\n    raise ValueError('x' * 5000)\nf()"
+# An exception class named with a clipboard write (OSC 52), a screen clear and a right-to-left
+# override; a message with a bidi isolate; a bell, a tab and colours printed.
+HOSTILE = (
+    "Evil = type('Evil\\x1b]52;c;aGk=\\x07\\x1b[2JError\\u202e', (Exception,), {})\n"
+    "print('\\x07bell\\tTab\\x1b[31mred')\n"
+    "raise Evil('\\x1b[2Jboom\\u2066')"
+)
 
 
 @pytest.fixture(params=["local", "e2b", "daytona"])
@@ -116,7 +124,8 @@ async def test_a_mathmodelagent_coder_agent_runs_unchanged_with_its_text_and_ui_
             on_output=publish,
             text="mathmodelagent",
         )
-        return await _coder_agent_shaped(interpreter)
+        hostile = await interpreter.session.run_cell(HOSTILE)
+        return {"hostile": hostile.text, **await _coder_agent_shaped(interpreter)}
 
     found = await workflow()
     listed, rich, plot, failed = found["ran"]
@@ -151,7 +160,16 @@ async def test_a_mathmodelagent_coder_agent_runs_unchanged_with_its_text_and_ui_
     (run_folder,) = (tmp_path / "out").iterdir()
     summary = json.loads((run_folder / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["sandbox_killed_at"] is not None
-    assert len(summary["stages"]) == 5
+    assert len(summary["stages"]) == 6
+    # What a real kernel gave of hostile names and text reaches the model inert.
+    hostile = found["hostile"]
+    assert hostile.startswith(
+        "```stdout\nbell    Tabred\n```\n```error\nEvilError<U+202E>: boom<U+2066>"
+    )
+    texts = [hostile, *(part for ran in found["ran"] for part in ran if isinstance(part, str))]
+    assert [
+        c for text in texts for c in text if c != "\n" and unicodedata.category(c) == "Cc"
+    ] == []
 
 
 class ScriptedModel(ThreadingHTTPServer):
