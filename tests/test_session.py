@@ -224,7 +224,7 @@ def test_a_sync_session_raises_a_cells_timeout_when_asked_and_runs_on(tmp_path: 
                 session.run_cell("import time; time.sleep(60)", timeout_s=1, raise_on_error=True)
             return session.run_cell("print('after')").text
 
-    assert agent() == "after"
+    assert agent() == "```stdout\nafter\n```"
 
 
 def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_it_is(

@@ -71,6 +71,7 @@ __all__ = [
     "openai_tool",
     "openai_tool_messages",
     "run_tool_call",
+    "run_tool_call_sync",
     "tool_call_code",
 ]
 
@@ -182,13 +183,21 @@ async def dispatch_tool_call(session: SandboxSession, arguments: str | Mapping[s
     return done if isinstance(done, str) else done.text
 
 
-def dispatch_tool_call_sync(session: SyncSandboxSession, arguments: str | Mapping[str, Any]) -> str:
-    """`dispatch_tool_call` for a sync flow's session."""
+def run_tool_call_sync(
+    session: SyncSandboxSession, arguments: str | Mapping[str, Any]
+) -> CellRun | str:
+    """`run_tool_call` for a sync flow's session."""
     try:
         code = tool_call_code(arguments)
     except ValueError as exc:
         return f"Error: {exc}"
-    return session.run_cell(code).text
+    return session.run_cell(code)
+
+
+def dispatch_tool_call_sync(session: SyncSandboxSession, arguments: str | Mapping[str, Any]) -> str:
+    """`dispatch_tool_call` for a sync flow's session."""
+    done = run_tool_call_sync(session, arguments)
+    return done if isinstance(done, str) else done.text
 
 
 @dataclass(frozen=True)
