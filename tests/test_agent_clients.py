@@ -28,7 +28,7 @@ from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.tools import INTERPRETER_ERROR_CHARS, create_interpreter
 from prefect_sandbox.sandbox.model_text import MATHMODELAGENT_IMAGE
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python_stdout
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(300)]
 
@@ -346,6 +346,32 @@ def _mypy_strict(folder: Path) -> subprocess.CompletedProcess[str]:
         timeout=250,
         check=False,
     )
+
+
+_WITHOUT_THE_SDKS = """
+import importlib.abc, json, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"openai", "anthropic"}:
+            raise ImportError(f"{name} imported")
+
+sys.meta_path.insert(0, Refuse())
+from prefect_sandbox.flows import tools
+
+outcome = "Error: the arguments are not valid JSON"
+print(json.dumps([
+    tools.openai_tool()["function"]["name"],
+    tools.anthropic_tool()["name"],
+    tools.anthropic_tool_result("toolu_1", outcome)["is_error"],
+    tools.openai_tool_messages({"call_1": outcome})[0]["role"],
+]))
+"""
+
+
+def test_the_tool_helpers_need_neither_sdk_at_run_time() -> None:
+    printed = python_stdout("-c", _WITHOUT_THE_SDKS)
+    assert json.loads(printed) == ["execute_python", "execute_python", True, "tool"]
 
 
 def test_both_documented_loops_type_check_under_mypy_strict(tmp_path: Path) -> None:
