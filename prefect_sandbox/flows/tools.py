@@ -430,7 +430,9 @@ class SandboxCodeInterpreter:
         work_dir: the local work folder.
         notebook_serializer: MathModelAgent's notebook writer, kept and unused (the session
             writes the executed notebook).
-        backend, storage, artifacts: as for `sandbox_session`.
+        backend: as for `sandbox_session`.
+        storage: as for `sandbox_session`.
+        artifacts: as for `sandbox_session`.
         setup_code: code run first, as MathModelAgent's ``_pre_execute_code`` does; None for
             none.
         on_output: called after each cell with its outputs as MathModelAgent's UI items
@@ -612,7 +614,9 @@ async def create_interpreter(
     Args:
         kind: MathModelAgent's ``"local"`` or ``"remote"``; unused, as the backend block (in
             ``options``) decides where cells run.
-        task_id, work_dir, notebook_serializer: as for `SandboxCodeInterpreter`.
+        task_id: as for `SandboxCodeInterpreter`.
+        work_dir: as for `SandboxCodeInterpreter`.
+        notebook_serializer: as for `SandboxCodeInterpreter`.
         timeout: passed to `SandboxCodeInterpreter.initialize`.
         options: `SandboxCodeInterpreter`'s keyword arguments.
     """
