@@ -20,7 +20,6 @@ import binascii
 import copy
 import inspect
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -102,7 +101,6 @@ _FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
 _INTERPRETER_IMAGES = (".png", ".jpg", ".jpeg")
 # MathModelAgent uploads a work folder's tables and fonts only.
 _INTERPRETER_INPUTS = (".csv", ".xlsx", ".ttf", ".otf", ".ttc")
-_ANSI_COLOUR = re.compile(r"(\x9B|\x1B\[)[0-?]*[ -\/]*[@-~]")
 
 
 def openai_tool() -> ChatCompletionToolParam:
@@ -596,8 +594,9 @@ class SandboxCodeInterpreter:
         return "\n".join(self.section_output[section]["content"])
 
     def delete_color_control_char(self, string: str) -> str:
-        """``string`` without ANSI colour sequences (CSI), as MathModelAgent's is."""
-        return _ANSI_COLOUR.sub("", string)
+        """``string`` without ANSI colour codes, as MathModelAgent's gives it; here without
+        every other terminal control too (`strip_ansi`)."""
+        return strip_ansi(string)
 
 
 async def create_interpreter(
