@@ -39,8 +39,6 @@ from prefect_sandbox.flows import (
     sandbox_session,
 )
 from prefect_sandbox.flows.tools import (
-    INTERPRETER_ERROR_CHARS,
-    SandboxCodeInterpreter,
     anthropic_tool,
     dispatch_tool_call,
     dispatch_tool_call_sync,
@@ -94,8 +92,9 @@ def test_the_text_for_a_model_keeps_what_it_can_read_in_order_and_caps_it() -> N
         duration_s=0.1,
     )
     assert cell_text(result, cell_index=4) == (
-        "100%\nline\n[stderr]\nwarned\n[figure inline-figures/cell-004-1.png]\n[result]\n42\n"
-        "[error] ValueError: bad\nCell In[3], line 2\n----> 2 f()"
+        "```stdout\n100%\nline\n```\n```stderr\nwarned\n```\n"
+        "[figure inline-figures/cell-004-1.png]\n```result\n42\n```\n"
+        "```error\nValueError: bad\nCell In[3], line 2\n----> 2 f()\n```"
     )
     assert "[figure: image/png]" in cell_text(result)
     long = CellResult(
@@ -105,7 +104,7 @@ def test_the_text_for_a_model_keeps_what_it_can_read_in_order_and_caps_it() -> N
         duration_s=0.1,
     )
     capped = cell_text(long, max_chars=500)
-    assert len(capped) == 500 and capped.endswith("END") and "left out here" in capped
+    assert len(capped) == 500 and capped.endswith("END\n```") and "left out here" in capped
     assert cell_text(CellResult(status="ok", started_at=started, duration_s=0.0)) == NO_OUTPUT
     with pytest.raises(ValueError, match="max_chars"):
         cell_text(long, max_chars=10)
@@ -211,7 +210,7 @@ def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> N
             fixed = session.run_cell("y = x +", fix=lambda c, r: "y = x + 2\ny", max_attempts=2)
             return [first.status, answer, fixed.text, str(fixed.attempt)]
 
-    assert agent() == ["ok", "[result]\n42", "[result]\n43", "2"]
+    assert agent() == ["ok", "```result\n42\n```", "```result\n43\n```", "2"]
     summary = _summary(out)
     assert summary["status"] == "completed"
     assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
@@ -225,7 +224,7 @@ def test_a_sync_session_raises_a_cells_timeout_when_asked_and_runs_on(tmp_path: 
                 session.run_cell("import time; time.sleep(60)", timeout_s=1, raise_on_error=True)
             return session.run_cell("print('after')").text
 
-    assert agent() == "after"
+    assert agent() == "```stdout\nafter\n```"
 
 
 def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_it_is(
@@ -337,52 +336,12 @@ async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_argum
     messages = [log.message for log in logs]
     assert "[cell-2 cell 1] 1" in messages
     assert any(m.startswith("[cell-1 cell 0] NameError") for m in messages)
-    assert error.startswith("[error] NameError: name 'undefined_name' is not defined")
+    assert error.startswith("```error\nNameError: name 'undefined_name' is not defined")
     assert "line 2" in error and "----> 2 y = undefined_name" in error
     assert "\x1b" not in error
-    assert anthropic == "1"
+    assert anthropic == "```stdout\n1\n```"
     assert not_json.startswith("Error: the arguments are not valid JSON")
     assert no_code == 'Error: the arguments must have "code", the Python code as a string'
-
-
-async def test_the_mathmodelagent_interpreter_gives_its_tuple_and_syncs_files(
-    tmp_path: Path,
-) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "data.csv").write_text("a\n1\n2\n")
-    (work / "notes.txt").write_text("not uploaded")
-
-    @flow
-    async def agent() -> dict[str, Any]:
-        interpreter = await SandboxCodeInterpreter.create(
-            "task-1", str(work), backend=LocalKernelBackend(), storage=str(tmp_path / "out")
-        )
-        await interpreter.initialize(timeout=600)
-        try:
-            listed = await interpreter.execute_code("import os\nprint(sorted(os.listdir('.')))")
-            made = await interpreter.execute_code(
-                "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('plot.png')"
-            )
-            images = await interpreter.get_created_images("section-1")
-            again = await interpreter.get_created_images("section-1")
-            failed = await interpreter.execute_code(
-                "def f():\n    raise ValueError('x' * 5000)\nf()"
-            )
-        finally:
-            await interpreter.cleanup()
-        return {"listed": listed, "made": made, "images": [images, again], "failed": failed}
-
-    found = await agent()
-    assert found["listed"] == ("['data.csv']", False, "")
-    assert found["made"][1:] == (False, "")
-    assert found["images"] == [["plot.png"], []]
-    assert (work / "plot.png").read_bytes().startswith(b"\x89PNG")
-    text, error_occurred, message = found["failed"]
-    assert error_occurred is True
-    assert message.startswith("Error: ValueError: xxxx")
-    assert len(message) == INTERPRETER_ERROR_CHARS and "left out here" in message
-    assert "\x1b" not in message and "ValueError" in text
 
 
 def _kernel_pid(session: SandboxSession) -> int:
@@ -480,7 +439,7 @@ async def test_the_co2_agent_example_fixes_its_bug_and_stores_a_figure_and_metri
     out = tmp_path / "out"
     found = await example.co2_agent(out=str(out), backend=LocalKernelBackend())
     assert found["steps"] == [(1, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (4, 1, "ok")]
-    assert found["last"] == "saved figures/co2_agent.png"
+    assert found["last"] == "```stdout\nsaved figures/co2_agent.png\n```"
     folder = _only_folder(out)
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["holdout_months"] == 60 and 0 < metrics["holdout_rmse_ppm"] < 2

@@ -89,7 +89,8 @@ class ScriptedModel:
         """The next cell to run, having read the last one's result; None when done."""
         if last is not None and last.step == 1:
             # The first cell printed the columns: "(rows, cols) ['date', 'co2']".
-            self._columns = ast.literal_eval(last.text[last.text.index("[") :])
+            columns = re.search(r"\[.*\]", last.text)
+            self._columns = ast.literal_eval(columns.group()) if columns else []
         return self._plan.pop(0) if self._plan else None
 
     def fix(self, code: str, report: CellRun) -> str | None:

@@ -75,12 +75,15 @@ async def test_a_scripted_agent_fixes_an_error_and_a_timeout_and_everything_is_s
         (3, 2, "ok"),
         (4, 1, "ok"),
     ]
-    assert [s["text"] for s in steps[:3]] == ["4 rows", "12.0", "mean 3.0"]
+    assert [s["text"] for s in steps[:3]] == [
+        f"```stdout\n{text}\n```" for text in ("4 rows", "12.0", "mean 3.0")
+    ]
     # E2B's server also shows the open figure after the cell, named as the flow stores it.
-    assert steps[3]["text"] in ("saved", "[figure inline-figures/cell-005-1.png]\nsaved")
+    saved = "```stdout\nsaved\n```"
+    assert steps[3]["text"] in (saved, f"[figure inline-figures/cell-005-1.png]\n{saved}")
     # The fixer read the error's name, message and failing line, then the timeout.
     assert [r.status for r in reports] == ["error", "timeout"]
-    assert "[error] KeyError: 'valu'" in reports[0].text
+    assert "```error\nKeyError: 'valu'" in reports[0].text
     assert "row['valu']" in reports[0].text and "\x1b" not in reports[0].text
     assert "CellTimeoutError" in reports[1].text
 
