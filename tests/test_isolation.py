@@ -1035,12 +1035,28 @@ print(len(held), ctypes.get_errno())
 """
 
 
+@pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
+def uid_backend(request: pytest.FixtureRequest) -> SandboxBackend:
+    """Each backend whose sandboxes take a host uid of their own."""
+    return _backend(request)
+
+
+def _host_uid(sandbox: Sandbox) -> int:
+    if sandbox.handle.backend == "docker":
+        return int(sandbox.handle.connection["user"].split(":")[0])
+    return int(sandbox.handle.connection["uid"])
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root runs sandboxes as uids of their own")
-async def test_two_live_sandboxes_have_their_own_uids_and_per_uid_limits() -> None:
+async def test_two_live_sandboxes_have_their_own_uids_and_per_uid_limits(
+    uid_backend: SandboxBackend,
+) -> None:
     # One sandbox takes every inotify instance its uid may have (128 here): another sandbox,
     # of another uid, can still make one. All sandboxes were uid 65534 before, and it could not.
-    async with _created(LocalKernelBackend()) as first, _created(LocalKernelBackend()) as second:
-        uids = [box.handle.connection["uid"] for box in (first, second)]
+    async with _created(uid_backend) as first, _created(uid_backend) as second:
+        uids = [_host_uid(box) for box in (first, second)]
+        first_uid, last_uid = LocalKernelConfig().uid_range
+        assert all(first_uid <= uid <= last_uid for uid in uids)
         assert uids[0] != uids[1]
         hoarded = await first.run_cell(_HOLD_INOTIFY_CELL, timeout_s=60)
         count, error = map(int, stream_text(hoarded.outputs).split())

@@ -16,6 +16,7 @@ from prefect_sandbox.sandbox.backends.docker import (
     DockerSandbox,
     DockerSandboxConfig,
 )
+from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["DockerBackend"]
 
@@ -111,4 +112,5 @@ class DockerBackend(SandboxBackend):
             env=self.env,
             workdir_root=Path(self.workdir_root) if self.workdir_root else None,
             startup_timeout_s=self.startup_timeout_s,
+            uid_range=PrefectSandboxSettings().uid_range,
         )

@@ -67,6 +67,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
+from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
 
 if TYPE_CHECKING:
     import docker
@@ -87,8 +88,6 @@ _KERNEL_DIR = "/run/prefect-sandbox"
 # Docker labels of our own, beside the sandbox's labels.
 _BACKEND_LABEL = "prefect-sandbox.backend"
 _HANDLE_LABEL = "prefect-sandbox.handle"
-# The unprivileged user containers run as when the host side is root ("nobody").
-_NOBODY = (65534, 65534)
 _STOP_WAIT_S = 10
 # A liveness check is a daemon round trip (~3 ms); run_cell checks again whenever the kernel
 # goes quiet, so one real check per this many seconds loses no death.
@@ -126,6 +125,8 @@ class DockerSandboxConfig(JupyterKernelConfig):
             the image sets.
         workdir_root: a host folder under which each sandbox's working directory is made
             (bind-mounted at ``/work``); None for a fresh temporary directory.
+        uid_range: the host uids (first, last) containers started by a root process run as,
+            one each, never two live sandboxes the same (`prefect_sandbox.sandbox.uids`).
     """
 
     image: str
@@ -136,6 +137,7 @@ class DockerSandboxConfig(JupyterKernelConfig):
     network_mode: str = "none"
     env: Mapping[str, str] = field(default_factory=dict)
     workdir_root: Path | None = None
+    uid_range: tuple[int, int] = DEFAULT_UID_RANGE
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -144,11 +146,12 @@ class DockerSandboxConfig(JupyterKernelConfig):
         self._check_positive("cpus", "memory_limit_bytes", "pids_limit")
 
 
-def _container_user() -> tuple[int, int]:
-    """The container's uid and gid: ours, or nobody's when we are root."""
+def _container_user(config: DockerSandboxConfig, sandbox_id: str, runtime_dir: Path) -> int:
+    """The container's uid (and gid): ours, or one of its own when we are root (see
+    `prefect_sandbox.sandbox.uids`: no two live sandboxes share one)."""
     if os.geteuid() == 0:
-        return _NOBODY
-    return os.getuid(), os.getgid()
+        return claim_uid(config.uid_range, sandbox_id, runtime_dir)
+    return os.getuid()
 
 
 def _client(config: DockerSandboxConfig) -> docker.DockerClient:
@@ -258,7 +261,8 @@ class DockerSandbox(JupyterKernelSandbox):
         sandbox_id = f"docker-{uuid.uuid4().hex[:12]}"
         runtime_dir = new_runtime_dir(sandbox_id)
         host_workdir = new_workdir(sandbox_id, config.workdir_root)
-        uid, gid = _container_user()
+        uid = await asyncio.to_thread(_container_user, config, sandbox_id, runtime_dir)
+        gid = uid if os.geteuid() == 0 else os.getgid()
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
             sandbox_id=sandbox_id,
@@ -270,6 +274,7 @@ class DockerSandbox(JupyterKernelSandbox):
                 "host_workdir": str(host_workdir),
                 "owns_workdir": True,
                 "user": f"{uid}:{gid}",
+                "owns_uid": os.geteuid() == 0,
             },
         )
         sandbox: DockerSandbox | None = None
@@ -605,6 +610,8 @@ def _destroy(handle: SandboxHandle, config: DockerSandboxConfig) -> bool:
         pass
     finally:
         client.close()
+    if handle.connection.get("owns_uid"):
+        release_uid(int(handle.connection["user"].split(":")[0]), handle.sandbox_id)
     owned = handle.connection.get("owns_workdir")
     remove_folders(runtime_dir, Path(handle.connection["host_workdir"]) if owned else None)
     return existed
