@@ -200,21 +200,67 @@ async def test_bad_input_gets_clear_errors_and_a_raising_fixer_still_stores_and_
         sandbox_session(cell_timeout_s=-5)
 
 
-def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> None:
+def test_a_sync_flow_runs_a_session_the_tool_dispatcher_and_a_fixer_that_probes_it(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
+    probes: list[str] = []
 
     @flow
     def agent() -> list[str]:
         with sandbox_session(backend=LocalKernelBackend(), storage=str(out)) as session:
+
+            def fixer(code: str, report: CellRun) -> str:
+                # Its own step, run while the failed one waits for the fix (no deadlock).
+                probes.append(session.run_cell("x").text)
+                return "y = x + 2\ny"
+
             first = session.run_cell("x = 41")
             answer = dispatch_tool_call_sync(session, '{"code": "x + 1"}')
-            fixed = session.run_cell("y = x +", fix=lambda c, r: "y = x + 2\ny", max_attempts=2)
+            fixed = session.run_cell("y = x +", fix=fixer)  # fix= alone: 3 attempts
             return [first.status, answer, fixed.text, str(fixed.attempt)]
 
     assert agent() == ["ok", "[result]\n42", "[result]\n43", "2"]
+    assert probes == ["[result]\n41"]
     summary = _summary(out)
     assert summary["status"] == "completed"
-    assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
+    assert [(s["name"], s["cell_count"]) for s in summary["stages"]] == [
+        ("cell-1", 1),
+        ("cell-2", 1),
+        ("cell-3", 2),
+        ("cell-4", 1),
+    ]
+    notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
+    facts = [(c.source, c.metadata["prefect_sandbox"]["step"]) for c in notebook.cells]
+    assert facts == [
+        ("x = 41", 1),
+        ("x + 1", 2),
+        ("y = x +", 3),
+        ("x", 4),
+        ("y = x + 2\ny", 3),
+    ]
+
+
+async def test_an_async_fixer_gets_its_probes_result_and_fix_alone_gives_three_attempts(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[int, str]] = []
+
+    @flow
+    async def agent() -> CellRun:
+        async with sandbox_session(backend=LocalKernelBackend(), storage=str(tmp_path)) as session:
+
+            async def fixer(code: str, report: CellRun) -> str:
+                probe = await session.run_cell("print(sorted(globals()['data']))")
+                seen.append((report.attempt, probe.text))
+                return f"{code}  # attempt {report.attempt + 1}"
+
+            await session.run_cell("data = {'b': 2, 'a': 1}")
+            return await session.run_cell("data['c']", fix=fixer)
+
+    last = await agent()
+    assert (last.status, last.attempt) == ("error", 3)
+    assert seen == [(1, "['a', 'b']"), (2, "['a', 'b']")]
 
 
 def test_a_sync_session_raises_a_cells_timeout_when_asked_and_runs_on(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import CellResult, RemoteFile, SandboxHandle, checked_timeout_s
-from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxError
+from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_text
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
 from prefect_sandbox.tasks.sandbox import (
@@ -53,12 +53,14 @@ from prefect_sandbox.tasks.sandbox import (
     deadline_passed,
     download_artifacts,
     partial_stage_result,
+    restart_kernel,
     run_stage,
     shielded,
     stage_progress,
 )
 
 __all__ = [
+    "DEFAULT_FIX_ATTEMPTS",
     "SESSION_SUMMARY_KEY",
     "CellRun",
     "Fixer",
@@ -70,6 +72,10 @@ __all__ = [
 
 SESSION_SUMMARY_KEY = "session-summary"
 """The key of the markdown artifact a session posts on its flow run."""
+
+DEFAULT_FIX_ATTEMPTS = 3
+"""Attempts a step with a fixer gets when ``max_attempts`` is not given: the first, and two
+fixes."""
 
 # Made once: each Task made with with_options hashes its function's source (milliseconds).
 _run_attempt = run_stage.with_options(task_run_name="run-{stage.name}")
@@ -120,6 +126,28 @@ def _merge_attempt(step: StageResult, attempt: StageResult) -> None:
     step.status = "cancelled" if attempt.status == "cancelled" else "failed" if failed else "ok"
     step.failed_cell_index = last.index if failed and last else None
     step.error = last.result.error if failed and last else None
+
+
+RESTARTED_AFTER_DEATH = (
+    "; a fresh kernel was started: variables and imports are gone, files in the working "
+    "directory are kept"
+)
+"""What the error of a cell during which the kernel died says once the session has started a
+fresh one."""
+
+
+def _restarted_after_death(stopped: StageResult) -> StageResult:
+    """``stopped`` (its last cell the one the kernel died in), that cell's error saying that a
+    fresh kernel was started."""
+    record = stopped.cells[-1]
+    died = record.result
+    error = died.error
+    if error is not None:
+        error = error.model_copy(update={"evalue": error.evalue + RESTARTED_AFTER_DEATH})
+        outputs = [*died.outputs[:-1], {**died.outputs[-1], "evalue": error.evalue}]
+        record.result = died.model_copy(update={"error": error, "outputs": outputs})
+    stopped.error = error
+    return stopped
 
 
 class SandboxSession:
@@ -178,7 +206,7 @@ class SandboxSession:
         *,
         timeout_s: float | None = None,
         fix: Fixer | None = None,
-        max_attempts: int = 1,
+        max_attempts: int | None = None,
         raise_on_error: bool = False,
     ) -> CellRun:
         """Run one step: ``code`` as a cell, then, while it fails and attempts remain, the code
@@ -188,14 +216,26 @@ class SandboxSession:
         output goes to the run log, and a cell of the executed notebook whose
         ``metadata.prefect_sandbox`` holds its ``step`` and ``attempt``.
 
+        A kernel that dies during a cell (``exit()``, ``os._exit``, a crash, the OOM killer)
+        is data too: a fresh kernel is started (the ``restart-kernel`` task) and the attempt
+        ends as an error (``SandboxDiedError``) whose message says that the state is gone. A
+        call that is cancelled (its task cancelled, ``asyncio.wait_for``, a framework's tool
+        timeout) interrupts its cell, and restarts the kernel when the cell ignores that, as a
+        timeout does, before the cancellation is raised: the next call runs at once. The
+        notebook keeps the cell's outputs up to the stop, then a ``RunCancelled`` error saying
+        how it stopped.
+
         Args:
             code: the cell's source.
             timeout_s: seconds each attempt may run, -1 for no limit; None takes the session's
                 ``cell_timeout_s``, else the backend block's.
             fix: called after a failed attempt (error or timeout) as ``fix(code, report)``; it
                 returns the next attempt's code, or None to give up. A sync fixer runs in a
-                worker thread, an async one on the flow's event loop.
-            max_attempts: attempts at most, the first included (1: no fixing).
+                worker thread, an async one on the flow's event loop. The session is free
+                while it runs: a fixer may run cells on it (probes, say), each a step of its
+                own, numbered and stored as any other.
+            max_attempts: attempts at most, the first included; None takes
+                `DEFAULT_FIX_ATTEMPTS` with ``fix``, else 1 (no fixing).
             raise_on_error: raise for a step whose last attempt failed, instead of returning it.
 
         Returns:
@@ -209,10 +249,13 @@ class SandboxSession:
             FixerError: the fixer raised, returned something other than a str or None, or
                 returned the code that just failed (the attempts so far are kept).
             CellExecutionError, CellTimeoutError: with ``raise_on_error``, the step failed.
-            SandboxDiedError, SandboxNotFoundError: the sandbox died or went away.
+            SandboxNotFoundError: the sandbox went away (killed, expired).
+            SandboxError: the kernel died and a fresh one could not be started.
         """
         self._check_open()
         _checked_code(code, "code")
+        if max_attempts is None:
+            max_attempts = 1 if fix is None else DEFAULT_FIX_ATTEMPTS
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int of at least 1, not {max_attempts!r}")
         if timeout_s is None:
@@ -227,15 +270,15 @@ class SandboxSession:
             result = StageResult(name=spec.name, status="ok")
             self._run.stages.append(spec)
             self._run.stage_results.append(result)
-            attempt = 1
-            while True:
-                done = await self._attempt(spec, result, step, attempt, code, timeout_s)
-                if done.status == "ok" or fix is None or attempt >= max_attempts:
-                    break
-                fixed = await self._fixed(fix, done)
-                if fixed is None:
-                    break
-                code, attempt = fixed, attempt + 1
+            done = await self._attempt(spec, result, step, 1, code, timeout_s)
+        while done.status != "ok" and fix is not None and done.attempt < max_attempts:
+            # Unlocked: the fixer may run cells of its own on this session.
+            fixed = await self._fixed(fix, done)
+            if fixed is None:
+                break
+            async with self._turn:
+                self._check_open()
+                done = await self._attempt(spec, result, step, done.attempt + 1, fixed, timeout_s)
         if raise_on_error and done.status != "ok":
             cell = CellSpec(index=done.cell_index, source=done.code)
             raise cell_failure(spec.name, cell, done.cell, checked_timeout_s(timeout_s))
@@ -270,6 +313,14 @@ class SandboxSession:
                 if partial is None:
                     raise
                 outcome = partial
+            except SandboxDiedError as exc:
+                # So is a death (exit(), os._exit, a crash, the OOM killer): the session goes
+                # on in a fresh kernel, and the model is told its state is gone.
+                partial = partial_stage_result(exc)
+                if partial is None or not partial.cells:
+                    raise
+                await restart_kernel(self._run.backend, self._handle)
+                outcome = _restarted_after_death(partial)
             except (SandboxError, asyncio.CancelledError) as exc:
                 partial = partial_stage_result(exc, progress)
                 if partial is not None:
@@ -321,6 +372,20 @@ class SandboxSession:
                 attempt=failed.attempt,
             )
         return fixed
+
+    async def restart(self) -> None:
+        """Restart the sandbox's kernel (the ``restart-kernel`` task), in turn with the
+        session's cells: files in the working directory kept, variables and imports lost.
+
+        Raises:
+            RuntimeError: the session has ended.
+            SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxError: the kernel could not be started again.
+        """
+        self._check_open()
+        async with self._turn:
+            self._check_open()
+            await restart_kernel(self._run.backend, self._handle)
 
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """The sandbox's files matching a glob relative to its working directory, by path.
@@ -501,7 +566,7 @@ class SyncSandboxSession:
         *,
         timeout_s: float | None = None,
         fix: Fixer | None = None,
-        max_attempts: int = 1,
+        max_attempts: int | None = None,
         raise_on_error: bool = False,
     ) -> CellRun:
         """`SandboxSession.run_cell`, blocking (an async ``fix`` runs on the session's loop)."""
@@ -514,6 +579,10 @@ class SyncSandboxSession:
                 raise_on_error=raise_on_error,
             )
         )
+
+    def restart(self) -> None:
+        """`SandboxSession.restart`, blocking."""
+        self._call(self._session.restart)
 
     def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """`SandboxSession.list_files`, blocking."""

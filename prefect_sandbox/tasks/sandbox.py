@@ -68,6 +68,7 @@ __all__ = [
     "kill_sandbox",
     "partial_stage_result",
     "prefect_api_id",
+    "restart_kernel",
     "run_stage",
     "shielded",
     "stage_progress",
@@ -362,27 +363,45 @@ def _keeping(log: OutputCallback, budget_chars: int) -> tuple[OutputCallback, li
 
 
 def _cancelled_cell(
-    started_at: datetime, start: float, outputs: list[dict[str, Any]], *, timed_out: bool
+    started_at: datetime,
+    start: float,
+    outputs: list[dict[str, Any]],
+    stopped: CellResult | None,
+    *,
+    timed_out: bool,
 ) -> CellResult:
-    """A cell the flow run's cancellation, or a flow or task run's timeout, stopped: its
-    outputs so far, and an error saying so."""
+    """A cell the flow run's cancellation, its caller's, or a flow or task run's timeout,
+    stopped: its outputs so far (``stopped``'s, as the sandbox stopped it, else those seen),
+    and an error saying so."""
+    how = ""
+    if stopped is not None:
+        outputs = stopped.outputs
+        how = (
+            "; the cell ignored its interrupts, so its kernel was restarted (state lost)"
+            if stopped.state_lost
+            else "; the cell was interrupted"
+        )
     if timed_out:
         error = CellError(
             ename=TIMED_OUT_ENAME,
             evalue="the flow or task run's timeout (Prefect's timeout_seconds) passed during "
-            "this cell",
+            f"this cell{how}",
         )
     else:
         error = CellError(
             ename=CANCELLED_ENAME,
-            evalue="the flow run was cancelled during this cell; its sandbox was killed",
+            evalue="the call was cancelled during this cell (the flow run was cancelled, or "
+            f"its caller stopped waiting){how}",
         )
     return CellResult(
         status="error",
+        execution_count=stopped.execution_count if stopped else None,
         outputs=[*outputs, error_output(error.ename, error.evalue, [])],
         error=error,
         started_at=started_at,
         duration_s=time.monotonic() - start,
+        interrupted=stopped is not None and stopped.interrupted,
+        state_lost=stopped is not None and stopped.state_lost,
     )
 
 
@@ -563,12 +582,13 @@ class _StageRecorder:
         started_at: datetime,
         cell_start: float,
     ) -> None:
-        """Record ``cell`` as stopped by a cancellation, or by the run's deadline (then
-        interrupt it), and leave the stage so far in the enclosing `stage_progress`."""
+        """Record ``cell`` as stopped by a cancellation (the sandbox interrupted it), or by the
+        run's deadline, and leave the stage so far in the enclosing `stage_progress`."""
         timed_out = deadline_passed()
-        if timed_out:
+        interrupted = sandbox.take_cancelled_cell()
+        if timed_out and interrupted is None:
             await _interrupt_timed_out(sandbox, _where(self.stage.name, cell))
-        stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
+        stopped = _cancelled_cell(started_at, cell_start, seen, interrupted, timed_out=timed_out)
         self.records.append(CellRecord(index=cell.index, result=stopped))
         partial = self.result(cell, stopped)
         if not timed_out:
@@ -703,6 +723,24 @@ async def download_artifacts(
         await sandbox.close()
     logger.info("Downloaded %d artifact(s)", len(downloaded))
     return downloaded
+
+
+@task(name="restart-kernel", cache_policy=NO_CACHE, retries=0)
+async def restart_kernel(backend: SandboxBackend, handle: SandboxHandle) -> None:
+    """Restart the sandbox's kernel in place (`Sandbox.restart`): a fresh one after a death,
+    or on request; files kept, variables and imports lost.
+
+    Raises:
+        SandboxNotFoundError: the sandbox was killed or expired.
+        SandboxError: the kernel could not be started again.
+    """
+    sandbox = await backend.attach(handle)
+    try:
+        await sandbox.restart()
+    finally:
+        with shielded():
+            await sandbox.close()
+    get_run_logger().info("Sandbox %s: kernel restarted, state lost", handle.sandbox_id)
 
 
 @task(name="kill-sandbox", cache_policy=NO_CACHE, retries=0)

@@ -1,10 +1,12 @@
 """A scripted agent in a sandbox session, on every backend: cells decided as the flow goes, one
 failing and fixed on its second attempt, one timing out and fixed; what it made is stored, its
-sandbox killed, its flow run Completed."""
+sandbox killed, its flow run Completed. A call its caller abandons stops its cell."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -17,6 +19,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows import CellRun, sandbox_session
+from prefect_sandbox.flows.tools import dispatch_tool_call
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(300)]
@@ -127,3 +130,65 @@ async def test_a_scripted_agent_fixes_an_error_and_a_timeout_and_everything_is_s
     ]
     assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: run_id}) == []
     assert summary["sandbox_killed_at"] is not None
+
+
+SLEEPS_THEN_SET = (
+    "import time\n"
+    "print('sleeping', flush=True)\n"
+    "time.sleep(0.5)  # for the output to reach the client before the marker\n"
+    "open('started.marker', 'w').close()\n"
+    "for _ in range(120):\n"
+    "    time.sleep(0.1)\n"
+    "x = 2"
+)
+
+
+async def test_an_abandoned_call_stops_its_cell_and_the_next_call_runs_on_the_old_state(
+    backend: SandboxBackend, tmp_path: Path
+) -> None:
+    @flow(name="abandoning-agent")
+    async def agent() -> tuple[list[dict[str, Any]], float]:
+        async with sandbox_session(backend=backend, storage=str(tmp_path / "out")) as session:
+            await session.run_cell("x = 1")
+            call = asyncio.create_task(session.run_cell(SLEEPS_THEN_SET))
+            while not await session.list_files("started.marker"):
+                await asyncio.sleep(0.05)
+            call.cancel()  # as asyncio.wait_for does when its time is up
+            cancelled_at = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            after = await session.run_cell("print(x)")
+            return after.cell.outputs, time.monotonic() - cancelled_at
+
+    outputs, seconds = await agent()
+    print(f"{backend.backend_slug}: the next call took {seconds:.2f} s after the cancel")
+    assert outputs == [{"output_type": "stream", "name": "stdout", "text": "1\n"}]
+    (folder,) = (tmp_path / "out").iterdir()
+    notebook = nbformat.read(folder / "executed.ipynb", as_version=4)
+    abandoned = notebook.cells[1]
+    assert abandoned.metadata["prefect_sandbox"]["status"] == "error"
+    assert abandoned.outputs[0]["text"] == "sleeping\n"
+    assert abandoned.outputs[-1]["ename"] == "RunCancelled"
+    assert abandoned.outputs[-1]["evalue"].endswith("; the cell was interrupted")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["ok", "cancelled", "ok"]
+
+
+async def test_a_session_outlives_its_kernel_and_restarts_on_request(
+    backend: SandboxBackend, tmp_path: Path
+) -> None:
+    @flow(name="dying-agent")
+    async def agent() -> tuple[str, str, CellRun, CellRun]:
+        async with sandbox_session(backend=backend, storage=str(tmp_path / "out")) as session:
+            await session.run_cell("x = 1\nopen('kept.txt', 'w').write('kept')")
+            died = await dispatch_tool_call(session, {"code": "import os\nos._exit(3)"})
+            after = await dispatch_tool_call(session, {"code": "print(open('kept.txt').read())"})
+            await session.run_cell("y = 1")
+            await session.restart()
+            return died, after, await session.run_cell("x"), await session.run_cell("y")
+
+    died, after, x, y = await agent()
+    assert "SandboxDiedError" in died and "variables and imports are gone" in died
+    assert "kept" in after
+    assert x.status == y.status == "error"
+    assert [r.cell.error.ename for r in (x, y) if r.cell.error] == ["NameError", "NameError"]
