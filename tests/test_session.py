@@ -345,6 +345,47 @@ def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
     assert {p.pid for p in kernel_processes()} <= before
 
 
+async def test_sessions_of_one_flow_run_keep_their_own_files_and_a_retry_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    attempts: list[int] = []
+
+    async def write(session: SandboxSession, name: str, attempt: int) -> None:
+        await session.run_cell(f"open({name!r}, 'w').write('attempt {attempt}')")
+
+    @flow(retries=1)
+    async def agent() -> None:
+        attempts.append(len(attempts) + 1)
+        attempt = attempts[-1]
+        backend = LocalKernelBackend()
+        async with sandbox_session(backend=backend, storage=str(out), artifacts=["*.txt"]) as a:
+            await write(a, "plan.txt", attempt)
+            async with sandbox_session(
+                backend=backend, storage=str(out), artifacts=["*.txt"]
+            ) as nested:
+                await write(nested, "nested.txt", attempt)
+        async with sandbox_session(backend=backend, storage=str(out), artifacts=["*.txt"]) as c:
+            await write(c, f"third-{attempt}.txt", attempt)
+        if attempt == 1:
+            raise RuntimeError("retry me")
+
+    await agent()
+    folders = sorted(out.iterdir())
+    suffixes = [folder.name.rpartition("-session-")[2] for folder in folders]
+    assert len(folders) == 3 and suffixes[1:] == ["2", "3"], folders
+    stored = [sorted(p.name for p in folder.iterdir()) for folder in folders]
+    assert stored == [
+        ["executed.ipynb", "plan.txt", "summary.json"],
+        ["executed.ipynb", "nested.txt", "summary.json"],
+        ["executed.ipynb", "summary.json", "third-2.txt"],
+    ]
+    assert (folders[0] / "plan.txt").read_text() == "attempt 2"
+    async with get_client() as client:
+        keys = {a.key for a in await client.read_artifacts() if a.key}
+    assert {"session-summary", "session-summary-session-2", "session-summary-session-3"} <= keys
+
+
 async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_arguments(
     tmp_path: Path,
 ) -> None:

@@ -437,6 +437,23 @@ def _body_failure(exc: BaseException) -> SandboxError:
     return SessionFailedError(f"the flow's code raised {type(exc).__name__}: {exc}")
 
 
+_sessions_opened: dict[tuple[str, int], int] = {}
+"""Sessions opened so far in each flow run attempt of this process, by flow run id and
+``run_count``."""
+
+
+def _session_suffix() -> str:
+    """What the folder and artifact key of the session being opened add to the flow run's:
+    nothing for its attempt's first, ``-session-<n>`` for the n-th (nested or in turn), so
+    that sessions never store over each other; each attempt counts from 1 again."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return ""  # refused by new_run
+    key = (str(context.flow_run.id), context.flow_run.run_count)
+    number = _sessions_opened[key] = _sessions_opened.get(key, 0) + 1
+    return "" if number == 1 else f"-session-{number}"
+
+
 @asynccontextmanager
 async def _open_session(
     backend: SandboxBackend | None,
@@ -447,8 +464,9 @@ async def _open_session(
     max_text_chars: int,
 ) -> AsyncIterator[SandboxSession]:
     start = time.monotonic()
+    suffix = _session_suffix()
     run, flow_run = await new_run(
-        nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session"
+        nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session", folder_suffix=suffix
     )
     raised: BaseException | None = None
     cancellation: asyncio.CancelledError | None = None
@@ -492,7 +510,7 @@ async def _open_session(
                 outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
             )
     with shielded():
-        await run.post_summary(result, SESSION_SUMMARY_KEY, "Sandbox session summary")
+        await run.post_summary(result, SESSION_SUMMARY_KEY + suffix, "Sandbox session summary")
     if cancellation is not None:
         raise cancellation
     if raised is not None:
@@ -651,7 +669,9 @@ def sandbox_session(
     however it happens, downloads ``artifacts``, kills the sandbox, and stores the artifacts,
     ``executed.ipynb`` (every attempt of every step, in order) and ``summary.json`` (one
     ``cell-<step>`` stage per step, its ``cell_count`` the attempts made), and posts the
-    ``session-summary`` artifact, as `run_notebook` does.
+    ``session-summary`` artifact, as `run_notebook` does. A flow run's second session and
+    later (nested or in turn) store in a folder and an artifact key of their own, the run's
+    with ``-session-<n>`` added; a retried flow run's attempt starts each afresh.
 
     Args:
         backend: the backend block; when empty, the saved block named by
