@@ -7,7 +7,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 from prefect.logging.handlers import APILogHandler
 from prefect.states import Crashed
 
-from prefect_sandbox import E2BBackend, LocalKernelBackend
+from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.flows import (
     CellRun,
     FixerError,
@@ -47,10 +47,15 @@ from prefect_sandbox.flows.tools import (
     openai_tool,
 )
 from prefect_sandbox.sandbox.base import CellResult
-from prefect_sandbox.sandbox.errors import CellExecutionError, CellTimeoutError
+from prefect_sandbox.sandbox.errors import (
+    CellExecutionError,
+    CellTimeoutError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
+from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import ROOT, kernel_processes
 from tests.test_reaper import _reap, _sigkill, _start_victim, e2b_backend
 
@@ -340,8 +345,10 @@ def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
     notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
     assert [o.get("text", o.get("ename")) for o in notebook.cells[1].outputs] == [
         "sleeping\n",
+        "KeyboardInterrupt",  # the cell was interrupted before the sandbox was killed
         "RunTimedOut",
     ]
+    assert notebook.cells[1].outputs[-1]["evalue"].endswith("; the cell was interrupted")
     assert {p.pid for p in kernel_processes()} <= before
 
 
@@ -384,6 +391,39 @@ async def test_sessions_of_one_flow_run_keep_their_own_files_and_a_retry_starts_
     async with get_client() as client:
         keys = {a.key for a in await client.read_artifacts() if a.key}
     assert {"session-summary", "session-summary-session-2", "session-summary-session-3"} <= keys
+
+
+async def test_an_idle_e2b_session_is_kept_alive_up_to_its_max_idle_s(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    lifetime_s = 3
+    credentials = E2BCredentials(
+        api_key=e2b_emulator.api_key, api_url=e2b_emulator.url, sandbox_url=e2b_emulator.url
+    )
+    backend = E2BBackend(credentials=credentials, lifetime_s=lifetime_s)
+
+    async def idle(past: datetime) -> None:
+        # The idle time itself is what is tested: the emulator expires what is not renewed.
+        while datetime.now(UTC) < past:
+            await asyncio.sleep(0.2)
+
+    @flow
+    async def agent(max_idle_s: float | None) -> tuple[str, datetime, datetime | None]:
+        async with sandbox_session(
+            backend=backend, storage=str(tmp_path / str(max_idle_s)), max_idle_s=max_idle_s
+        ) as session:
+            await session.run_cell("x = 41")
+            idle_from = datetime.now(UTC)
+            await idle(idle_from + timedelta(seconds=2 * lifetime_s))
+            live = session.handle.sandbox_id in e2b_emulator.sandbox_ids()
+            end_at = e2b_emulator.end_at(session.handle.sandbox_id) if live else None
+            return (await session.run_cell("print(x + 1)")).text, idle_from, end_at
+
+    answer, idle_from, end_at = await agent(None)
+    assert answer == "42"
+    assert end_at and end_at > idle_from + timedelta(seconds=lifetime_s)  # renewed while idle
+    with pytest.raises(SandboxNotFoundError):
+        await agent(0.5)  # renewals stop after half a second idle: it expires
 
 
 async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_arguments(

@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 
 import nbformat
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from prefect import get_run_logger
 from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 from pydantic import BaseModel
@@ -61,6 +62,7 @@ from prefect_sandbox.tasks.sandbox import (
 
 __all__ = [
     "DEFAULT_FIX_ATTEMPTS",
+    "DEFAULT_MAX_IDLE_S",
     "SESSION_SUMMARY_KEY",
     "CellRun",
     "Fixer",
@@ -72,6 +74,9 @@ __all__ = [
 
 SESSION_SUMMARY_KEY = "session-summary"
 """The key of the markdown artifact a session posts on its flow run."""
+
+DEFAULT_MAX_IDLE_S = 3600.0
+"""Seconds an open session keeps its remote sandbox alive with no call, by default."""
 
 DEFAULT_FIX_ATTEMPTS = 3
 """Attempts a step with a fixer gets when ``max_attempts`` is not given: the first, and two
@@ -164,14 +169,17 @@ class SandboxSession:
         *,
         cell_timeout_s: float | None,
         max_text_chars: int,
+        max_idle_s: float | None = None,
     ) -> None:
         self._run = run
         self._handle = handle
         self._cell_timeout_s = cell_timeout_s
         self._max_text_chars = max_text_chars
+        self._max_idle_s = max_idle_s
         self._steps = 0
         self._open = True
         self._turn = asyncio.Lock()
+        self._last_call_at = time.monotonic()
 
     @property
     def handle(self) -> SandboxHandle:
@@ -186,6 +194,37 @@ class SandboxSession:
     def end(self) -> None:
         """Refuse any later call; the session's block is being left."""
         self._open = False
+
+    async def keep_alive(self) -> None:
+        """Renew the sandbox's vendor-side lifetime while the session is open and waits for
+        calls (E2B's lifetime, Daytona's auto-stop), through the backend's own calls; runs
+        until cancelled. It stops renewing once no call came for ``max_idle_s``, and goes on
+        at the next call. A failed renewal is a warning: the next call finds a lost sandbox.
+        """
+        await asyncio.sleep(_FIRST_KEEP_ALIVE_S)
+        try:
+            sandbox = await self._run.backend.attach(self._handle)
+        except SandboxError as exc:
+            get_run_logger().warning("Sandbox %s: no keep-alive: %s", self._handle.sandbox_id, exc)
+            return
+        try:
+            period_s = sandbox.keep_alive_period_s()
+            while period_s is not None:
+                await asyncio.sleep(period_s)
+                idle_s = time.monotonic() - self._last_call_at
+                if self._max_idle_s is not None and idle_s > self._max_idle_s:
+                    continue
+                try:
+                    await sandbox.keep_alive()
+                except SandboxError as exc:
+                    get_run_logger().warning(
+                        "Sandbox %s: lifetime not renewed while idle: %s",
+                        self._handle.sandbox_id,
+                        exc,
+                    )
+        finally:
+            with shielded():
+                await sandbox.close()
 
     async def settled(self) -> None:
         """Wait until no cell of this session is running, or recording how it ended."""
@@ -262,6 +301,7 @@ class SandboxSession:
             timeout_s = self._cell_timeout_s
         else:
             checked_timeout_s(timeout_s, "timeout_s")
+        self._last_call_at = time.monotonic()
         async with self._turn:
             self._check_open()
             self._steps += 1
@@ -279,6 +319,7 @@ class SandboxSession:
             async with self._turn:
                 self._check_open()
                 done = await self._attempt(spec, result, step, done.attempt + 1, fixed, timeout_s)
+        self._last_call_at = time.monotonic()
         if raise_on_error and done.status != "ok":
             cell = CellSpec(index=done.cell_index, source=done.code)
             raise cell_failure(spec.name, cell, done.cell, checked_timeout_s(timeout_s))
@@ -415,6 +456,9 @@ class SandboxSession:
         return await download_artifacts(self._run.backend, self._handle, patterns, folder)
 
 
+_FIRST_KEEP_ALIVE_S = 1.0
+"""Seconds after a session opens before its keep-alive attaches to learn its period."""
+
 _WAKE_S = 0.1
 """Seconds a sync session's call waits at a time for its result (see `SyncSandboxSession`)."""
 
@@ -462,6 +506,7 @@ async def _open_session(
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
     max_text_chars: int,
+    max_idle_s: float | None,
 ) -> AsyncIterator[SandboxSession]:
     start = time.monotonic()
     suffix = _session_suffix()
@@ -480,8 +525,13 @@ async def _open_session(
                     run.failure = raised = exc
                 else:
                     session = SandboxSession(
-                        run, handle, cell_timeout_s=cell_timeout_s, max_text_chars=max_text_chars
+                        run,
+                        handle,
+                        cell_timeout_s=cell_timeout_s,
+                        max_text_chars=max_text_chars,
+                        max_idle_s=max_idle_s,
                     )
+                    keeper = asyncio.create_task(session.keep_alive())
                     try:
                         yield session
                     except asyncio.CancelledError as exc:
@@ -494,6 +544,9 @@ async def _open_session(
                         run.failure = run.failure or _body_failure(exc)
                     finally:
                         session.end()
+                        keeper.cancel()
+                        with shielded():
+                            await asyncio.gather(keeper, return_exceptions=True)
                 await run.collect_artifacts(handle, staging, artifacts)
         except asyncio.CancelledError as exc:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
@@ -660,6 +713,7 @@ def sandbox_session(
     storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
     max_text_chars: int = DEFAULT_MODEL_TEXT_CHARS,
+    max_idle_s: float | None = DEFAULT_MAX_IDLE_S,
 ) -> SessionContext:
     """A sandbox for the current flow run, for cells decided as the flow goes.
 
@@ -683,6 +737,10 @@ def sandbox_session(
         cell_timeout_s: seconds a cell may run unless ``run_cell`` says otherwise, -1 for no
             limit; the backend block's ``cell_timeout_s`` when empty.
         max_text_chars: the most characters of a cell's rendering for a model (`CellRun.text`).
+        max_idle_s: seconds the session keeps a remote sandbox alive (E2B's ``lifetime_s``,
+            Daytona's auto-stop) while no call comes, by renewing it as a cell does; past it
+            the vendor's own limit ends the sandbox. None: as long as the session is open.
+            Each call starts the count again. Nothing ends a local kernel meanwhile.
 
     Returns:
         The session's context manager.
@@ -690,8 +748,8 @@ def sandbox_session(
     Raises:
         ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
             (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an artifact
-            pattern or ``s3://`` key that climbs, as `UnsafePathError`), or ``max_text_chars``
-            is below 100 (here, before any sandbox starts).
+            pattern or ``s3://`` key that climbs, as `UnsafePathError`), ``max_text_chars``
+            is below 100, or ``max_idle_s`` is not positive (here, before any sandbox starts).
         RuntimeError: on entering, outside a flow run.
         FileTransferError: on entering, an input could not be uploaded (the sandbox is killed
             and ``summary.json`` stored first).
@@ -709,6 +767,10 @@ def sandbox_session(
     )
     if max_text_chars < 100:
         raise ValueError(f"max_text_chars must be at least 100, not {max_text_chars}")
+    if max_idle_s is not None and not max_idle_s > 0:
+        raise ValueError(
+            f"max_idle_s must be a positive number of seconds or None, not {max_idle_s}"
+        )
     return SessionContext(
         backend=backend,
         inputs=inputs or [],
@@ -716,4 +778,5 @@ def sandbox_session(
         storage=storage,
         cell_timeout_s=cell_timeout_s,
         max_text_chars=max_text_chars,
+        max_idle_s=max_idle_s,
     )

@@ -753,6 +753,21 @@ class Sandbox(abc.ABC):
             UnsafePathError: the pattern is absolute or climbs out with ``..``.
         """
 
+    def keep_alive_period_s(self) -> float | None:
+        """Seconds between `keep_alive` calls that keep an idle sandbox from its vendor's end
+        (half E2B's lifetime, a quarter of Daytona's auto-stop); None when nothing ends it."""
+        return None
+
+    async def keep_alive(self) -> None:
+        """Renew the sandbox's vendor-side lifetime now, as a cell does; nothing for a
+        sandbox that no vendor ends.
+
+        Raises:
+            SandboxNotFoundError: the sandbox already ended.
+            SandboxUnavailableError: the vendor could not be reached.
+        """
+        return None
+
     @abc.abstractmethod
     async def interrupt(self) -> None:
         """Interrupt the running cell, as Jupyter's stop button does."""
