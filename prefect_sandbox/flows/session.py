@@ -30,12 +30,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import nbformat
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from prefect import get_run_logger
 from prefect.context import FlowRunContext
+from prefect.utilities.annotations import quote
 from prefect_aws import S3Bucket
 from pydantic import BaseModel
 
@@ -45,7 +46,13 @@ from prefect_sandbox.flows.pipeline_run import PipelineRun, new_run
 from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
-from prefect_sandbox.sandbox.base import CellResult, RemoteFile, SandboxHandle, checked_timeout_s
+from prefect_sandbox.sandbox.base import (
+    CellResult,
+    RemoteFile,
+    Sandbox,
+    SandboxHandle,
+    checked_timeout_s,
+)
 from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_text
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
@@ -55,6 +62,7 @@ from prefect_sandbox.tasks.sandbox import (
     download_artifacts,
     partial_stage_result,
     restart_kernel,
+    reusing,
     run_stage,
     shielded,
     stage_progress,
@@ -115,6 +123,13 @@ Fixer = Callable[[str, CellRun], "str | Awaitable[str | None] | None"]
 what a model reads), the code to try next, or None to give up. Sync or async."""
 
 
+def _untraversed(value: T) -> T:
+    """``value`` in Prefect's `quote`, for a task's parameter: passed as it is, without Prefect
+    walking it for futures and states to resolve (its blocks and models hold none), which
+    took a few milliseconds of each session call."""
+    return cast(T, quote(value))
+
+
 def _checked_code(code: object, what: str) -> str:
     if not isinstance(code, str):
         raise TypeError(f"{what} must be Python source as a str, not {type(code).__name__}")
@@ -165,14 +180,16 @@ class SandboxSession:
     def __init__(
         self,
         run: PipelineRun,
-        handle: SandboxHandle,
+        sandbox: Sandbox,
         *,
         cell_timeout_s: float | None,
         max_text_chars: int,
         max_idle_s: float | None = None,
     ) -> None:
         self._run = run
-        self._handle = handle
+        # Attached once: every call's task uses it (`reusing`), instead of a client of its own.
+        self._sandbox = sandbox
+        self._handle = sandbox.handle
         self._cell_timeout_s = cell_timeout_s
         self._max_text_chars = max_text_chars
         self._max_idle_s = max_idle_s
@@ -195,36 +212,28 @@ class SandboxSession:
         """Refuse any later call; the session's block is being left."""
         self._open = False
 
+    async def close(self) -> None:
+        """Drop the session's connection to its sandbox (not the sandbox), once it has ended."""
+        await self._sandbox.close()
+
     async def keep_alive(self) -> None:
         """Renew the sandbox's vendor-side lifetime while the session is open and waits for
         calls (E2B's lifetime, Daytona's auto-stop), through the backend's own calls; runs
         until cancelled. It stops renewing once no call came for ``max_idle_s``, and goes on
         at the next call. A failed renewal is a warning: the next call finds a lost sandbox.
         """
-        await asyncio.sleep(_FIRST_KEEP_ALIVE_S)
-        try:
-            sandbox = await self._run.backend.attach(self._handle)
-        except SandboxError as exc:
-            get_run_logger().warning("Sandbox %s: no keep-alive: %s", self._handle.sandbox_id, exc)
-            return
-        try:
-            period_s = sandbox.keep_alive_period_s()
-            while period_s is not None:
-                await asyncio.sleep(period_s)
-                idle_s = time.monotonic() - self._last_call_at
-                if self._max_idle_s is not None and idle_s > self._max_idle_s:
-                    continue
-                try:
-                    await sandbox.keep_alive()
-                except SandboxError as exc:
-                    get_run_logger().warning(
-                        "Sandbox %s: lifetime not renewed while idle: %s",
-                        self._handle.sandbox_id,
-                        exc,
-                    )
-        finally:
-            with shielded():
-                await sandbox.close()
+        period_s = self._sandbox.keep_alive_period_s()
+        while period_s is not None:
+            await asyncio.sleep(period_s)
+            idle_s = time.monotonic() - self._last_call_at
+            if self._max_idle_s is not None and idle_s > self._max_idle_s:
+                continue
+            try:
+                await self._sandbox.keep_alive()
+            except SandboxError as exc:
+                get_run_logger().warning(
+                    "Sandbox %s: lifetime not renewed while idle: %s", self._handle.sandbox_id, exc
+                )
 
     async def settled(self) -> None:
         """Wait until no cell of this session is running, or recording how it ended."""
@@ -338,12 +347,12 @@ class SandboxSession:
         cell = CellSpec(index=index, source=code)
         spec.cells.append(cell)
         name = spec.name if attempt == 1 else f"{spec.name}-attempt-{attempt}"
-        with stage_progress() as progress:
+        with stage_progress() as progress, reusing(self._sandbox):
             try:
                 outcome = await _run_attempt(
-                    self._run.backend,
-                    self._handle,
-                    StageSpec(name=name, cells=[cell]),
+                    _untraversed(self._run.backend),
+                    _untraversed(self._handle),
+                    _untraversed(StageSpec(name=name, cells=[cell])),
                     timeout_s,
                     allow_errors=True,
                 )
@@ -426,7 +435,8 @@ class SandboxSession:
         self._check_open()
         async with self._turn:
             self._check_open()
-            await restart_kernel(self._run.backend, self._handle)
+            with reusing(self._sandbox):
+                await restart_kernel(self._run.backend, self._handle)
 
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """The sandbox's files matching a glob relative to its working directory, by path.
@@ -455,9 +465,6 @@ class SandboxSession:
         self._check_open()
         return await download_artifacts(self._run.backend, self._handle, patterns, folder)
 
-
-_FIRST_KEEP_ALIVE_S = 1.0
-"""Seconds after a session opens before its keep-alive attaches to learn its period."""
 
 _WAKE_S = 0.1
 """Seconds a sync session's call waits at a time for its result (see `SyncSandboxSession`)."""
@@ -526,7 +533,7 @@ async def _open_session(
                 else:
                     session = SandboxSession(
                         run,
-                        handle,
+                        await run.backend.attach(handle),
                         cell_timeout_s=cell_timeout_s,
                         max_text_chars=max_text_chars,
                         max_idle_s=max_idle_s,
@@ -547,6 +554,7 @@ async def _open_session(
                         keeper.cancel()
                         with shielded():
                             await asyncio.gather(keeper, return_exceptions=True)
+                            await session.close()
                 await run.collect_artifacts(handle, staging, artifacts)
         except asyncio.CancelledError as exc:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting

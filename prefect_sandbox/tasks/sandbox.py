@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,6 +69,7 @@ __all__ = [
     "partial_stage_result",
     "prefect_api_id",
     "restart_kernel",
+    "reusing",
     "run_stage",
     "shielded",
     "stage_progress",
@@ -133,6 +134,44 @@ def stage_progress() -> Iterator[StageProgress]:
         yield progress
     finally:
         _stage_progress.reset(token)
+
+
+_reused: ContextVar[tuple[asyncio.AbstractEventLoop, Sandbox] | None] = ContextVar(
+    "prefect_sandbox_reused", default=None
+)
+
+
+@contextlib.contextmanager
+def reusing(sandbox: Sandbox) -> Iterator[None]:
+    """Let the tasks here awaited inside (in this process, on this event loop) use ``sandbox``
+    for its handle instead of attaching anew and closing after: a session's calls keep one
+    client (a Jupyter client's sockets, an SDK object) for the session's life."""
+    token = _reused.set((asyncio.get_running_loop(), sandbox))
+    try:
+        yield
+    finally:
+        _reused.reset(token)
+
+
+@contextlib.asynccontextmanager
+async def _attached(backend: SandboxBackend, handle: SandboxHandle) -> AsyncIterator[Sandbox]:
+    """The sandbox of ``handle``: the one `reusing` names, else attached now and closed after.
+
+    Raises:
+        SandboxError: as ``backend.attach`` raises.
+    """
+    reused = _reused.get()
+    if reused is not None:
+        loop, sandbox = reused
+        if loop is asyncio.get_running_loop() and sandbox.handle.sandbox_id == handle.sandbox_id:
+            yield sandbox
+            return
+    sandbox = await backend.attach(handle)
+    try:
+        yield sandbox
+    finally:
+        with shielded():
+            await sandbox.close()
 
 
 def deadline_passed() -> bool:
@@ -639,16 +678,16 @@ async def run_stage(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
     )
     recorder = _StageRecorder(stage)
-    try:
-        sandbox = await backend.attach(handle)
-    except SandboxError as exc:
-        if not stage.cells:
-            raise
-        # Stopped where its first cell was to run, not shown as a stage that never ran.
-        raise recorder.lost_in(
-            stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()
-        ) from exc
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            sandbox = await stack.enter_async_context(_attached(backend, handle))
+        except SandboxError as exc:
+            if not stage.cells:
+                raise
+            # Stopped where its first cell was to run, not shown as a stage that never ran.
+            raise recorder.lost_in(
+                stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()
+            ) from exc
         for cell in stage.cells:
             result = await recorder.run_cell(sandbox, cell, timeout_s, backend.max_output_chars)
             _log_cell_done(stage.name, cell, result)
@@ -658,9 +697,6 @@ async def run_stage(
             error = cell_failure(stage.name, cell, result, timeout_s)
             error.partial_result = recorder.result(cell, result)
             raise error
-    finally:
-        with shielded():
-            await sandbox.close()
     return recorder.result(None, None)
 
 
@@ -734,12 +770,8 @@ async def restart_kernel(backend: SandboxBackend, handle: SandboxHandle) -> None
         SandboxNotFoundError: the sandbox was killed or expired.
         SandboxError: the kernel could not be started again.
     """
-    sandbox = await backend.attach(handle)
-    try:
+    async with _attached(backend, handle) as sandbox:
         await sandbox.restart()
-    finally:
-        with shielded():
-            await sandbox.close()
     get_run_logger().info("Sandbox %s: kernel restarted, state lost", handle.sandbox_id)
 
 
