@@ -5,8 +5,9 @@ Two contenders, in one process and one event loop, each on a sandbox of its own 
 
 - bare: ``await sandbox.run_cell("1+1")`` on a `LocalKernelSandbox` (no Prefect).
 - session: ``await session.run_cell("1+1")`` inside an async flow's ``sandbox_session``: a
-  task run (``run-cell-N``) that attaches to the sandbox by handle, runs the cell, logs its
-  output and detaches; plus the model's text rendering and the notebook's bookkeeping.
+  task run (``run-cell-N``) that runs the cell on the session's one attachment (its Jupyter
+  client kept for the session's life) and logs its output; plus the model's text rendering
+  and the notebook's bookkeeping.
 
 Each round times one call of each, alternating which goes first. Target: session per call
 <= 1.2 x bare + a task run's bookkeeping; the bookkeeping is measured apart, as the median of an

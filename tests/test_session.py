@@ -7,7 +7,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 from prefect.logging.handlers import APILogHandler
 from prefect.states import Crashed
 
-from prefect_sandbox import E2BBackend, LocalKernelBackend
+from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
 from prefect_sandbox.flows import (
     CellRun,
     FixerError,
@@ -45,10 +45,15 @@ from prefect_sandbox.flows.tools import (
     openai_tool,
 )
 from prefect_sandbox.sandbox.base import CellResult
-from prefect_sandbox.sandbox.errors import CellExecutionError, CellTimeoutError
+from prefect_sandbox.sandbox.errors import (
+    CellExecutionError,
+    CellTimeoutError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
+from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import ROOT, kernel_processes
 from tests.test_reaper import _reap, _sigkill, _start_victim, e2b_backend
 
@@ -199,21 +204,67 @@ async def test_bad_input_gets_clear_errors_and_a_raising_fixer_still_stores_and_
         sandbox_session(cell_timeout_s=-5)
 
 
-def test_a_sync_flow_runs_a_session_and_the_tool_dispatcher(tmp_path: Path) -> None:
+def test_a_sync_flow_runs_a_session_the_tool_dispatcher_and_a_fixer_that_probes_it(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
+    probes: list[str] = []
 
     @flow
     def agent() -> list[str]:
         with sandbox_session(backend=LocalKernelBackend(), storage=str(out)) as session:
+
+            def fixer(code: str, report: CellRun) -> str:
+                # Its own step, run while the failed one waits for the fix (no deadlock).
+                probes.append(session.run_cell("x").text)
+                return "y = x + 2\ny"
+
             first = session.run_cell("x = 41")
             answer = dispatch_tool_call_sync(session, '{"code": "x + 1"}')
-            fixed = session.run_cell("y = x +", fix=lambda c, r: "y = x + 2\ny", max_attempts=2)
+            fixed = session.run_cell("y = x +", fix=fixer)  # fix= alone: 3 attempts
             return [first.status, answer, fixed.text, str(fixed.attempt)]
 
     assert agent() == ["ok", "```result\n42\n```", "```result\n43\n```", "2"]
+    assert probes == ["```result\n41\n```"]
     summary = _summary(out)
     assert summary["status"] == "completed"
-    assert [s["cell_count"] for s in summary["stages"]] == [1, 1, 2]
+    assert [(s["name"], s["cell_count"]) for s in summary["stages"]] == [
+        ("cell-1", 1),
+        ("cell-2", 1),
+        ("cell-3", 2),
+        ("cell-4", 1),
+    ]
+    notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
+    facts = [(c.source, c.metadata["prefect_sandbox"]["step"]) for c in notebook.cells]
+    assert facts == [
+        ("x = 41", 1),
+        ("x + 1", 2),
+        ("y = x +", 3),
+        ("x", 4),
+        ("y = x + 2\ny", 3),
+    ]
+
+
+async def test_an_async_fixer_gets_its_probes_result_and_fix_alone_gives_three_attempts(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[int, str]] = []
+
+    @flow
+    async def agent() -> CellRun:
+        async with sandbox_session(backend=LocalKernelBackend(), storage=str(tmp_path)) as session:
+
+            async def fixer(code: str, report: CellRun) -> str:
+                probe = await session.run_cell("print(sorted(globals()['data']))")
+                seen.append((report.attempt, probe.text))
+                return f"{code}  # attempt {report.attempt + 1}"
+
+            await session.run_cell("data = {'b': 2, 'a': 1}")
+            return await session.run_cell("data['c']", fix=fixer)
+
+    last = await agent()
+    assert (last.status, last.attempt) == ("error", 3)
+    assert seen == [(1, "```stdout\n['a', 'b']\n```"), (2, "```stdout\n['a', 'b']\n```")]
 
 
 def test_a_sync_session_raises_a_cells_timeout_when_asked_and_runs_on(tmp_path: Path) -> None:
@@ -293,9 +344,85 @@ def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
     notebook = nbformat.read(_only_folder(out) / "executed.ipynb", as_version=4)
     assert [o.get("text", o.get("ename")) for o in notebook.cells[1].outputs] == [
         "sleeping\n",
+        "KeyboardInterrupt",  # the cell was interrupted before the sandbox was killed
         "RunTimedOut",
     ]
+    assert notebook.cells[1].outputs[-1]["evalue"].endswith("; the cell was interrupted")
     assert {p.pid for p in kernel_processes()} <= before
+
+
+async def test_sessions_of_one_flow_run_keep_their_own_files_and_a_retry_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    attempts: list[int] = []
+
+    async def write(session: SandboxSession, name: str, attempt: int) -> None:
+        await session.run_cell(f"open({name!r}, 'w').write('attempt {attempt}')")
+
+    @flow(retries=1)
+    async def agent() -> None:
+        attempts.append(len(attempts) + 1)
+        attempt = attempts[-1]
+        backend = LocalKernelBackend()
+        async with sandbox_session(backend=backend, storage=str(out), artifacts=["*.txt"]) as a:
+            await write(a, "plan.txt", attempt)
+            async with sandbox_session(
+                backend=backend, storage=str(out), artifacts=["*.txt"]
+            ) as nested:
+                await write(nested, "nested.txt", attempt)
+        async with sandbox_session(backend=backend, storage=str(out), artifacts=["*.txt"]) as c:
+            await write(c, f"third-{attempt}.txt", attempt)
+        if attempt == 1:
+            raise RuntimeError("retry me")
+
+    await agent()
+    folders = sorted(out.iterdir())
+    suffixes = [folder.name.rpartition("-session-")[2] for folder in folders]
+    assert len(folders) == 3 and suffixes[1:] == ["2", "3"], folders
+    stored = [sorted(p.name for p in folder.iterdir()) for folder in folders]
+    assert stored == [
+        ["executed.ipynb", "plan.txt", "summary.json"],
+        ["executed.ipynb", "nested.txt", "summary.json"],
+        ["executed.ipynb", "summary.json", "third-2.txt"],
+    ]
+    assert (folders[0] / "plan.txt").read_text() == "attempt 2"
+    async with get_client() as client:
+        keys = {a.key for a in await client.read_artifacts() if a.key}
+    assert {"session-summary", "session-summary-session-2", "session-summary-session-3"} <= keys
+
+
+async def test_an_idle_e2b_session_is_kept_alive_up_to_its_max_idle_s(
+    e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    lifetime_s = 3
+    credentials = E2BCredentials(
+        api_key=e2b_emulator.api_key, api_url=e2b_emulator.url, sandbox_url=e2b_emulator.url
+    )
+    backend = E2BBackend(credentials=credentials, lifetime_s=lifetime_s)
+
+    async def idle(past: datetime) -> None:
+        # The idle time itself is what is tested: the emulator expires what is not renewed.
+        while datetime.now(UTC) < past:
+            await asyncio.sleep(0.2)
+
+    @flow
+    async def agent(max_idle_s: float | None) -> tuple[str, datetime, datetime | None]:
+        async with sandbox_session(
+            backend=backend, storage=str(tmp_path / str(max_idle_s)), max_idle_s=max_idle_s
+        ) as session:
+            await session.run_cell("x = 41")
+            idle_from = datetime.now(UTC)
+            await idle(idle_from + timedelta(seconds=2 * lifetime_s))
+            live = session.handle.sandbox_id in e2b_emulator.sandbox_ids()
+            end_at = e2b_emulator.end_at(session.handle.sandbox_id) if live else None
+            return (await session.run_cell("print(x + 1)")).text, idle_from, end_at
+
+    answer, idle_from, end_at = await agent(None)
+    assert answer == "42"
+    assert end_at and end_at > idle_from + timedelta(seconds=lifetime_s)  # renewed while idle
+    with pytest.raises(SandboxNotFoundError):
+        await agent(0.5)  # renewals stop after half a second idle: it expires
 
 
 async def test_the_dispatcher_names_the_exception_and_line_and_answers_bad_arguments(

@@ -531,6 +531,8 @@ async def new_run(
     backend: SandboxBackend | None,
     storage: S3Bucket | str | None,
     what: str,
+    *,
+    folder_suffix: str = "",
 ) -> tuple[PipelineRun, FlowRun]:
     """A run of the current flow run: its store made ready, its notebook started.
 
@@ -540,6 +542,8 @@ async def new_run(
         backend: the backend block; None for `default_backend`.
         storage: as the pipeline flows take it; None for ``PREFECT_SANDBOX_STORAGE``.
         what: what is run, for the error outside a flow run (``"a pipeline"``).
+        folder_suffix: added to the run's folder name (`resolve_storage`), for a flow run's
+            second sandbox session and later.
 
     Returns:
         The run and the flow run it belongs to.
@@ -556,7 +560,9 @@ async def new_run(
         storage = PrefectSandboxSettings().storage
     if backend is None:
         backend = await default_backend()
-    store = resolve_storage(storage, context.flow.name, flow_run.name, str(flow_run.id))
+    store = resolve_storage(
+        storage, context.flow.name, flow_run.name, str(flow_run.id), folder_suffix=folder_suffix
+    )
     store.prepare()
     await empty_for_this_attempt(store, flow_run)
     executed = ExecutedNotebook(source)

@@ -30,11 +30,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import nbformat
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from prefect import get_run_logger
 from prefect.context import FlowRunContext
+from prefect.utilities.annotations import quote
 from prefect_aws import S3Bucket
 from pydantic import BaseModel
 
@@ -44,8 +46,14 @@ from prefect_sandbox.flows.pipeline_run import PipelineRun, new_run
 from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
-from prefect_sandbox.sandbox.base import CellResult, RemoteFile, SandboxHandle, checked_timeout_s
-from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxError
+from prefect_sandbox.sandbox.base import (
+    CellResult,
+    RemoteFile,
+    Sandbox,
+    SandboxHandle,
+    checked_timeout_s,
+)
+from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxDiedError, SandboxError
 from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_text
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
 from prefect_sandbox.tasks.sandbox import (
@@ -53,12 +61,16 @@ from prefect_sandbox.tasks.sandbox import (
     deadline_passed,
     download_artifacts,
     partial_stage_result,
+    restart_kernel,
+    reusing,
     run_stage,
     shielded,
     stage_progress,
 )
 
 __all__ = [
+    "DEFAULT_FIX_ATTEMPTS",
+    "DEFAULT_MAX_IDLE_S",
     "SESSION_SUMMARY_KEY",
     "CellRun",
     "Fixer",
@@ -70,6 +82,13 @@ __all__ = [
 
 SESSION_SUMMARY_KEY = "session-summary"
 """The key of the markdown artifact a session posts on its flow run."""
+
+DEFAULT_MAX_IDLE_S = 3600.0
+"""Seconds an open session keeps its remote sandbox alive with no call, by default."""
+
+DEFAULT_FIX_ATTEMPTS = 3
+"""Attempts a step with a fixer gets when ``max_attempts`` is not given: the first, and two
+fixes."""
 
 # Made once: each Task made with with_options hashes its function's source (milliseconds).
 _run_attempt = run_stage.with_options(task_run_name="run-{stage.name}")
@@ -104,6 +123,13 @@ Fixer = Callable[[str, CellRun], "str | Awaitable[str | None] | None"]
 what a model reads), the code to try next, or None to give up. Sync or async."""
 
 
+def _untraversed(value: T) -> T:
+    """``value`` in Prefect's `quote`, for a task's parameter: passed as it is, without Prefect
+    walking it for futures and states to resolve (its blocks and models hold none), which
+    took a few milliseconds of each session call."""
+    return cast(T, quote(value))
+
+
 def _checked_code(code: object, what: str) -> str:
     if not isinstance(code, str):
         raise TypeError(f"{what} must be Python source as a str, not {type(code).__name__}")
@@ -122,6 +148,28 @@ def _merge_attempt(step: StageResult, attempt: StageResult) -> None:
     step.error = last.result.error if failed and last else None
 
 
+RESTARTED_AFTER_DEATH = (
+    "; a fresh kernel was started: variables and imports are gone, files in the working "
+    "directory are kept"
+)
+"""What the error of a cell during which the kernel died says once the session has started a
+fresh one."""
+
+
+def _restarted_after_death(stopped: StageResult) -> StageResult:
+    """``stopped`` (its last cell the one the kernel died in), that cell's error saying that a
+    fresh kernel was started."""
+    record = stopped.cells[-1]
+    died = record.result
+    error = died.error
+    if error is not None:
+        error = error.model_copy(update={"evalue": error.evalue + RESTARTED_AFTER_DEATH})
+        outputs = [*died.outputs[:-1], {**died.outputs[-1], "evalue": error.evalue}]
+        record.result = died.model_copy(update={"error": error, "outputs": outputs})
+    stopped.error = error
+    return stopped
+
+
 class SandboxSession:
     """One flow run's sandbox, running cells decided at run time; made by `sandbox_session`.
 
@@ -132,18 +180,23 @@ class SandboxSession:
     def __init__(
         self,
         run: PipelineRun,
-        handle: SandboxHandle,
+        sandbox: Sandbox,
         *,
         cell_timeout_s: float | None,
         max_text_chars: int,
+        max_idle_s: float | None = None,
     ) -> None:
         self._run = run
-        self._handle = handle
+        # Attached once: every call's task uses it (`reusing`), instead of a client of its own.
+        self._sandbox = sandbox
+        self._handle = sandbox.handle
         self._cell_timeout_s = cell_timeout_s
         self._max_text_chars = max_text_chars
+        self._max_idle_s = max_idle_s
         self._steps = 0
         self._open = True
         self._turn = asyncio.Lock()
+        self._last_call_at = time.monotonic()
 
     @property
     def handle(self) -> SandboxHandle:
@@ -158,6 +211,29 @@ class SandboxSession:
     def end(self) -> None:
         """Refuse any later call; the session's block is being left."""
         self._open = False
+
+    async def close(self) -> None:
+        """Drop the session's connection to its sandbox (not the sandbox), once it has ended."""
+        await self._sandbox.close()
+
+    async def keep_alive(self) -> None:
+        """Renew the sandbox's vendor-side lifetime while the session is open and waits for
+        calls (E2B's lifetime, Daytona's auto-stop), through the backend's own calls; runs
+        until cancelled. It stops renewing once no call came for ``max_idle_s``, and goes on
+        at the next call. A failed renewal is a warning: the next call finds a lost sandbox.
+        """
+        period_s = self._sandbox.keep_alive_period_s()
+        while period_s is not None:
+            await asyncio.sleep(period_s)
+            idle_s = time.monotonic() - self._last_call_at
+            if self._max_idle_s is not None and idle_s > self._max_idle_s:
+                continue
+            try:
+                await self._sandbox.keep_alive()
+            except SandboxError as exc:
+                get_run_logger().warning(
+                    "Sandbox %s: lifetime not renewed while idle: %s", self._handle.sandbox_id, exc
+                )
 
     async def settled(self) -> None:
         """Wait until no cell of this session is running, or recording how it ended."""
@@ -178,7 +254,7 @@ class SandboxSession:
         *,
         timeout_s: float | None = None,
         fix: Fixer | None = None,
-        max_attempts: int = 1,
+        max_attempts: int | None = None,
         raise_on_error: bool = False,
     ) -> CellRun:
         """Run one step: ``code`` as a cell, then, while it fails and attempts remain, the code
@@ -188,14 +264,26 @@ class SandboxSession:
         output goes to the run log, and a cell of the executed notebook whose
         ``metadata.prefect_sandbox`` holds its ``step`` and ``attempt``.
 
+        A kernel that dies during a cell (``exit()``, ``os._exit``, a crash, the OOM killer)
+        is data too: a fresh kernel is started (the ``restart-kernel`` task) and the attempt
+        ends as an error (``SandboxDiedError``) whose message says that the state is gone. A
+        call that is cancelled (its task cancelled, ``asyncio.wait_for``, a framework's tool
+        timeout) interrupts its cell, and restarts the kernel when the cell ignores that, as a
+        timeout does, before the cancellation is raised: the next call runs at once. The
+        notebook keeps the cell's outputs up to the stop, then a ``RunCancelled`` error saying
+        how it stopped.
+
         Args:
             code: the cell's source.
             timeout_s: seconds each attempt may run, -1 for no limit; None takes the session's
                 ``cell_timeout_s``, else the backend block's.
             fix: called after a failed attempt (error or timeout) as ``fix(code, report)``; it
                 returns the next attempt's code, or None to give up. A sync fixer runs in a
-                worker thread, an async one on the flow's event loop.
-            max_attempts: attempts at most, the first included (1: no fixing).
+                worker thread, an async one on the flow's event loop. The session is free
+                while it runs: a fixer may run cells on it (probes, say), each a step of its
+                own, numbered and stored as any other.
+            max_attempts: attempts at most, the first included; None takes
+                `DEFAULT_FIX_ATTEMPTS` with ``fix``, else 1 (no fixing).
             raise_on_error: raise for a step whose last attempt failed, instead of returning it.
 
         Returns:
@@ -209,16 +297,20 @@ class SandboxSession:
             FixerError: the fixer raised, returned something other than a str or None, or
                 returned the code that just failed (the attempts so far are kept).
             CellExecutionError, CellTimeoutError: with ``raise_on_error``, the step failed.
-            SandboxDiedError, SandboxNotFoundError: the sandbox died or went away.
+            SandboxNotFoundError: the sandbox went away (killed, expired).
+            SandboxError: the kernel died and a fresh one could not be started.
         """
         self._check_open()
         _checked_code(code, "code")
+        if max_attempts is None:
+            max_attempts = 1 if fix is None else DEFAULT_FIX_ATTEMPTS
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int of at least 1, not {max_attempts!r}")
         if timeout_s is None:
             timeout_s = self._cell_timeout_s
         else:
             checked_timeout_s(timeout_s, "timeout_s")
+        self._last_call_at = time.monotonic()
         async with self._turn:
             self._check_open()
             self._steps += 1
@@ -227,15 +319,16 @@ class SandboxSession:
             result = StageResult(name=spec.name, status="ok")
             self._run.stages.append(spec)
             self._run.stage_results.append(result)
-            attempt = 1
-            while True:
-                done = await self._attempt(spec, result, step, attempt, code, timeout_s)
-                if done.status == "ok" or fix is None or attempt >= max_attempts:
-                    break
-                fixed = await self._fixed(fix, done)
-                if fixed is None:
-                    break
-                code, attempt = fixed, attempt + 1
+            done = await self._attempt(spec, result, step, 1, code, timeout_s)
+        while done.status != "ok" and fix is not None and done.attempt < max_attempts:
+            # Unlocked: the fixer may run cells of its own on this session.
+            fixed = await self._fixed(fix, done)
+            if fixed is None:
+                break
+            async with self._turn:
+                self._check_open()
+                done = await self._attempt(spec, result, step, done.attempt + 1, fixed, timeout_s)
+        self._last_call_at = time.monotonic()
         if raise_on_error and done.status != "ok":
             cell = CellSpec(index=done.cell_index, source=done.code)
             raise cell_failure(spec.name, cell, done.cell, checked_timeout_s(timeout_s))
@@ -254,12 +347,12 @@ class SandboxSession:
         cell = CellSpec(index=index, source=code)
         spec.cells.append(cell)
         name = spec.name if attempt == 1 else f"{spec.name}-attempt-{attempt}"
-        with stage_progress() as progress:
+        with stage_progress() as progress, reusing(self._sandbox):
             try:
                 outcome = await _run_attempt(
-                    self._run.backend,
-                    self._handle,
-                    StageSpec(name=name, cells=[cell]),
+                    _untraversed(self._run.backend),
+                    _untraversed(self._handle),
+                    _untraversed(StageSpec(name=name, cells=[cell])),
                     timeout_s,
                     allow_errors=True,
                 )
@@ -270,6 +363,14 @@ class SandboxSession:
                 if partial is None:
                     raise
                 outcome = partial
+            except SandboxDiedError as exc:
+                # So is a death (exit(), os._exit, a crash, the OOM killer): the session goes
+                # on in a fresh kernel, and the model is told its state is gone.
+                partial = partial_stage_result(exc)
+                if partial is None or not partial.cells:
+                    raise
+                await restart_kernel(self._run.backend, self._handle)
+                outcome = _restarted_after_death(partial)
             except (SandboxError, asyncio.CancelledError) as exc:
                 partial = partial_stage_result(exc, progress)
                 if partial is not None:
@@ -322,6 +423,21 @@ class SandboxSession:
             )
         return fixed
 
+    async def restart(self) -> None:
+        """Restart the sandbox's kernel (the ``restart-kernel`` task), in turn with the
+        session's cells: files in the working directory kept, variables and imports lost.
+
+        Raises:
+            RuntimeError: the session has ended.
+            SandboxNotFoundError: the sandbox was killed or expired.
+            SandboxError: the kernel could not be started again.
+        """
+        self._check_open()
+        async with self._turn:
+            self._check_open()
+            with reusing(self._sandbox):
+                await restart_kernel(self._run.backend, self._handle)
+
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """The sandbox's files matching a glob relative to its working directory, by path.
 
@@ -372,6 +488,23 @@ def _body_failure(exc: BaseException) -> SandboxError:
     return SessionFailedError(f"the flow's code raised {type(exc).__name__}: {exc}")
 
 
+_sessions_opened: dict[tuple[str, int], int] = {}
+"""Sessions opened so far in each flow run attempt of this process, by flow run id and
+``run_count``."""
+
+
+def _session_suffix() -> str:
+    """What the folder and artifact key of the session being opened add to the flow run's:
+    nothing for its attempt's first, ``-session-<n>`` for the n-th (nested or in turn), so
+    that sessions never store over each other; each attempt counts from 1 again."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return ""  # refused by new_run
+    key = (str(context.flow_run.id), context.flow_run.run_count)
+    number = _sessions_opened[key] = _sessions_opened.get(key, 0) + 1
+    return "" if number == 1 else f"-session-{number}"
+
+
 @asynccontextmanager
 async def _open_session(
     backend: SandboxBackend | None,
@@ -380,10 +513,12 @@ async def _open_session(
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
     max_text_chars: int,
+    max_idle_s: float | None,
 ) -> AsyncIterator[SandboxSession]:
     start = time.monotonic()
+    suffix = _session_suffix()
     run, flow_run = await new_run(
-        nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session"
+        nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session", folder_suffix=suffix
     )
     raised: BaseException | None = None
     cancellation: asyncio.CancelledError | None = None
@@ -397,8 +532,13 @@ async def _open_session(
                     run.failure = raised = exc
                 else:
                     session = SandboxSession(
-                        run, handle, cell_timeout_s=cell_timeout_s, max_text_chars=max_text_chars
+                        run,
+                        await run.backend.attach(handle),
+                        cell_timeout_s=cell_timeout_s,
+                        max_text_chars=max_text_chars,
+                        max_idle_s=max_idle_s,
                     )
+                    keeper = asyncio.create_task(session.keep_alive())
                     try:
                         yield session
                     except asyncio.CancelledError as exc:
@@ -411,6 +551,10 @@ async def _open_session(
                         run.failure = run.failure or _body_failure(exc)
                     finally:
                         session.end()
+                        keeper.cancel()
+                        with shielded():
+                            await asyncio.gather(keeper, return_exceptions=True)
+                            await session.close()
                 await run.collect_artifacts(handle, staging, artifacts)
         except asyncio.CancelledError as exc:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
@@ -427,7 +571,7 @@ async def _open_session(
                 outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
             )
     with shielded():
-        await run.post_summary(result, SESSION_SUMMARY_KEY, "Sandbox session summary")
+        await run.post_summary(result, SESSION_SUMMARY_KEY + suffix, "Sandbox session summary")
     if cancellation is not None:
         raise cancellation
     if raised is not None:
@@ -501,7 +645,7 @@ class SyncSandboxSession:
         *,
         timeout_s: float | None = None,
         fix: Fixer | None = None,
-        max_attempts: int = 1,
+        max_attempts: int | None = None,
         raise_on_error: bool = False,
     ) -> CellRun:
         """`SandboxSession.run_cell`, blocking (an async ``fix`` runs on the session's loop)."""
@@ -514,6 +658,10 @@ class SyncSandboxSession:
                 raise_on_error=raise_on_error,
             )
         )
+
+    def restart(self) -> None:
+        """`SandboxSession.restart`, blocking."""
+        self._call(self._session.restart)
 
     def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """`SandboxSession.list_files`, blocking."""
@@ -573,6 +721,7 @@ def sandbox_session(
     storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
     max_text_chars: int = DEFAULT_MODEL_TEXT_CHARS,
+    max_idle_s: float | None = DEFAULT_MAX_IDLE_S,
 ) -> SessionContext:
     """A sandbox for the current flow run, for cells decided as the flow goes.
 
@@ -582,7 +731,9 @@ def sandbox_session(
     however it happens, downloads ``artifacts``, kills the sandbox, and stores the artifacts,
     ``executed.ipynb`` (every attempt of every step, in order) and ``summary.json`` (one
     ``cell-<step>`` stage per step, its ``cell_count`` the attempts made), and posts the
-    ``session-summary`` artifact, as `run_notebook` does.
+    ``session-summary`` artifact, as `run_notebook` does. A flow run's second session and
+    later (nested or in turn) store in a folder and an artifact key of their own, the run's
+    with ``-session-<n>`` added; a retried flow run's attempt starts each afresh.
 
     Args:
         backend: the backend block; when empty, the saved block named by
@@ -594,6 +745,10 @@ def sandbox_session(
         cell_timeout_s: seconds a cell may run unless ``run_cell`` says otherwise, -1 for no
             limit; the backend block's ``cell_timeout_s`` when empty.
         max_text_chars: the most characters of a cell's rendering for a model (`CellRun.text`).
+        max_idle_s: seconds the session keeps a remote sandbox alive (E2B's ``lifetime_s``,
+            Daytona's auto-stop) while no call comes, by renewing it as a cell does; past it
+            the vendor's own limit ends the sandbox. None: as long as the session is open.
+            Each call starts the count again. Nothing ends a local kernel meanwhile.
 
     Returns:
         The session's context manager.
@@ -601,8 +756,8 @@ def sandbox_session(
     Raises:
         ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
             (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an artifact
-            pattern or ``s3://`` key that climbs, as `UnsafePathError`), or ``max_text_chars``
-            is below 100 (here, before any sandbox starts).
+            pattern or ``s3://`` key that climbs, as `UnsafePathError`), ``max_text_chars``
+            is below 100, or ``max_idle_s`` is not positive (here, before any sandbox starts).
         RuntimeError: on entering, outside a flow run.
         FileTransferError: on entering, an input could not be uploaded (the sandbox is killed
             and ``summary.json`` stored first).
@@ -620,6 +775,10 @@ def sandbox_session(
     )
     if max_text_chars < 100:
         raise ValueError(f"max_text_chars must be at least 100, not {max_text_chars}")
+    if max_idle_s is not None and not max_idle_s > 0:
+        raise ValueError(
+            f"max_idle_s must be a positive number of seconds or None, not {max_idle_s}"
+        )
     return SessionContext(
         backend=backend,
         inputs=inputs or [],
@@ -627,4 +786,5 @@ def sandbox_session(
         storage=storage,
         cell_timeout_s=cell_timeout_s,
         max_text_chars=max_text_chars,
+        max_idle_s=max_idle_s,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import math
 import time
@@ -13,11 +14,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Literal, NoReturn, Self
 
+import anyio
 from pydantic import BaseModel, Field, field_validator
 
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxDiedError,
+    SandboxError,
     SandboxNotFoundError,
 )
 from prefect_sandbox.sandbox.outputs import (
@@ -378,7 +381,8 @@ class RunningCell(abc.ABC):
     True; when it returns False (the deadline passed), `interrupt` with the attempt number and
     `wait` again with the grace period as the deadline; when the backend's interrupts are spent,
     `abandon` and then `Sandbox.restart`. Last, `finish` (with ``state_lost`` after a
-    restart). On any error or cancellation, `abandon`. Outputs go to the `CellOutputs` given to
+    restart). A cancelled call interrupts the cell the same way, at once, before the
+    cancellation is raised. On any error, `abandon`. Outputs go to the `CellOutputs` given to
     `Sandbox._start_cell` as they arrive.
     """
 
@@ -445,6 +449,9 @@ class Sandbox(abc.ABC):
 
     _interrupts_before_restart: ClassVar[int] = 2
     """How many interrupts a timed-out cell gets before its kernel is restarted."""
+
+    _cancelled_cell: CellResult | None = None
+    """The last cancelled call's cell, as it stopped (`take_cancelled_cell`)."""
 
     @classmethod
     @abc.abstractmethod
@@ -531,6 +538,12 @@ class Sandbox(abc.ABC):
         (`_interrupts_before_restart`) and given a second; then the kernel is restarted and the
         result says ``state_lost``. The cell is never sent twice.
 
+        A cancelled call (a cancelled task, ``asyncio.wait_for``, an anyio cancel scope) stops
+        its cell the same way, at once: interrupts, then a restart if they are ignored, shielded
+        from further cancellation; only then is the cancellation raised, so the kernel is idle
+        for the next call. What the cell made until it stopped is kept for
+        `take_cancelled_cell`.
+
         Args:
             code: the cell's source.
             timeout_s: seconds before the cell is interrupted; None or -1 (`NO_TIMEOUT`) for
@@ -554,26 +567,9 @@ class Sandbox(abc.ABC):
         started_at = datetime.now(UTC)
         start = time.monotonic()
         cell = await self._start_cell(code, outputs, timeout_s)
-        interrupts = 0
-        state_lost = False
         deadline = None if timeout_s is None else start + timeout_s
         try:
-            while not await cell.wait(deadline):
-                if interrupts == self._interrupts_before_restart:
-                    logger.warning(
-                        "Sandbox %s: cell still busy after %d interrupt(s); restarting its "
-                        "kernel, state lost",
-                        self.handle.sandbox_id,
-                        interrupts,
-                    )
-                    await cell.abandon()
-                    await self.restart()
-                    state_lost = True
-                    break
-                interrupts += 1
-                await cell.interrupt(interrupts)
-                grace_s = self._config.interrupt_grace_s if interrupts == 1 else SECOND_INTERRUPT_S
-                deadline = time.monotonic() + grace_s
+            interrupts, state_lost = await self._wait_or_stop(cell, deadline, "cell")
             outputs.flush()
             reply = await cell.finish(state_lost=state_lost)
         except (SandboxDiedError, SandboxNotFoundError) as exc:
@@ -581,6 +577,9 @@ class Sandbox(abc.ABC):
             # What the cell made before the end stays with it (the notebook shows it).
             outputs.flush()
             exc.outputs = outputs.collector.outputs
+            raise
+        except asyncio.CancelledError:
+            self._cancelled_cell = await self._stop_cancelled(cell, outputs, started_at, start)
             raise
         except BaseException:
             await cell.abandon()
@@ -594,6 +593,88 @@ class Sandbox(abc.ABC):
             started_at=started_at,
             duration_s=time.monotonic() - start,
         )
+
+    async def _wait_or_stop(
+        self, cell: RunningCell, deadline: float | None, what: str
+    ) -> tuple[int, bool]:
+        """Wait for ``cell`` until ``deadline``, then stop it: interrupts, each with its grace
+        period, then a restart. ``what`` names the cell in the log.
+
+        Returns:
+            The interrupts sent, and whether the kernel was restarted (state lost).
+        """
+        interrupts = 0
+        while not await cell.wait(deadline):
+            if interrupts == self._interrupts_before_restart:
+                logger.warning(
+                    "Sandbox %s: %s still busy after %d interrupt(s); restarting its kernel, "
+                    "state lost",
+                    self.handle.sandbox_id,
+                    what,
+                    interrupts,
+                )
+                await cell.abandon()
+                await self.restart()
+                return interrupts, True
+            interrupts += 1
+            await cell.interrupt(interrupts)
+            grace_s = self._config.interrupt_grace_s if interrupts == 1 else SECOND_INTERRUPT_S
+            deadline = time.monotonic() + grace_s
+        return interrupts, False
+
+    async def _stop_cancelled(
+        self, cell: RunningCell, outputs: CellOutputs, started_at: datetime, start: float
+    ) -> CellResult:
+        """Stop a cell whose call was cancelled, as its deadline would: interrupts, then a
+        restart when it ignores them. A sandbox lost meanwhile is logged, not raised: the
+        cancellation is what the caller gets, and the next call finds the loss.
+
+        Returns:
+            The cell up to where it stopped: status ``"error"`` with no error of its own,
+            ``interrupted`` or ``state_lost`` saying how it stopped.
+        """
+        state_lost = False
+        interrupts = 0
+        with anyio.CancelScope(shield=True):
+            try:
+                interrupts, state_lost = await self._wait_or_stop(
+                    cell, time.monotonic(), "a cancelled call's cell"
+                )
+                outputs.flush()
+                reply = await cell.finish(state_lost=state_lost)
+            except SandboxError as exc:
+                await cell.abandon()
+                outputs.flush()
+                logger.warning(
+                    "Sandbox %s: a cancelled call's cell could not be stopped cleanly: %s",
+                    self.handle.sandbox_id,
+                    exc,
+                )
+                reply = CellReply()
+                state_lost = state_lost or isinstance(exc, SandboxDiedError | SandboxNotFoundError)
+        return CellResult(
+            status="error",
+            execution_count=reply.execution_count,
+            outputs=outputs.collector.outputs,
+            started_at=started_at,
+            duration_s=time.monotonic() - start,
+            interrupted=bool(interrupts) and not state_lost,
+            state_lost=state_lost,
+            msg_id=reply.msg_id,
+            output_chars=outputs.collector.total_chars,
+            omitted_chars=outputs.collector.omitted_chars,
+        )
+
+    def take_cancelled_cell(self) -> CellResult | None:
+        """What the last cell whose `run_cell` was cancelled made before it was stopped, once.
+
+        Returns:
+            Its outputs up to the stop (an interrupt's ``KeyboardInterrupt`` included),
+            status ``"error"``, ``interrupted`` or ``state_lost`` saying how it was stopped;
+            None when no call was cancelled since the last take.
+        """
+        cancelled, self._cancelled_cell = self._cancelled_cell, None
+        return cancelled
 
     @abc.abstractmethod
     async def _prepare_cell(self) -> None:
@@ -684,6 +765,21 @@ class Sandbox(abc.ABC):
         Raises:
             UnsafePathError: the pattern is absolute or climbs out with ``..``.
         """
+
+    def keep_alive_period_s(self) -> float | None:
+        """Seconds between `keep_alive` calls that keep an idle sandbox from its vendor's end
+        (half E2B's lifetime, a quarter of Daytona's auto-stop); None when nothing ends it."""
+        return None
+
+    async def keep_alive(self) -> None:
+        """Renew the sandbox's vendor-side lifetime now, as a cell does; nothing for a
+        sandbox that no vendor ends.
+
+        Raises:
+            SandboxNotFoundError: the sandbox already ended.
+            SandboxUnavailableError: the vendor could not be reached.
+        """
+        return None
 
     @abc.abstractmethod
     async def interrupt(self) -> None:

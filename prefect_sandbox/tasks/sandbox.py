@@ -14,7 +14,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,6 +71,8 @@ __all__ = [
     "kill_sandbox",
     "partial_stage_result",
     "prefect_api_id",
+    "restart_kernel",
+    "reusing",
     "run_stage",
     "shielded",
     "stage_progress",
@@ -135,6 +137,44 @@ def stage_progress() -> Iterator[StageProgress]:
         yield progress
     finally:
         _stage_progress.reset(token)
+
+
+_reused: ContextVar[tuple[asyncio.AbstractEventLoop, Sandbox] | None] = ContextVar(
+    "prefect_sandbox_reused", default=None
+)
+
+
+@contextlib.contextmanager
+def reusing(sandbox: Sandbox) -> Iterator[None]:
+    """Let the tasks here awaited inside (in this process, on this event loop) use ``sandbox``
+    for its handle instead of attaching anew and closing after: a session's calls keep one
+    client (a Jupyter client's sockets, an SDK object) for the session's life."""
+    token = _reused.set((asyncio.get_running_loop(), sandbox))
+    try:
+        yield
+    finally:
+        _reused.reset(token)
+
+
+@contextlib.asynccontextmanager
+async def _attached(backend: SandboxBackend, handle: SandboxHandle) -> AsyncIterator[Sandbox]:
+    """The sandbox of ``handle``: the one `reusing` names, else attached now and closed after.
+
+    Raises:
+        SandboxError: as ``backend.attach`` raises.
+    """
+    reused = _reused.get()
+    if reused is not None:
+        loop, sandbox = reused
+        if loop is asyncio.get_running_loop() and sandbox.handle.sandbox_id == handle.sandbox_id:
+            yield sandbox
+            return
+    sandbox = await backend.attach(handle)
+    try:
+        yield sandbox
+    finally:
+        with shielded():
+            await sandbox.close()
 
 
 def deadline_passed() -> bool:
@@ -365,27 +405,45 @@ def _keeping(log: OutputCallback, budget_chars: int) -> tuple[OutputCallback, li
 
 
 def _cancelled_cell(
-    started_at: datetime, start: float, outputs: list[dict[str, Any]], *, timed_out: bool
+    started_at: datetime,
+    start: float,
+    outputs: list[dict[str, Any]],
+    stopped: CellResult | None,
+    *,
+    timed_out: bool,
 ) -> CellResult:
-    """A cell the flow run's cancellation, or a flow or task run's timeout, stopped: its
-    outputs so far, and an error saying so."""
+    """A cell the flow run's cancellation, its caller's, or a flow or task run's timeout,
+    stopped: its outputs so far (``stopped``'s, as the sandbox stopped it, else those seen),
+    and an error saying so."""
+    how = ""
+    if stopped is not None:
+        outputs = stopped.outputs
+        how = (
+            "; the cell ignored its interrupts, so its kernel was restarted (state lost)"
+            if stopped.state_lost
+            else "; the cell was interrupted"
+        )
     if timed_out:
         error = CellError(
             ename=TIMED_OUT_ENAME,
             evalue="the flow or task run's timeout (Prefect's timeout_seconds) passed during "
-            "this cell",
+            f"this cell{how}",
         )
     else:
         error = CellError(
             ename=CANCELLED_ENAME,
-            evalue="the flow run was cancelled during this cell; its sandbox was killed",
+            evalue="the call was cancelled during this cell (the flow run was cancelled, or "
+            f"its caller stopped waiting){how}",
         )
     return CellResult(
         status="error",
+        execution_count=stopped.execution_count if stopped else None,
         outputs=[*outputs, error_output(error.ename, error.evalue, [])],
         error=error,
         started_at=started_at,
         duration_s=time.monotonic() - start,
+        interrupted=stopped is not None and stopped.interrupted,
+        state_lost=stopped is not None and stopped.state_lost,
     )
 
 
@@ -566,12 +624,13 @@ class _StageRecorder:
         started_at: datetime,
         cell_start: float,
     ) -> None:
-        """Record ``cell`` as stopped by a cancellation, or by the run's deadline (then
-        interrupt it), and leave the stage so far in the enclosing `stage_progress`."""
+        """Record ``cell`` as stopped by a cancellation (the sandbox interrupted it), or by the
+        run's deadline, and leave the stage so far in the enclosing `stage_progress`."""
         timed_out = deadline_passed()
-        if timed_out:
+        interrupted = sandbox.take_cancelled_cell()
+        if timed_out and interrupted is None:
             await _interrupt_timed_out(sandbox, _where(self.stage.name, cell))
-        stopped = _cancelled_cell(started_at, cell_start, seen, timed_out=timed_out)
+        stopped = _cancelled_cell(started_at, cell_start, seen, interrupted, timed_out=timed_out)
         self.records.append(CellRecord(index=cell.index, result=stopped))
         partial = self.result(cell, stopped)
         if not timed_out:
@@ -622,16 +681,16 @@ async def run_stage(
         cell_timeout_s if cell_timeout_s is not None else backend.cell_timeout_s, "cell_timeout_s"
     )
     recorder = _StageRecorder(stage)
-    try:
-        sandbox = await backend.attach(handle)
-    except SandboxError as exc:
-        if not stage.cells:
-            raise
-        # Stopped where its first cell was to run, not shown as a stage that never ran.
-        raise recorder.lost_in(
-            stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()
-        ) from exc
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            sandbox = await stack.enter_async_context(_attached(backend, handle))
+        except SandboxError as exc:
+            if not stage.cells:
+                raise
+            # Stopped where its first cell was to run, not shown as a stage that never ran.
+            raise recorder.lost_in(
+                stage.cells[0], exc, [], datetime.now(UTC), time.monotonic()
+            ) from exc
         for cell in stage.cells:
             result = await recorder.run_cell(sandbox, cell, timeout_s, backend.max_output_chars)
             _log_cell_done(stage.name, cell, result)
@@ -641,9 +700,6 @@ async def run_stage(
             error = cell_failure(stage.name, cell, result, timeout_s)
             error.partial_result = recorder.result(cell, result)
             raise error
-    finally:
-        with shielded():
-            await sandbox.close()
     return recorder.result(None, None)
 
 
@@ -754,6 +810,20 @@ class _Collector:
         if remote.identity is not None:
             self._first_path_of[remote.identity] = remote.path
         self.downloaded.append(remote.path)
+
+
+@task(name="restart-kernel", cache_policy=NO_CACHE, retries=0)
+async def restart_kernel(backend: SandboxBackend, handle: SandboxHandle) -> None:
+    """Restart the sandbox's kernel in place (`Sandbox.restart`): a fresh one after a death,
+    or on request; files kept, variables and imports lost.
+
+    Raises:
+        SandboxNotFoundError: the sandbox was killed or expired.
+        SandboxError: the kernel could not be started again.
+    """
+    async with _attached(backend, handle) as sandbox:
+        await sandbox.restart()
+    get_run_logger().info("Sandbox %s: kernel restarted, state lost", handle.sandbox_id)
 
 
 @task(name="kill-sandbox", cache_policy=NO_CACHE, retries=0)

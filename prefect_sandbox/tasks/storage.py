@@ -433,7 +433,12 @@ def input_credentials(store: ArtifactStore | None) -> S3Credentials | None:
 
 
 def resolve_storage(
-    storage: S3Bucket | str, flow_name: str, flow_run_name: str, flow_run_id: str
+    storage: S3Bucket | str,
+    flow_name: str,
+    flow_run_name: str,
+    flow_run_id: str,
+    *,
+    folder_suffix: str = "",
 ) -> ArtifactStore:
     """Turn a flow's ``storage`` argument into a store for this run.
 
@@ -447,18 +452,20 @@ def resolve_storage(
         flow_name: the flow's name (part of S3 keys).
         flow_run_name: the flow run's name.
         flow_run_id: the flow run's UUID as a string.
+        folder_suffix: added to the run's folder name, for a run's second store and later
+            (a flow run's second sandbox session: ``"-session-2"``).
 
     Returns:
         The store; S3 keys are ``<bucket_folder>/<flow-name>/<run-folder>/<path>``, local
         files ``<folder>/<run-folder>/<path>``, where ``<run-folder>`` is e.g.
-        ``happy-cat-1f2e3d4c``.
+        ``happy-cat-1f2e3d4c`` (and ``happy-cat-1f2e3d4c-session-2``).
 
     Raises:
         ValueError: a malformed ``s3://`` URI.
         UnsafePathError: an ``s3://`` URI's key or a block's ``bucket_folder`` has a ``.`` or
             ``..`` segment (`normalised_s3_key`; empty segments are dropped instead).
     """
-    run_folder = run_folder_name(flow_run_name, flow_run_id)
+    run_folder = run_folder_name(flow_run_name, flow_run_id) + folder_suffix
     if isinstance(storage, str) and storage.startswith(S3_BLOCK_PREFIX):
         storage = S3Bucket.load(storage[len(S3_BLOCK_PREFIX) :])  # type: ignore[assignment]
     elif isinstance(storage, str) and is_s3_uri(storage):

@@ -1,10 +1,12 @@
 """A scripted agent in a sandbox session, on every backend: cells decided as the flow goes, one
 failing and fixed on its second attempt, one timing out and fixed; what it made is stored, its
-sandbox killed, its flow run Completed."""
+sandbox killed, its flow run Completed. A call its caller abandons stops its cell."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -16,7 +18,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows import CellRun, sandbox_session
+from prefect_sandbox.flows import CellRun, SandboxSession, sandbox_session
+from prefect_sandbox.flows.tools import dispatch_tool_call
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(300)]
@@ -130,3 +133,95 @@ async def test_a_scripted_agent_fixes_an_error_and_a_timeout_and_everything_is_s
     ]
     assert await backend.list_sandboxes({FLOW_RUN_ID_LABEL: run_id}) == []
     assert summary["sandbox_killed_at"] is not None
+
+
+SLEEPS_THEN_SET = (
+    "import time\n"
+    "print('sleeping', flush=True)\n"
+    "time.sleep(0.5)  # for the output to reach the client before the marker\n"
+    "open('started.marker', 'w').close()\n"
+    "for _ in range(120):\n"
+    "    time.sleep(0.1)\n"
+    "x = 2"
+)
+STUBBORN = (
+    "import time\n"
+    "open('stubborn.marker', 'w').close()\n"
+    "for _ in range(600):\n"
+    "    try:\n"
+    "        time.sleep(0.1)\n"
+    "    except KeyboardInterrupt:\n"
+    "        pass"
+)
+
+
+async def _abandon(session: SandboxSession, code: str, marker: str) -> None:
+    """Start ``code``, and cancel its call once it has made ``marker``, as ``asyncio.wait_for``
+    does when its time is up."""
+    call = asyncio.create_task(session.run_cell(code))
+    while not await session.list_files(marker):
+        await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+async def test_an_abandoned_call_stops_its_cell_and_the_next_call_runs_on_the_old_state(
+    backend: SandboxBackend, tmp_path: Path
+) -> None:
+    @flow(name="abandoning-agent")
+    async def agent() -> tuple[CellRun, float, CellRun]:
+        async with sandbox_session(backend=backend, storage=str(tmp_path / "out")) as session:
+            await session.run_cell("x = 1")
+            await _abandon(session, SLEEPS_THEN_SET, "started.marker")
+            cancelled_at = time.monotonic()
+            after = await session.run_cell("print(x)")
+            seconds = time.monotonic() - cancelled_at
+            # One that ignores its interrupts gets its kernel restarted, as on a timeout.
+            await _abandon(session, STUBBORN, "stubborn.marker")
+            return after, seconds, await session.run_cell("x")
+
+    after, seconds, lost = await agent()
+    print(f"{backend.backend_slug}: the next call took {seconds:.2f} s after the cancel")
+    assert after.cell.outputs == [{"output_type": "stream", "name": "stdout", "text": "1\n"}]
+    assert lost.cell.error is not None and lost.cell.error.ename == "NameError"
+    (folder,) = (tmp_path / "out").iterdir()
+    notebook = nbformat.read(folder / "executed.ipynb", as_version=4)
+    abandoned, stubborn = notebook.cells[1], notebook.cells[3]
+    assert abandoned.metadata["prefect_sandbox"]["status"] == "error"
+    assert abandoned.outputs[0]["text"] == "sleeping\n"
+    assert abandoned.outputs[-1]["ename"] == stubborn.outputs[-1]["ename"] == "RunCancelled"
+    assert abandoned.outputs[-1]["evalue"].endswith("; the cell was interrupted")
+    assert stubborn.outputs[-1]["evalue"].endswith("its kernel was restarted (state lost)")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == [
+        "ok",
+        "cancelled",
+        "ok",
+        "cancelled",
+        "failed",
+    ]
+
+
+async def test_a_session_outlives_its_kernel_and_restarts_on_request(
+    backend: SandboxBackend, tmp_path: Path
+) -> None:
+    @flow(name="dying-agent")
+    async def agent() -> tuple[str, str, str, CellRun, CellRun]:
+        async with sandbox_session(backend=backend, storage=str(tmp_path / "out")) as session:
+            await session.run_cell("x = 1\nopen('kept.txt', 'w').write('kept')")
+            died = await dispatch_tool_call(session, {"code": "import os\nos._exit(3)"})
+            crashed = await dispatch_tool_call(
+                session, {"code": "import ctypes\nctypes.string_at(0)"}
+            )
+            after = await dispatch_tool_call(session, {"code": "print(open('kept.txt').read())"})
+            await session.run_cell("y = 1")
+            await session.restart()
+            return died, crashed, after, await session.run_cell("x"), await session.run_cell("y")
+
+    died, crashed, after, x, y = await agent()
+    for text in (died, crashed):  # os._exit, then a segfault
+        assert "SandboxDiedError" in text and "variables and imports are gone" in text
+    assert "kept" in after
+    assert x.status == y.status == "error"
+    assert [r.cell.error.ename for r in (x, y) if r.cell.error] == ["NameError", "NameError"]

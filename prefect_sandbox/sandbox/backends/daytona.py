@@ -863,6 +863,21 @@ class DaytonaSandbox(Sandbox):
                 idempotent=True,
             )
 
+    def keep_alive_period_s(self) -> float | None:
+        """`DaytonaConfig.refresh_period_s`: a quarter of the auto-stop interval, unless set;
+        None when auto-stop is off."""
+        return self._config.refresh_period_s()
+
+    async def keep_alive(self) -> None:
+        """Tell Daytona the sandbox is active (the SDK's ``refresh_activity``), which restarts
+        its auto-stop clock; ``max_lifetime_s`` is never renewed.
+
+        Raises:
+            SandboxNotFoundError: the sandbox was deleted.
+            SandboxUnavailableError: Daytona could not be reached.
+        """
+        await self._sandbox_call("refresh_activity", self._remote.refresh_activity, idempotent=True)
+
     def _keep_alive(self) -> asyncio.Task[None] | None:
         """While a cell runs, tell Daytona the sandbox is active, so auto-stop never hits."""
         period_s = self._config.refresh_period_s()

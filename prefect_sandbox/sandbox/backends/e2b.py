@@ -45,8 +45,9 @@ update as a new display and ``exit()`` with an empty one; a thread's output is t
 running cell as ipykernel 7 does (the template's 6.x tags the finished cell the server forgot).
 
 Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
-and every ``lifetime_s / 2`` while one runs, so a long pipeline never expires mid-run, while a
-sandbox whose flow died expires ``lifetime_s`` later at most.
+and every ``lifetime_s / 2`` while one runs (and, through `keep_alive`, while an open session
+waits for its next call), so a long pipeline never expires mid-run, while a sandbox whose flow
+died expires ``lifetime_s`` later at most.
 """
 
 from __future__ import annotations
@@ -832,6 +833,20 @@ class E2BSandbox(Sandbox):
     async def _extend_lifetime(self, *, in_cell: bool) -> None:
         with _translated("extend_lifetime", sandbox_id=self._id, in_cell=in_cell):
             await self._sdk.set_timeout(self._config.lifetime_s)
+
+    def keep_alive_period_s(self) -> float:
+        """Half of ``lifetime_s``: `keep_alive` then renews it before it ends."""
+        return self._config.lifetime_s / 2
+
+    async def keep_alive(self) -> None:
+        """Set the lifetime to ``lifetime_s`` from now (the SDK's ``set_timeout``, E2B's
+        ``POST /sandboxes/{id}/timeout``, which sets the end from now, shorter or longer).
+
+        Raises:
+            SandboxNotFoundError: the sandbox expired or was killed.
+            SandboxUnavailableError: E2B could not be reached.
+        """
+        await self._extend_lifetime(in_cell=False)
 
     async def _keep_alive(self) -> None:
         """Extend the lifetime every half lifetime while a cell runs."""
