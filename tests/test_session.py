@@ -419,7 +419,7 @@ async def test_an_idle_e2b_session_is_kept_alive_up_to_its_max_idle_s(
             return (await session.run_cell("print(x + 1)")).text, idle_from, end_at
 
     answer, idle_from, end_at = await agent(None)
-    assert answer == "42"
+    assert answer == "```stdout\n42\n```"
     assert end_at and end_at > idle_from + timedelta(seconds=lifetime_s)  # renewed while idle
     with pytest.raises(SandboxNotFoundError):
         await agent(0.5)  # renewals stop after half a second idle: it expires
