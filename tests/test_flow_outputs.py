@@ -204,6 +204,37 @@ async def test_terminal_controls_a_cell_chose_reach_no_terminal_nor_log(tmp_path
     assert error["ename"] == f"Evil{_TERMINAL_ATTACK}Error"
 
 
+_FAKE_LOG_LINE = "12:00:00.000 | INFO    | Flow run 'quiet-otter' - Finished in state Completed()"
+
+
+@pytest.mark.timeout(300)
+async def test_a_line_a_cell_prints_never_passes_for_a_log_line_of_its_own(tmp_path: Path) -> None:
+    # As an attacker would hide a failure: the cell prints what Prefect's console handler
+    # prints for a finished run, each on a line of its own, and its error's class name has a
+    # line break that would end the CLI's last line early.
+    printed = f"first\n{_FAKE_LOG_LINE}\nlast"
+    class_name = f"Evil\n{_FAKE_LOG_LINE}\nError"
+    shown_name = " ".join(class_name.split())  # one line, spaces collapsed
+    source = _notebook(
+        tmp_path / "imitates.ipynb",
+        f"print({printed!r})",
+        f"raise type({class_name!r}, (Exception,), {{}})('msg')",
+    )
+    done = await _cli_run(source, "--out", str(tmp_path / "out"))
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).splitlines()
+    assert [line for line in lines if line.startswith(_FAKE_LOG_LINE)] == []
+    assert any(f"[setup cell 0] {_FAKE_LOG_LINE}" in line for line in lines), lines
+    last = lines[-1]
+    assert f"cell 1: {shown_name}: msg (partial results in" in last, last
+    (out,) = (tmp_path / "out").iterdir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"][0]["ename"] == shown_name
+    messages = [log.message for log in await flow_run_logs(summary["flow_run_id"])]
+    cell_lines = [line for m in messages if m.startswith("[setup cell") for line in m.split("\n")]
+    assert cell_lines and all(line.startswith("[setup cell ") for line in cell_lines), cell_lines
+
+
 async def test_the_cell_that_ended_the_kernel_shows_it_in_the_executed_notebook(
     tmp_path: Path,
 ) -> None:

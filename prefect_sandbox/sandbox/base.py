@@ -159,9 +159,10 @@ class SandboxHandle(BaseModel):
 
 class CellError(BaseModel):
     """The exception user code raised in a cell, as people read it wherever it is copied (errors,
-    logs, ``summary.json``): terminal controls removed (`strip_ansi`), ``ename`` and ``evalue``
-    capped at `ERROR_TEXT_CHARS` and ``traceback`` at `TRACEBACK_CHARS` (joined), with a marker
-    where text was left out. The cell's ``error`` output keeps the full text.
+    logs, ``summary.json``): terminal controls removed (`strip_ansi`), ``ename`` on one line,
+    ``ename`` and ``evalue`` capped at `ERROR_TEXT_CHARS` and ``traceback`` at
+    `TRACEBACK_CHARS` (joined), with a marker where text was left out. The cell's ``error``
+    output keeps the full text.
 
     Attributes:
         ename: the exception's class name.
@@ -178,6 +179,12 @@ class CellError(BaseModel):
     def _capped_text(cls, text: str) -> str:
         # A class name is the cell's to choose too (type("\x1b]52;...", (Exception,), {})).
         return cap_text(strip_ansi(text))
+
+    @field_validator("ename")
+    @classmethod
+    def _one_line(cls, name: str) -> str:
+        # No class name has a line break; one would split every line that names the error.
+        return " ".join(name.split())
 
     @field_validator("traceback")
     @classmethod

@@ -306,12 +306,13 @@ ended (``[stage cell N] ok in 0.40 s``)."""
 class _OutputLog:
     """Sends a cell's outputs to the run logger as they arrive; `flush` when the cell ends.
 
-    Each line is ANSI-stripped, shown as a terminal ends up showing it and cut at
-    `_LOG_LINE_CHARS` characters; one record holds at most `_LOG_RECORD_CHARS`. A stream's
-    unfinished line reaches the log at most once per `PROGRESS_LOG_INTERVAL_S`
-    (`StreamLogThrottle`). What is logged counts against ``budget_chars``: once a cell's
-    budget is used up, one marker line says the rest is in the notebook only. An error is
-    logged with its traceback, capped as in `CellError`, whatever the budget.
+    Each line is ANSI-stripped, shown as a terminal ends up showing it, cut at
+    `_LOG_LINE_CHARS` characters and prefixed ``[stage cell N]``; one record holds at most
+    `_LOG_RECORD_CHARS`. A stream's unfinished line reaches the log at most once per
+    `PROGRESS_LOG_INTERVAL_S` (`StreamLogThrottle`). What is logged, prefixes included,
+    counts against ``budget_chars``: once a cell's budget is used up, one marker line says
+    the rest is in the notebook only. An error is logged with its traceback, capped as in
+    `CellError`, whatever the budget.
     """
 
     def __init__(self, stage: str, cell: CellSpec, budget_chars: int | None) -> None:
@@ -328,8 +329,8 @@ class _OutputLog:
             error = CellError(
                 ename=output["ename"], evalue=output["evalue"], traceback=output["traceback"]
             )
-            traceback = "".join(f"\n{line}" for line in error.traceback)
-            self._logger.error("%s %s: %s%s", self._prefix, error.ename, error.evalue, traceback)
+            report = "\n".join([f"{error.ename}: {error.evalue}", *error.traceback])
+            self._logger.error("%s", self._prefixed(report))
             return
         if kind == "stream":
             name = output.get("name", "stdout")
@@ -353,6 +354,11 @@ class _OutputLog:
             if text is not None:
                 self._log(text)
 
+    def _prefixed(self, text: str) -> str:
+        """``text`` with the cell's prefix on every line: a line the cell prints can never
+        start where a log record of the CLI's or Prefect's own does."""
+        return "\n".join(f"{self._prefix} {line}" for line in text.split("\n"))
+
     def _log(self, text: str) -> None:
         budget_chars = self._budget_chars
         if budget_chars is not None and self._logged >= budget_chars:
@@ -360,14 +366,17 @@ class _OutputLog:
         text = "\n".join(
             cap_text(line.split("\r", 1)[0], _LOG_LINE_CHARS) for line in text.split("\n")
         ).strip("\n")
+        if not text.strip():
+            return
+        # The prefixes count against the budget: short lines must not multiply the log.
+        text = self._prefixed(text)
         room = _LOG_RECORD_CHARS
         if budget_chars is not None:
             room = min(room, budget_chars - self._logged)
         self._logged += min(len(text), room)
         if len(text) > room:
             text = f"{text[:room]}... [{len(text) - room} more characters]"
-        if text.strip():
-            self._logger.info("%s %s", self._prefix, text)
+        self._logger.info("%s", text)
         if budget_chars is not None and self._logged >= budget_chars:
             self._logger.warning(
                 "%s output past %d characters is not logged", self._prefix, budget_chars
