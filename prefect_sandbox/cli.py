@@ -55,6 +55,12 @@ Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 ``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
 is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
 
+``prefect-sandbox deploy NOTEBOOK --pool POOL [--name NAME] [--input PATH]... [--artifact
+GLOB]... [--out DIR|s3://bucket/prefix] [--cell-timeout SECONDS]`` creates the deployment
+``run-notebook/NAME`` (default: the notebook's file name) on the API at ``PREFECT_API_URL``, whose
+Run form has a typed field per notebook parameter and whose runs with a wrongly typed one the
+server refuses (`prefect_sandbox.flows.notebook_deployment`).
+
 ``sweep --task-runner dask`` runs each branch as a task on a Dask `LocalCluster` of worker
 processes that the sweep starts; ``--task-runner dask:ADDRESS`` on the running cluster whose
 scheduler is at ADDRESS (the ``dask`` extra; see `prefect_sandbox.flows.dask`).
@@ -177,7 +183,43 @@ def _parser() -> argparse.ArgumentParser:
         help="the JSON file each branch's key metrics are read from, collected as an artifact "
         "(default: metrics.json; '' for none)",
     )
+    _add_deploy_command(commands)
     return parser
+
+
+def _add_deploy_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Add ``deploy``: a ``run-notebook`` deployment for one notebook, its parameters typed."""
+    deploy = commands.add_parser(
+        "deploy",
+        help="deploy run-notebook for one notebook, its parameters typed fields of the Run form",
+        epilog="example:\n  prefect-sandbox deploy analysis.ipynb --pool sandbox-process "
+        "--input data.csv --out s3://bucket/runs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deploy.add_argument("notebook", help="the .ipynb to deploy")
+    deploy.add_argument(
+        "--pool", required=True, metavar="POOL", help="the work pool whose workers run it"
+    )
+    deploy.add_argument(
+        "--name",
+        default=None,
+        metavar="NAME",
+        help="the deployment's name, run-notebook/NAME (default: the notebook's file name)",
+    )
+    deploy.add_argument(
+        "--input", action="append", default=[], metavar="PATH", help="file or folder to upload"
+    )
+    deploy.add_argument(
+        "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
+    )
+    deploy.add_argument(
+        "--out", default=None, metavar="DIR", help="output folder, or s3://bucket/prefix"
+    )
+    deploy.add_argument(
+        "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
+    )
 
 
 class _RenamedFlag(argparse.Action):
@@ -290,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "help_notebook", False):
         return _help_notebook(args.notebook)
+    if args.command == "deploy":
+        return _deploy(args)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
@@ -588,6 +632,57 @@ def _help_notebook(path: str) -> int:
             print(f"{definition}\n{' ' * 34}{parameter.help}")
         else:
             print(definition)
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """Create the ``deploy`` command's deployment (`adeploy_notebook`) on the API at
+    ``PREFECT_API_URL``, and say what its Run form holds.
+
+    Returns:
+        0; 2 for a notebook that cannot be read or no ``PREFECT_API_URL``; 1 when the API
+        does not answer or refuses the deployment (an unknown work pool).
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from prefect_sandbox.sandbox.errors import NotebookError
+    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
+
+    try:
+        found = notebook_parameters(read_notebook(Path(args.notebook))) or []
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    if not PREFECT_API_URL.value():
+        return _usage_error(
+            "deploy needs a Prefect API: set PREFECT_API_URL (a `prefect server start`, "
+            "or Prefect Cloud)"
+        )
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from prefect_sandbox.flows.notebook_deployment import default_deployment_name, deploy_notebook
+
+    name = args.name or default_deployment_name(args.notebook)
+    problem = _api_problem()
+    if problem:
+        print(f"prefect-sandbox: {problem}", file=sys.stderr)
+        return 1
+    try:
+        deployment_id = deploy_notebook(
+            args.notebook,
+            args.pool,
+            name=name,
+            inputs=args.input,
+            artifacts=args.artifact,
+            storage=args.out,
+            cell_timeout_s=args.cell_timeout,
+        )
+    except PrefectHTTPStatusError as exc:
+        detail = exc.response.text or str(exc)
+        print(f"prefect-sandbox: the API refused the deployment: {detail}", file=sys.stderr)
+        return 1
+    names = ", ".join(parameter.name for parameter in found) or "none"
+    print(f"Deployed run-notebook/{name} ({deployment_id}) on work pool {args.pool!r}")
+    print(f"  Run form fields for the notebook's parameters: {names}")
     return 0
 
 

@@ -993,6 +993,47 @@ def test_help_notebook_types_literal_defaults_and_leaves_expressions_unknown() -
     ]
 
 
+def test_a_notebooks_parameters_become_a_json_schema_with_types_defaults_and_comments() -> None:
+    import jsonschema
+
+    from prefect_sandbox.sandbox.parameter_schema import notebook_parameters_schema
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "n: int = 3  # how many\nalpha = 0.5\nend: datetime.date = '1996-12-31'\n"
+            "tags: list[str] = ['a']\nmode: Literal['fit', 'score'] = 'fit'\n"
+            "limit: int | None = None\nseed = make_seed()  # from the clock\n"
+            "weights: dict[str, float] = {}\nmodel: Model = Model()\n",
+            metadata={"tags": ["parameters"]},
+        )
+    ]
+    schema = notebook_parameters_schema(notebook)
+    fields = schema["properties"]
+    names = ["n", "alpha", "end", "tags", "mode", "limit", "seed", "weights", "model"]
+    assert list(fields) == names
+    assert fields["n"] == {
+        "title": "n",
+        "position": 0,
+        "type": "integer",
+        "default": 3,
+        "description": "how many",
+    }
+    assert (fields["alpha"]["type"], fields["alpha"]["default"]) == ("number", 0.5)
+    assert (fields["end"]["type"], fields["end"]["format"]) == ("string", "date")
+    assert fields["tags"]["items"] == {"type": "string"}
+    assert fields["mode"]["enum"] == ["fit", "score"]
+    assert fields["limit"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+    assert "type" not in fields["seed"] and "default" not in fields["seed"]
+    assert fields["seed"]["description"] == "from the clock; default in the notebook: make_seed()"
+    assert fields["weights"]["additionalProperties"] == {"type": "number"}
+    assert "type" not in fields["model"]  # a class of the notebook's own: any value
+    jsonschema.validate({"n": 4, "limit": None, "mode": "score", "model": [1]}, schema)
+    for wrong in ({"n": "four"}, {"mode": "guess"}, {"tags": [1]}, {"limit": 1.5}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
 PRIVATE_NAMES = frozenset(
     {"_block_document_id", "_block_document_name", "_join_bucket_folder", "_register_atexit"}
     | {"SubprocessASGIServer", "GLOBAL_SETTINGS_CONTEXT"}
