@@ -307,6 +307,15 @@ def _add_run_command(
         help="saved AwsCredentials block for s3:// (default: the standard AWS environment)",
     )
     command.add_argument(
+        "--stage-heading-level",
+        type=int,
+        choices=range(1, 7),
+        default=1,
+        metavar="N",
+        help="without stage tags, markdown headings of level 1 to N open stages (default 1: "
+        "'# ' headings only; 2: '## ' ones too)",
+    )
+    command.add_argument(
         "--cell-timeout",
         type=float,
         default=None,
@@ -331,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     if getattr(args, "help_notebook", False):
-        return _help_notebook(args.notebook)
+        return _help_notebook(args.notebook, args.stage_heading_level)
     if args.command == "deploy":
         return _deploy(args)
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
@@ -371,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(str(exc))
     if not _on_workers(args):
         try:
-            split_stages(read_notebook(Path(args.notebook)))
+            split_stages(read_notebook(Path(args.notebook)), args.stage_heading_level)
         except NotebookError as exc:
             return _usage_error(str(exc))
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
@@ -430,7 +439,7 @@ def _call_flow(
         from prefect_sandbox.progress import progress_mode, shown_progress
 
         mode = progress_mode(args.quiet, sys.stderr)
-        total = _cell_total(args.notebook, parameters)
+        total = _cell_total(args.notebook, parameters, args.stage_heading_level)
         with shown_progress(mode, total, sys.stderr):
             return stopper.run(
                 lambda: arun_notebook(
@@ -441,6 +450,7 @@ def _call_flow(
                     storage=storage,
                     cell_timeout_s=args.cell_timeout,
                     backend=backend,
+                    stage_heading_level=args.stage_heading_level,
                 )
             )
 
@@ -459,6 +469,7 @@ def _call_flow(
             deployment=args.deployment,
             metrics_artifact=args.metrics_artifact or None,
             task_runner=args.task_runner,
+            stage_heading_level=args.stage_heading_level,
         )
     )
 
@@ -514,7 +525,7 @@ def _run_flow(
     return _Outcome(0, result=result, output_dir=result.output_dir)
 
 
-def _cell_total(notebook: str, parameters: dict[str, Any]) -> int | None:
+def _cell_total(notebook: str, parameters: dict[str, Any], heading_level: int) -> int | None:
     """The code cells a run of ``notebook`` runs, its injected parameters cell included; None
     when that cannot be told here."""
     from prefect_sandbox.sandbox.errors import NotebookError
@@ -522,7 +533,7 @@ def _cell_total(notebook: str, parameters: dict[str, Any]) -> int | None:
 
     try:
         source = inject_parameters(read_notebook(Path(notebook)), parameters)
-        return sum(len(stage.cells) for stage in split_stages(source))
+        return sum(len(stage.cells) for stage in split_stages(source, heading_level))
     except NotebookError:
         return None
 
@@ -601,24 +612,54 @@ def _version() -> str:
         return "unknown"
 
 
-def _help_notebook(path: str) -> int:
-    """Print the notebook's parameters as papermill's ``--help-notebook`` does; run nothing.
+def _help_notebook(path: str, heading_level: int) -> int:
+    """Print the notebook's parameters as papermill's ``--help-notebook`` does, then the
+    stages a run would have (`_print_stage_plan`); run nothing.
 
     Returns:
         0 (a notebook with no cell tagged ``parameters`` has none, and says so); 2 when the
-        notebook cannot be read.
+        notebook cannot be read or split into stages.
     """
     from prefect_sandbox.sandbox.errors import NotebookError
-    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
+    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook, split_stages
 
     try:
-        found = notebook_parameters(read_notebook(Path(path)))
+        notebook = read_notebook(Path(path))
+        found = notebook_parameters(notebook)
+        stages = split_stages(notebook, heading_level)
     except NotebookError as exc:
         return _usage_error(str(exc))
+    _print_parameters(path, found)
+    _print_stage_plan(notebook, stages, heading_level)
+    return 0
+
+
+def _print_stage_plan(notebook: Any, stages: list[Any], heading_level: int) -> None:
+    """The stages a run splits the notebook into, each with its code cells' indices (0-based,
+    as a failing cell is named), and what split them: stage tags or headings."""
+    from prefect_sandbox.sandbox.notebook import STAGE_TAG_PREFIX
+
+    tagged = any(
+        tag.startswith(STAGE_TAG_PREFIX)
+        for cell in notebook.cells
+        for tag in cell.get("metadata", {}).get("tags", [])
+    )
+    marks = " or ".join("#" * level for level in range(1, heading_level + 1))
+    how = "its cells' stage tags" if tagged else f"markdown headings ({marks})"
+    print(f"\nStages, split by {how}:")
+    if not stages:
+        print("  none: the notebook has no code cells to run")
+    for stage in stages:
+        cells = ", ".join(str(cell.index) for cell in stage.cells)
+        print(f"  {strip_ansi(stage.name):<24} cell(s) {cells}")
+
+
+def _print_parameters(path: str, found: list[Any] | None) -> None:
+    """The parameters as papermill's ``--help-notebook`` prints them."""
     print(f"Parameters inferred for notebook {strip_ansi(path)!r}:")
     if found is None:
         print("\n  No cell tagged 'parameters': this notebook takes no parameters.")
-        return 0
+        return
     if not found:
         print("\n  Can't infer anything about this notebook's parameters.")
     for parameter in found:
@@ -632,7 +673,6 @@ def _help_notebook(path: str) -> int:
             print(f"{definition}\n{' ' * 34}{parameter.help}")
         else:
             print(definition)
-    return 0
 
 
 def _deploy(args: argparse.Namespace) -> int:

@@ -174,8 +174,42 @@ def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
         '  holdout_end: str (default "2001-12-31")',
         '  forecast_end: str (default "2010-12-31")',
         '  figures_dir: str (default "figures")',
+        "",
+        "Stages, split by its cells' stage tags:",
+        "  load                     cell(s) 1, 2, 3, 4",
+        "  explore                  cell(s) 6, 7",
+        "  model                    cell(s) 9, 10",
+        "  evaluate                 cell(s) 12, 13, 14",
+        "  forecast                 cell(s) 16, 17, 18",
     ]
     assert list(tmp_path.iterdir()) == []  # no output folder: nothing ran
+
+
+def test_help_notebook_lists_the_stages_the_heading_level_gives(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("## Load"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_markdown_cell("## Fit"),
+        nbformat.v4.new_code_cell("y = 2"),
+        nbformat.v4.new_code_cell("z = 3"),
+    ]
+    nbformat.write(notebook, tmp_path / "sections.ipynb")
+    one = _cli("run", "sections.ipynb", "--help-notebook", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines()[-2:] == [
+        "Stages, split by markdown headings (#):",
+        "  setup                    cell(s) 1, 3, 4",
+    ]
+    two = _cli(
+        "run", "sections.ipynb", "--help-notebook", "--stage-heading-level", "2", cwd=tmp_path
+    )
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.splitlines()[-3:] == [
+        "Stages, split by markdown headings (# or ##):",
+        "  load                     cell(s) 1",
+        "  fit                      cell(s) 3, 4",
+    ]
 
 
 def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path) -> None:
@@ -190,7 +224,7 @@ def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path
     nbformat.write(notebook, tmp_path / "typed.ipynb")
     done = _cli("run", "typed.ipynb", "--help-notebook", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[1:] == [
+    assert done.stdout.splitlines()[1:6] == [
         "  n: int (default 3)              how many",
         "  alpha: float (default 0.5)      learning rate",
         "  name: str (default 'x')",
@@ -210,6 +244,9 @@ def test_help_notebook_on_a_notebook_without_parameters_says_so_and_succeeds(
     assert done.stdout.splitlines()[1:] == [
         "",
         "  No cell tagged 'parameters': this notebook takes no parameters.",
+        "",
+        "Stages, split by markdown headings (#):",
+        "  setup                    cell(s) 0",
     ]
     assert list(tmp_path.iterdir()) == [tmp_path / "none.ipynb"]  # nothing ran
 

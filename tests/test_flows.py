@@ -92,6 +92,23 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
     )
 
 
+async def test_a_run_splits_on_the_stage_heading_level_it_is_given(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("## Prepare"),
+        nbformat.v4.new_code_cell("rows = 5"),
+        nbformat.v4.new_markdown_cell("## Report"),
+        nbformat.v4.new_code_cell("print(rows)"),
+    ]
+    path = tmp_path / "sections.ipynb"
+    nbformat.write(notebook, path)
+    result = await arun_notebook(str(path), storage=str(tmp_path), stage_heading_level=2)
+    assert [(s.name, s.status, s.cell_count) for s in result.stages] == [
+        ("prepare", "ok", 1),
+        ("report", "ok", 1),
+    ]
+
+
 def _staged_notebook(path: Path) -> Path:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [

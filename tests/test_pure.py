@@ -514,6 +514,28 @@ def test_untagged_notebook_splits_by_top_level_heading() -> None:
     ]
 
 
+def test_a_stage_heading_level_of_2_splits_on_second_level_headings_too() -> None:
+    notebook = _notebook(
+        nbformat.v4.new_markdown_cell("# Study"),
+        _code("import os"),
+        nbformat.v4.new_markdown_cell("## Load"),
+        _code("x = 1"),
+        nbformat.v4.new_markdown_cell("### Detail, not a stage"),
+        _code("y = 2"),
+        nbformat.v4.new_markdown_cell("## Fit"),
+        _code("z = 3"),
+    )
+    assert [s.name for s in split_stages(notebook)] == ["study"]
+    assert [(s.name, len(s.cells)) for s in split_stages(notebook, 2)] == [
+        ("study", 1),
+        ("load", 2),
+        ("fit", 1),
+    ]
+    assert len(split_stages(notebook, 3)) == 4
+    with pytest.raises(NotebookError, match="stage heading level must be 1 to 6, not 0"):
+        split_stages(notebook, 0)
+
+
 def _headed(*markdown: str) -> nbformat.NotebookNode:
     """A notebook of markdown cells, each followed by one code cell."""
     cells = []
