@@ -26,8 +26,9 @@ and the engine's are left out: the reason is the last stderr line) and prints on
 results of a completed run are. ``--json`` prints one JSON object on stdout and nothing else
 there (whatever the run's processes write to stdout goes to stderr): the run's ``summary.json``
 (a sweep's ``sweep.json``) with ``exit_status``; or, when none was written, ``status``
-(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``. A usage error
-(exit status 2) prints nothing on stdout.
+(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``; stderr is then as
+``-q`` leaves it, unless ``-v``. A usage error (exit status 2) prints nothing on stdout.
+``-p NAME VALUE`` (papermill's form) is read as ``-p NAME=VALUE``.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -135,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="notebook parameter, typed as papermill's -p does",
+        help="notebook parameter, typed as papermill's -p does; papermill's '-p NAME VALUE' "
+        "works too",
     )
     sweep = _add_run_command(
         commands, "sweep", "run a notebook once per parameter set, each in its own sandbox"
@@ -254,20 +256,26 @@ def _add_run_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_argument("notebook", help="the .ipynb to run")
-    command.add_argument(
+    loudness = command.add_mutually_exclusive_group()
+    loudness.add_argument(
         "-q",
         "--quiet",
         action="store_true",
         help="no log lines on the console (warnings and errors still show); stdout holds only "
         "where the results are",
     )
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="with --json, still show progress and log lines on stderr",
+    )
     command.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object on stdout, and nothing else there: the run's summary.json "
         "(status, output_dir, stages, artifacts with size_bytes and sha256, parameters, "
-        "metrics) "
-        "and exit_status",
+        "metrics) and exit_status; stderr is as quiet as with -q, unless -v",
     )
     command.add_argument(
         "--backend",
@@ -338,11 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         it made stored), `EXIT_CANCELLED` when it was cancelled through the API or UI (the
         same way).
     """
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_joined_parameters(sys.argv[1:] if argv is None else argv))
     if getattr(args, "help_notebook", False):
         return _help_notebook(args.notebook, args.stage_heading_level)
     if args.command == "deploy":
         return _deploy(args)
+    if args.json and not args.verbose:
+        args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
@@ -404,6 +414,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return outcome.exit_status
 
 
+def _joined_parameters(argv: Sequence[str]) -> list[str]:
+    """The arguments with papermill's ``-p NAME VALUE`` written as ``-p NAME=VALUE``: a ``-p``
+    (``--parameter``) whose next argument has no ``=`` and is followed by another takes that
+    one as its value (``-p alpha -0.5`` too). Arguments after ``--`` are left alone."""
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        if item == "--":
+            return joined + list(argv[index:])
+        joined.append(item)
+        index += 1
+        if item in ("-p", "--parameter") and index + 1 < len(argv) and "=" not in argv[index]:
+            joined.append(f"{argv[index]}={argv[index + 1]}")
+            index += 2
+    return joined
+
+
 @dataclass
 class _Outcome:
     """How a run ended, for the CLI's output.
@@ -439,8 +467,8 @@ def _call_flow(
         from prefect_sandbox.progress import progress_mode, shown_progress
 
         mode = progress_mode(args.quiet, sys.stderr)
-        total = _cell_total(args.notebook, parameters, args.stage_heading_level)
-        with shown_progress(mode, total, sys.stderr):
+        plan = _cell_plan(args.notebook, parameters, args.stage_heading_level)
+        with shown_progress(mode, plan, sys.stderr):
             return stopper.run(
                 lambda: arun_notebook(
                     notebook=args.notebook,
@@ -525,15 +553,18 @@ def _run_flow(
     return _Outcome(0, result=result, output_dir=result.output_dir)
 
 
-def _cell_total(notebook: str, parameters: dict[str, Any], heading_level: int) -> int | None:
-    """The code cells a run of ``notebook`` runs, its injected parameters cell included; None
-    when that cannot be told here."""
+def _cell_plan(
+    notebook: str, parameters: dict[str, Any], heading_level: int
+) -> list[tuple[str, int]] | None:
+    """The code cells a run of ``notebook`` runs, in order, its injected parameters cell
+    included, each as its stage's name and its index; None when that cannot be told here."""
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import inject_parameters, read_notebook, split_stages
 
     try:
         source = inject_parameters(read_notebook(Path(notebook)), parameters)
-        return sum(len(stage.cells) for stage in split_stages(source, heading_level))
+        stages = split_stages(source, heading_level)
+        return [(stage.name, cell.index) for stage in stages for cell in stage.cells]
     except NotebookError:
         return None
 
@@ -732,16 +763,18 @@ def _on_workers(args: argparse.Namespace) -> bool:
     return getattr(args, "deployment", None) is not None
 
 
-def _print_sweep(result: Any) -> None:
-    """A sweep's outcome on stdout: where ``sweep.json`` is, then a line per branch."""
+def _print_sweep(result: SweepResult) -> None:
+    """A sweep's outcome on stdout: where ``sweep.json`` is, then a table of the branches with
+    their parameters and metrics (`sweep_text_table`, the UI table's columns)."""
+    from prefect_sandbox.flows.sweep.table import sweep_text_table
+
     done = sum(branch.status == "completed" for branch in result.branches)
     print(
         f"Stored sweep.json in {result.output_dir}: "
         f"{done} of {len(result.branches)} branch(es) completed"
     )
-    for branch in result.branches:
-        name = branch.flow_run_name or "-"
-        print(f"  {branch.index:>4} {branch.status:<9} {name}  {branch.output_dir or ''}")
+    for line in sweep_text_table(result):
+        print(f"  {line}".rstrip())
 
 
 def _api_problem() -> str | None:

@@ -131,7 +131,20 @@ async def co2_agent(out: str = "out", backend: SandboxBackend | None = None) -> 
     }
 
 
+def report(found: dict[str, Any], out: str) -> str:
+    """What the run did, for a person: a line per step (status, and how many attempts it took),
+    the last cell's output, and where the files are."""
+    lines = [f"The agent ran {len(found['steps'])} step(s):"]
+    for step, attempts, status in found["steps"]:
+        fixed = f", fixed after {attempts - 1} failed attempt(s)" if attempts > 1 else ""
+        lines.append(f"  step {step}: {status}{fixed}")
+    lines.append(f"Its last cell printed: {found['last']}")
+    lines.append(f"Files (executed.ipynb, figures, metrics.json, summary.json) are in {out}/")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", default="out", help="the folder to store the run's files in")
-    print(asyncio.run(co2_agent(out=parser.parse_args().out)))
+    out = parser.parse_args().out
+    print(report(asyncio.run(co2_agent(out=out)), out))

@@ -159,7 +159,9 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
     """
     name, sep, raw = assignment.partition("=")
     if not sep:
-        raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
+        raise NotebookError(
+            f"parameter {assignment!r} must look like NAME=VALUE (or NAME VALUE, as papermill's)"
+        )
     problem = parameter_name_problem(name)
     if problem:
         raise NotebookError(f"parameter name {name!r} (in {assignment!r}) {problem}")
