@@ -84,6 +84,19 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
     assert [c.execution_count for c in cells] == [1, 2, 3, 4]
     summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
     assert summary["status"] == "completed"
+    # Each stage's task run waits for the one before, so Prefect draws them as a chain.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result.flow_run_id]))
+        )
+    stages = {run.name: run for run in task_runs if run.name.startswith("run-stage-")}
+    define, use, check = (stages[f"run-stage-{name}"] for name in ("define", "use", "check"))
+    assert define.task_inputs.get("wait_for", []) == []
+    assert [link.id for link in use.task_inputs["wait_for"]] == [define.id]
+    assert [link.id for link in check.task_inputs["wait_for"]] == [use.id]
     assert (
         await LocalKernelSandbox.list_handles(
             LocalKernelConfig(), {"prefect-flow-run-id": result.flow_run_id}
