@@ -44,6 +44,11 @@ class TestShippedBlocks(BlockStandardTestSuite):
     def block(self, request: pytest.FixtureRequest) -> type[Block]:
         return request.param  # type: ignore[no-any-return]
 
+    def test_has_a_documentation_url(self, block: type[Block]) -> None:
+        # The site is published nowhere yet (DOCS_URL is None): no "View Docs" link to a
+        # placeholder (test_docs_site checks DOCS_URL and mkdocs.yml's site_url agree).
+        assert block._documentation_url is None
+
     def test_has_a_valid_image(self, block: type[Block]) -> None:
         # No logo: a remote one is a broken image in a UI used offline; the UI draws its own.
         assert block._logo_url is None

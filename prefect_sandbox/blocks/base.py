@@ -21,12 +21,13 @@ from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSetti
 
 __all__ = ["DOCS_URL", "SandboxBackend", "docs_page"]
 
-DOCS_URL = "https://prefect-sandbox.github.io/prefect-sandbox/"
-"""Where the documentation site (``docs/``, built by MkDocs) is published: ``site_url`` in
-``mkdocs.yml``. The blocks' "View Docs" link in the Prefect UI points at its pages."""
+DOCS_URL: str | None = None
+"""Where the documentation site (``docs/``, built by MkDocs) is published, ``site_url`` in
+``mkdocs.yml``; None while it is published nowhere. The blocks' "View Docs" link in the Prefect
+UI points at its pages, and is left out while this is None."""
 
 
-def docs_page(path: str) -> str:
+def docs_page(path: str) -> str | None:
     """The published address of a documentation page.
 
     Args:
@@ -34,9 +35,9 @@ def docs_page(path: str) -> str:
             ``docs/backends/e2b.md``).
 
     Returns:
-        ``DOCS_URL`` followed by ``path``.
+        ``DOCS_URL`` followed by ``path``; None while `DOCS_URL` is.
     """
-    return DOCS_URL + path
+    return None if DOCS_URL is None else DOCS_URL + path
 
 
 class SandboxBackend(Block, ABC):

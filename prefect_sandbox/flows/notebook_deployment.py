@@ -25,7 +25,6 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.utilities.callables import parameter_schema
 
 from prefect_sandbox.flows.pipeline import arun_notebook
-from prefect_sandbox.s3uri import is_s3_uri
 from prefect_sandbox.sandbox.notebook import read_notebook
 from prefect_sandbox.sandbox.parameter_schema import notebook_parameters_schema
 
@@ -67,13 +66,6 @@ def notebook_deployment_schema(notebook: str | Path) -> dict[str, Any]:
     return schema
 
 
-def _absolute(path: str) -> str:
-    """A local path made absolute (workers start elsewhere); ``s3://`` and block slugs kept."""
-    if is_s3_uri(path) or path.startswith("s3-bucket/"):
-        return path
-    return str(Path(path).expanduser().absolute())
-
-
 def default_deployment_name(notebook: str | Path) -> str:
     """The notebook's file name without ``.ipynb``, as a slug: ``CO2 Forecast.ipynb`` ->
     ``co2-forecast``."""
@@ -95,13 +87,15 @@ async def adeploy_notebook(
     the notebook's parameters as typed fields (`notebook_deployment_schema`).
 
     Args:
-        notebook: the .ipynb; its absolute path becomes the deployment's ``notebook``.
+        notebook: the .ipynb, as the deployment's ``notebook``; a relative path (like the
+            others here) resolves from the folder the deployment is made from, where its runs
+            start, as with ``prefect deploy`` and no pull steps.
         work_pool_name: the work pool whose workers run it (e.g. a process pool).
         name: the deployment's name (``run-notebook/NAME``); default the notebook's file name
             without ``.ipynb``, as a slug.
-        inputs: files or folders to upload (local ones made absolute), or ``s3://`` URIs.
+        inputs: files or folders to upload, or ``s3://`` URIs.
         artifacts: glob patterns of files to collect.
-        storage: a folder (made absolute), ``s3://bucket/prefix`` or ``s3-bucket/NAME``.
+        storage: a folder, ``s3://bucket/prefix`` or ``s3-bucket/NAME``.
         cell_timeout_s: seconds each cell may run; -1 for none.
         description: the deployment's description; default one naming the notebook.
 
@@ -113,15 +107,15 @@ async def adeploy_notebook(
         prefect.exceptions.PrefectHTTPStatusError: the API refused the deployment (an unknown
             work pool).
     """
-    path = _absolute(str(notebook))
+    path = str(notebook)
     schema = notebook_deployment_schema(path)
     parameters: dict[str, Any] = {"notebook": path}
     if inputs:
-        parameters["inputs"] = [_absolute(item) for item in inputs]
+        parameters["inputs"] = list(inputs)
     if artifacts:
         parameters["artifacts"] = list(artifacts)
     if storage:
-        parameters["storage"] = _absolute(storage)
+        parameters["storage"] = storage
     if cell_timeout_s is not None:
         parameters["cell_timeout_s"] = cell_timeout_s
     async with get_client() as client:
