@@ -170,10 +170,15 @@ def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
     assert lines[0].startswith("Parameters inferred for notebook ")
     assert lines[1:] == [
         '  data_path: str (default "co2.csv")',
+        f"{'':34}the weekly CO2 series, columns date (YYYYMMDD) and co2 (ppm)",
         '  train_end: str (default "1996-12-31")',
+        f"{'':34}last day the model is fitted on",
         '  holdout_end: str (default "2001-12-31")',
+        f"{'':34}last day of the scored hold-out period",
         '  forecast_end: str (default "2010-12-31")',
+        f"{'':34}the forecast runs to this day",
         '  figures_dir: str (default "figures")',
+        f"{'':34}folder the figures are saved in",
         "",
         "Stages, split by its cells' stage tags:",
         "  load                     cell(s) 1, 2, 3, 4",
