@@ -575,7 +575,10 @@ def test_cli_usage_errors_exit_2_with_a_one_line_reason(
     monkeypatch.chdir(tmp_path)
     source = _staged_notebook(tmp_path / "staged.ipynb")
     usage_cases = [
-        (["-p", "bad"], "parameter 'bad' must look like NAME=VALUE"),
+        (
+            ["-p", "bad"],
+            "parameter 'bad' must look like NAME=VALUE (or NAME VALUE, as papermill's)",
+        ),
         (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
         (["--input", "no/such.csv"], "--input 'no/such.csv' does not exist"),
         (["--out", str(source)], f"--out {str(source)!r} is not a folder"),
