@@ -26,8 +26,9 @@ and the engine's are left out: the reason is the last stderr line) and prints on
 results of a completed run are. ``--json`` prints one JSON object on stdout and nothing else
 there (whatever the run's processes write to stdout goes to stderr): the run's ``summary.json``
 (a sweep's ``sweep.json``) with ``exit_status``; or, when none was written, ``status``
-(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``. A usage error
-(exit status 2) prints nothing on stdout.
+(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``; stderr is then as
+``-q`` leaves it, unless ``-v``. A usage error (exit status 2) prints nothing on stdout.
+``-p NAME VALUE`` (papermill's form) is read as ``-p NAME=VALUE``.
 
 ``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
 takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
@@ -54,6 +55,12 @@ Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 ``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
 ``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
 is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
+
+``prefect-sandbox deploy NOTEBOOK --pool POOL [--name NAME] [--input PATH]... [--artifact
+GLOB]... [--out DIR|s3://bucket/prefix] [--cell-timeout SECONDS]`` creates the deployment
+``run-notebook/NAME`` (default: the notebook's file name) on the API at ``PREFECT_API_URL``, whose
+Run form has a typed field per notebook parameter and whose runs with a wrongly typed one the
+server refuses (`prefect_sandbox.flows.notebook_deployment`).
 
 ``sweep --task-runner dask`` runs each branch as a task on a Dask `LocalCluster` of worker
 processes that the sweep starts; ``--task-runner dask:ADDRESS`` on the running cluster whose
@@ -129,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="notebook parameter, typed as papermill's -p does",
+        help="notebook parameter, typed as papermill's -p does; papermill's '-p NAME VALUE' "
+        "works too",
     )
     sweep = _add_run_command(
         commands, "sweep", "run a notebook once per parameter set, each in its own sandbox"
@@ -177,7 +185,43 @@ def _parser() -> argparse.ArgumentParser:
         help="the JSON file each branch's key metrics are read from, collected as an artifact "
         "(default: metrics.json; '' for none)",
     )
+    _add_deploy_command(commands)
     return parser
+
+
+def _add_deploy_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Add ``deploy``: a ``run-notebook`` deployment for one notebook, its parameters typed."""
+    deploy = commands.add_parser(
+        "deploy",
+        help="deploy run-notebook for one notebook, its parameters typed fields of the Run form",
+        epilog="example:\n  prefect-sandbox deploy analysis.ipynb --pool sandbox-process "
+        "--input data.csv --out s3://bucket/runs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deploy.add_argument("notebook", help="the .ipynb to deploy")
+    deploy.add_argument(
+        "--pool", required=True, metavar="POOL", help="the work pool whose workers run it"
+    )
+    deploy.add_argument(
+        "--name",
+        default=None,
+        metavar="NAME",
+        help="the deployment's name, run-notebook/NAME (default: the notebook's file name)",
+    )
+    deploy.add_argument(
+        "--input", action="append", default=[], metavar="PATH", help="file or folder to upload"
+    )
+    deploy.add_argument(
+        "--artifact", action="append", default=[], metavar="GLOB", help="files to collect"
+    )
+    deploy.add_argument(
+        "--out", default=None, metavar="DIR", help="output folder, or s3://bucket/prefix"
+    )
+    deploy.add_argument(
+        "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
+    )
 
 
 class _RenamedFlag(argparse.Action):
@@ -212,20 +256,26 @@ def _add_run_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_argument("notebook", help="the .ipynb to run")
-    command.add_argument(
+    loudness = command.add_mutually_exclusive_group()
+    loudness.add_argument(
         "-q",
         "--quiet",
         action="store_true",
         help="no log lines on the console (warnings and errors still show); stdout holds only "
         "where the results are",
     )
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="with --json, still show progress and log lines on stderr",
+    )
     command.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object on stdout, and nothing else there: the run's summary.json "
         "(status, output_dir, stages, artifacts with size_bytes and sha256, parameters, "
-        "metrics) "
-        "and exit_status",
+        "metrics) and exit_status; stderr is as quiet as with -q, unless -v",
     )
     command.add_argument(
         "--backend",
@@ -265,6 +315,15 @@ def _add_run_command(
         help="saved AwsCredentials block for s3:// (default: the standard AWS environment)",
     )
     command.add_argument(
+        "--stage-heading-level",
+        type=int,
+        choices=range(1, 7),
+        default=1,
+        metavar="N",
+        help="without stage tags, markdown headings of level 1 to N open stages (default 1: "
+        "'# ' headings only; 2: '## ' ones too)",
+    )
+    command.add_argument(
         "--cell-timeout",
         type=float,
         default=None,
@@ -287,9 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         it made stored), `EXIT_CANCELLED` when it was cancelled through the API or UI (the
         same way).
     """
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_joined_parameters(sys.argv[1:] if argv is None else argv))
     if getattr(args, "help_notebook", False):
-        return _help_notebook(args.notebook)
+        return _help_notebook(args.notebook, args.stage_heading_level)
+    if args.command == "deploy":
+        return _deploy(args)
+    if args.json and not args.verbose:
+        args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
@@ -327,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(str(exc))
     if not _on_workers(args):
         try:
-            split_stages(read_notebook(Path(args.notebook)))
+            split_stages(read_notebook(Path(args.notebook)), args.stage_heading_level)
         except NotebookError as exc:
             return _usage_error(str(exc))
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
@@ -349,6 +412,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_last(outcome.error)
     _print_outcome(args, outcome)
     return outcome.exit_status
+
+
+def _joined_parameters(argv: Sequence[str]) -> list[str]:
+    """The arguments with papermill's ``-p NAME VALUE`` written as ``-p NAME=VALUE``: a ``-p``
+    (``--parameter``) whose next argument has no ``=`` and is followed by another takes that
+    one as its value (``-p alpha -0.5`` too). Arguments after ``--`` are left alone."""
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        if item == "--":
+            return joined + list(argv[index:])
+        joined.append(item)
+        index += 1
+        if item in ("-p", "--parameter") and index + 1 < len(argv) and "=" not in argv[index]:
+            joined.append(f"{argv[index]}={argv[index + 1]}")
+            index += 2
+    return joined
 
 
 @dataclass
@@ -386,8 +467,8 @@ def _call_flow(
         from prefect_sandbox.progress import progress_mode, shown_progress
 
         mode = progress_mode(args.quiet, sys.stderr)
-        total = _cell_total(args.notebook, parameters)
-        with shown_progress(mode, total, sys.stderr):
+        plan = _cell_plan(args.notebook, parameters, args.stage_heading_level)
+        with shown_progress(mode, plan, sys.stderr):
             return stopper.run(
                 lambda: arun_notebook(
                     notebook=args.notebook,
@@ -397,6 +478,7 @@ def _call_flow(
                     storage=storage,
                     cell_timeout_s=args.cell_timeout,
                     backend=backend,
+                    stage_heading_level=args.stage_heading_level,
                 )
             )
 
@@ -415,6 +497,7 @@ def _call_flow(
             deployment=args.deployment,
             metrics_artifact=args.metrics_artifact or None,
             task_runner=args.task_runner,
+            stage_heading_level=args.stage_heading_level,
         )
     )
 
@@ -470,15 +553,18 @@ def _run_flow(
     return _Outcome(0, result=result, output_dir=result.output_dir)
 
 
-def _cell_total(notebook: str, parameters: dict[str, Any]) -> int | None:
-    """The code cells a run of ``notebook`` runs, its injected parameters cell included; None
-    when that cannot be told here."""
+def _cell_plan(
+    notebook: str, parameters: dict[str, Any], heading_level: int
+) -> list[tuple[str, int]] | None:
+    """The code cells a run of ``notebook`` runs, in order, its injected parameters cell
+    included, each as its stage's name and its index; None when that cannot be told here."""
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import inject_parameters, read_notebook, split_stages
 
     try:
         source = inject_parameters(read_notebook(Path(notebook)), parameters)
-        return sum(len(stage.cells) for stage in split_stages(source))
+        stages = split_stages(source, heading_level)
+        return [(stage.name, cell.index) for stage in stages for cell in stage.cells]
     except NotebookError:
         return None
 
@@ -557,24 +643,54 @@ def _version() -> str:
         return "unknown"
 
 
-def _help_notebook(path: str) -> int:
-    """Print the notebook's parameters as papermill's ``--help-notebook`` does; run nothing.
+def _help_notebook(path: str, heading_level: int) -> int:
+    """Print the notebook's parameters as papermill's ``--help-notebook`` does, then the
+    stages a run would have (`_print_stage_plan`); run nothing.
 
     Returns:
         0 (a notebook with no cell tagged ``parameters`` has none, and says so); 2 when the
-        notebook cannot be read.
+        notebook cannot be read or split into stages.
     """
     from prefect_sandbox.sandbox.errors import NotebookError
-    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
+    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook, split_stages
 
     try:
-        found = notebook_parameters(read_notebook(Path(path)))
+        notebook = read_notebook(Path(path))
+        found = notebook_parameters(notebook)
+        stages = split_stages(notebook, heading_level)
     except NotebookError as exc:
         return _usage_error(str(exc))
+    _print_parameters(path, found)
+    _print_stage_plan(notebook, stages, heading_level)
+    return 0
+
+
+def _print_stage_plan(notebook: Any, stages: list[Any], heading_level: int) -> None:
+    """The stages a run splits the notebook into, each with its code cells' indices (0-based,
+    as a failing cell is named), and what split them: stage tags or headings."""
+    from prefect_sandbox.sandbox.notebook import STAGE_TAG_PREFIX
+
+    tagged = any(
+        tag.startswith(STAGE_TAG_PREFIX)
+        for cell in notebook.cells
+        for tag in cell.get("metadata", {}).get("tags", [])
+    )
+    marks = " or ".join("#" * level for level in range(1, heading_level + 1))
+    how = "its cells' stage tags" if tagged else f"markdown headings ({marks})"
+    print(f"\nStages, split by {how}:")
+    if not stages:
+        print("  none: the notebook has no code cells to run")
+    for stage in stages:
+        cells = ", ".join(str(cell.index) for cell in stage.cells)
+        print(f"  {strip_ansi(stage.name):<24} cell(s) {cells}")
+
+
+def _print_parameters(path: str, found: list[Any] | None) -> None:
+    """The parameters as papermill's ``--help-notebook`` prints them."""
     print(f"Parameters inferred for notebook {strip_ansi(path)!r}:")
     if found is None:
         print("\n  No cell tagged 'parameters': this notebook takes no parameters.")
-        return 0
+        return
     if not found:
         print("\n  Can't infer anything about this notebook's parameters.")
     for parameter in found:
@@ -588,6 +704,56 @@ def _help_notebook(path: str) -> int:
             print(f"{definition}\n{' ' * 34}{parameter.help}")
         else:
             print(definition)
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """Create the ``deploy`` command's deployment (`adeploy_notebook`) on the API at
+    ``PREFECT_API_URL``, and say what its Run form holds.
+
+    Returns:
+        0; 2 for a notebook that cannot be read or no ``PREFECT_API_URL``; 1 when the API
+        does not answer or refuses the deployment (an unknown work pool).
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from prefect_sandbox.sandbox.errors import NotebookError
+    from prefect_sandbox.sandbox.notebook import notebook_parameters, read_notebook
+
+    try:
+        found = notebook_parameters(read_notebook(Path(args.notebook))) or []
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    if not PREFECT_API_URL.value():
+        return _usage_error(
+            "deploy needs a Prefect API: set PREFECT_API_URL (a `prefect server start`, "
+            "or Prefect Cloud)"
+        )
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from prefect_sandbox.flows.notebook_deployment import default_deployment_name, deploy_notebook
+
+    name = args.name or default_deployment_name(args.notebook)
+    problem = _api_problem()
+    if problem:
+        print(f"prefect-sandbox: {problem}", file=sys.stderr)
+        return 1
+    try:
+        deployment_id = deploy_notebook(
+            args.notebook,
+            args.pool,
+            name=name,
+            inputs=args.input,
+            artifacts=args.artifact,
+            storage=args.out,
+            cell_timeout_s=args.cell_timeout,
+        )
+    except PrefectHTTPStatusError as exc:
+        detail = exc.response.text or str(exc)
+        print(f"prefect-sandbox: the API refused the deployment: {detail}", file=sys.stderr)
+        return 1
+    names = ", ".join(parameter.name for parameter in found) or "none"
+    print(f"Deployed run-notebook/{name} ({deployment_id}) on work pool {args.pool!r}")
+    print(f"  Run form fields for the notebook's parameters: {names}")
     return 0
 
 
@@ -597,16 +763,18 @@ def _on_workers(args: argparse.Namespace) -> bool:
     return getattr(args, "deployment", None) is not None
 
 
-def _print_sweep(result: Any) -> None:
-    """A sweep's outcome on stdout: where ``sweep.json`` is, then a line per branch."""
+def _print_sweep(result: SweepResult) -> None:
+    """A sweep's outcome on stdout: where ``sweep.json`` is, then a table of the branches with
+    their parameters and metrics (`sweep_text_table`, the UI table's columns)."""
+    from prefect_sandbox.flows.sweep.table import sweep_text_table
+
     done = sum(branch.status == "completed" for branch in result.branches)
     print(
         f"Stored sweep.json in {result.output_dir}: "
         f"{done} of {len(result.branches)} branch(es) completed"
     )
-    for branch in result.branches:
-        name = branch.flow_run_name or "-"
-        print(f"  {branch.index:>4} {branch.status:<9} {name}  {branch.output_dir or ''}")
+    for line in sweep_text_table(result):
+        print(f"  {line}".rstrip())
 
 
 def _api_problem() -> str | None:

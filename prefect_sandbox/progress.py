@@ -103,22 +103,30 @@ def quiet_run_errors() -> Iterator[None]:
 class CellProgress(logging.Handler):
     """Shows each cell-done record as progress: a bar's step, or a line on ``stream``.
 
+    The bar names the cell that runs now: the next of ``plan`` after the last that ended (a
+    run's cells end in its plan's order), or, without a plan, the last that ended.
+
     Args:
         mode: ``"bar"`` (rich's progress bar on Prefect's console, or a console of its own on
             ``stream``) or ``"lines"``.
-        total: the run's code cells (injected parameters included); None when unknown.
+        plan: the run's code cells in running order (injected parameters included), each as
+            its stage's name and its index in the notebook; None when unknown.
         stream: where lines go, and the bar when Prefect has no console handler.
     """
 
-    def __init__(self, mode: ProgressMode, total: int | None, stream: TextIO) -> None:
+    def __init__(
+        self, mode: ProgressMode, plan: list[tuple[str, int]] | None, stream: TextIO
+    ) -> None:
         super().__init__()
         self.mode = mode
-        self.total = total
+        self.plan = plan
+        self.total = None if plan is None else len(plan)
         self.done = 0
         self._stream = stream
         self._bar: Progress | None = None
         self._console: Console | None = None
         self._task: TaskID | None = None
+        self._ended: str | None = None
 
     def start(self) -> None:
         """Draw the bar (``"bar"`` mode); it then redraws twice a second, its elapsed time
@@ -157,12 +165,29 @@ class CellProgress(logging.Handler):
             redirect_stdout=False,
             redirect_stderr=False,
         )
-        self._task = self._bar.add_task("running", total=self.total)
+        self._task = self._bar.add_task(self._running() or "running", total=self.total)
         self._bar.start()
 
+    def _running(self) -> str | None:
+        """``stage 'fit' cell 7 running``: the plan's cell after those done; None past its end
+        or without a plan."""
+        if self.plan is None or self.done >= len(self.plan):
+            return None
+        stage, index = self.plan[self.done]
+        return f"{strip_ansi(stage)} cell {index} running"
+
+    @property
+    def description(self) -> str | None:
+        """What the bar says now (None when no bar shows)."""
+        if self._bar is None or self._task is None:
+            return None
+        return str(self._bar.tasks[0].description)
+
     def stop(self) -> None:
-        """Leave the bar's last state on the console."""
+        """Leave the bar's last state on the console: the last cell that ended."""
         if self._bar is not None:
+            if self._ended is not None and self._task is not None:
+                self._bar.update(self._task, description=self._ended)
             self._bar.stop()
             self._bar = None
         if self._console is not None:
@@ -177,7 +202,8 @@ class CellProgress(logging.Handler):
         # A stage's name is the notebook's: no terminal controls reach the console.
         stage = strip_ansi(done.stage)
         if self._bar is not None and self._task is not None:
-            description = f"{stage} cell {done.cell_index} {done.status}"
+            self._ended = f"{stage} cell {done.cell_index} {done.status}"
+            description = self._running() or self._ended
             self._bar.update(self._task, completed=self.done, description=description)
             return
         total = "?" if self.total is None else str(self.total)
@@ -189,13 +215,15 @@ class CellProgress(logging.Handler):
 
 
 @contextmanager
-def shown_progress(mode: ProgressMode | None, total: int | None, stream: TextIO) -> Iterator[None]:
-    """Within, cells that end show as progress on the console (`CellProgress`), and Prefect's
-    console leaves their records out; nothing when ``mode`` is None."""
+def shown_progress(
+    mode: ProgressMode | None, plan: list[tuple[str, int]] | None, stream: TextIO
+) -> Iterator[None]:
+    """Within, cells that end show as progress on the console (`CellProgress`, with the run's
+    ``plan``), and Prefect's console leaves their records out; nothing when ``mode`` is None."""
     if mode is None:
         yield
         return
-    progress = CellProgress(mode, total, stream)
+    progress = CellProgress(mode, plan, stream)
     loggers = [logging.getLogger(name) for name in RUN_LOGGERS]
     handlers = prefect_console_handlers()
     for logger in loggers:

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # each traceback: pytest's own reports (ast.parse in its source lookup) met the race that
 # `retry_ast_race` describes and stopped a whole run with an INTERNALERROR.
 ast.parse = functools.partial(retry_ast_race, ast.parse)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM stops the run as Ctrl-C does: pytest prints its summary and tears the session's
+    fixtures down (the Prefect servers, moto, the emulators), which SIGTERM's default action
+    (the process ends at once) leaves running in sessions of their own."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
 
 SUBPROCESS_TEST_TIMEOUT_S = 400
 """pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask

@@ -170,12 +170,51 @@ def test_help_notebook_shows_the_co2_notebooks_parameters_and_runs_nothing(
     assert lines[0].startswith("Parameters inferred for notebook ")
     assert lines[1:] == [
         '  data_path: str (default "co2.csv")',
+        f"{'':34}the weekly CO2 series, columns date (YYYYMMDD) and co2 (ppm)",
         '  train_end: str (default "1996-12-31")',
+        f"{'':34}last day the model is fitted on",
         '  holdout_end: str (default "2001-12-31")',
+        f"{'':34}last day of the scored hold-out period",
         '  forecast_end: str (default "2010-12-31")',
+        f"{'':34}the forecast runs to this day",
         '  figures_dir: str (default "figures")',
+        f"{'':34}folder the figures are saved in",
+        "",
+        "Stages, split by its cells' stage tags:",
+        "  load                     cell(s) 1, 2, 3, 4",
+        "  explore                  cell(s) 6, 7",
+        "  model                    cell(s) 9, 10",
+        "  evaluate                 cell(s) 12, 13, 14",
+        "  forecast                 cell(s) 16, 17, 18",
     ]
     assert list(tmp_path.iterdir()) == []  # no output folder: nothing ran
+
+
+def test_help_notebook_lists_the_stages_the_heading_level_gives(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("## Load"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_markdown_cell("## Fit"),
+        nbformat.v4.new_code_cell("y = 2"),
+        nbformat.v4.new_code_cell("z = 3"),
+    ]
+    nbformat.write(notebook, tmp_path / "sections.ipynb")
+    one = _cli("run", "sections.ipynb", "--help-notebook", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines()[-2:] == [
+        "Stages, split by markdown headings (#):",
+        "  setup                    cell(s) 1, 3, 4",
+    ]
+    two = _cli(
+        "run", "sections.ipynb", "--help-notebook", "--stage-heading-level", "2", cwd=tmp_path
+    )
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.splitlines()[-3:] == [
+        "Stages, split by markdown headings (# or ##):",
+        "  load                     cell(s) 1",
+        "  fit                      cell(s) 3, 4",
+    ]
 
 
 def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path) -> None:
@@ -190,7 +229,7 @@ def test_help_notebook_shows_types_and_comments_as_papermill_does(tmp_path: Path
     nbformat.write(notebook, tmp_path / "typed.ipynb")
     done = _cli("run", "typed.ipynb", "--help-notebook", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[1:] == [
+    assert done.stdout.splitlines()[1:6] == [
         "  n: int (default 3)              how many",
         "  alpha: float (default 0.5)      learning rate",
         "  name: str (default 'x')",
@@ -210,6 +249,9 @@ def test_help_notebook_on_a_notebook_without_parameters_says_so_and_succeeds(
     assert done.stdout.splitlines()[1:] == [
         "",
         "  No cell tagged 'parameters': this notebook takes no parameters.",
+        "",
+        "Stages, split by markdown headings (#):",
+        "  setup                    cell(s) 0",
     ]
     assert list(tmp_path.iterdir()) == [tmp_path / "none.ipynb"]  # nothing ran
 
@@ -392,13 +434,13 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
 
     _metrics_notebook(tmp_path / "m.ipynb", fail=False)
     done = _api_cli(
-        "run", "m.ipynb", "--json", "-p", "alpha=0.5", "--artifact", "metrics.json",
+        "run", "m.ipynb", "--json", "-v", "-p", "alpha", "0.5", "--artifact", "metrics.json",
         "--out", "out", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # the whole of stdout is one object
     assert result["status"] == "completed" and result["exit_status"] == 0
-    assert result["parameters"] == {"alpha": 0.5}
+    assert result["parameters"] == {"alpha": 0.5}  # papermill's `-p NAME VALUE`, typed
     assert result["metrics"] == {"mae": 1.0, "label": "a"}  # top-level scalars only
     assert [(s["name"], s["status"], s["cell_count"]) for s in result["stages"]] == [
         ("setup", "ok", 4)
@@ -414,7 +456,7 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
         assert artifact["sha256"] == hashlib.sha256(data).hexdigest()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {k: v for k, v in result.items() if k != "exit_status"}
-    # Progress went to stderr, one plain line per cell (stderr is no terminal here), and
+    # With -v, progress went to stderr, one plain line per cell (no terminal here), and
     # Prefect's console left out its own record of each cell's end.
     progress = [line for line in done.stderr.splitlines() if line.startswith("prefect-sandbox: [")]
     assert [line.split("]")[0] for line in progress] == [
@@ -445,7 +487,9 @@ def test_json_shows_a_failed_run_with_its_stages_files_and_metrics(tmp_path: Pat
     assert result["metrics"] == {"mae": 0.2, "label": "a"}
     assert {a["path"] for a in result["artifacts"]} == {"metrics.json", "executed.ipynb"}
     assert Path(result["output_dir"], "summary.json").is_file()
-    assert done.stderr.strip().splitlines()[-1].startswith("prefect-sandbox: pipeline failed:")
+    # Without -v, stderr is as -q leaves it: the reason alone.
+    (reason,) = [line for line in done.stderr.splitlines() if line.strip()]
+    assert reason.startswith("prefect-sandbox: pipeline failed:")
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -485,6 +529,48 @@ def test_progress_is_a_bar_on_a_terminal_lines_elsewhere_and_none_when_quiet() -
         os.close(follower)
     assert progress_mode(False, io.StringIO()) == "lines"
     assert progress_mode(True, io.StringIO()) is None
+
+
+def test_the_bar_names_the_cell_that_runs_and_at_the_end_the_last_that_ended() -> None:
+    import io
+    import logging
+
+    from prefect_sandbox.progress import CellProgress
+    from prefect_sandbox.tasks.sandbox import CELL_DONE_ATTRIBUTE, CellDone
+
+    def ended(stage: str, index: int, status: str) -> logging.LogRecord:
+        record = logging.LogRecord("prefect.task_runs", logging.INFO, "", 0, "", None, None)
+        setattr(record, CELL_DONE_ATTRIBUTE, CellDone(stage, index, status, 0.1))
+        return record
+
+    progress = CellProgress("bar", [("load", 1), ("load", 2), ("fit", 4)], io.StringIO())
+    progress.start()
+    try:
+        assert progress.description == "load cell 1 running"
+        progress.emit(ended("load", 1, "ok"))
+        assert progress.description == "load cell 2 running"
+        progress.emit(ended("load", 2, "ok"))
+        assert progress.description == "fit cell 4 running"
+        progress.emit(ended("fit", 4, "error"))
+        assert progress.description == "fit cell 4 error"
+    finally:
+        progress.stop()
+
+
+def test_papermills_p_name_value_is_taken_as_name_equals_value() -> None:
+    from prefect_sandbox.cli import _joined_parameters
+
+    assert _joined_parameters(["run", "nb.ipynb", "-p", "alpha", "-0.5", "-p", "n=3"]) == [
+        "run",
+        "nb.ipynb",
+        "-p",
+        "alpha=-0.5",
+        "-p",
+        "n=3",
+    ]
+    assert _joined_parameters(["run", "nb.ipynb", "--parameter", "a", "b c"])[-1] == "a=b c"
+    assert _joined_parameters(["run", "nb.ipynb", "-p", "alone"])[-2:] == ["-p", "alone"]
+    assert _joined_parameters(["run", "--", "-p", "x", "1"])[-3:] == ["-p", "x", "1"]
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -535,7 +621,7 @@ def test_a_run_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     raw = b"".join(chunks).decode(errors="replace")
     assert "\x1b[?25l" in raw  # rich hid the cursor to redraw the bar in place
     shown = strip_ansi(raw)
-    assert "running " in shown and "0/3 cells" in shown, shown[-3000:]
+    assert "setup cell 0 running" in shown and "0/3 cells" in shown, shown[-3000:]
     assert "setup cell 2 ok " in shown and "3/3 cells" in shown
     assert "prefect-sandbox: [" not in shown  # no plain progress lines
     assert " ok in " not in shown  # nor Prefect's own record of each cell's end

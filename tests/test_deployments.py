@@ -478,3 +478,70 @@ async def test_a_run_cannot_weaken_its_isolation_or_read_host_paths_through_its_
 
     messages = await _messages_once_logged(client, allowed.id, probe_logged, 60)
     assert any(probe_logged(m) for m in messages), messages
+
+
+@pytest.mark.timeout(400)
+async def test_a_notebook_deployment_has_its_parameters_typed_and_the_server_refuses_a_wrong_type(
+    stack: PrefectStack, client: PrefectClient, tmp_path: Path
+) -> None:
+    import sys
+
+    import nbformat
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    notebook = tmp_path / "typed.ipynb"
+    parameters_cell = 'n: int = 2  # how many squares\nlabel = "run"\nwhen = "1996-12-31"'
+    body = "import json\njson.dump({'n': n, 'label': label}, open('metrics.json', 'w'))"
+    nbformat.write(
+        nbformat.v4.new_notebook(
+            cells=[
+                nbformat.v4.new_code_cell(parameters_cell, metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(body),
+            ]
+        ),
+        notebook,
+    )
+    command = [sys.executable, "-m", "prefect_sandbox.cli", "deploy", str(notebook)]
+    options = ["--pool", "sandbox-process", "--artifact", "metrics.json", "--out", str(tmp_path)]
+    deploy = subprocess.run(
+        [*command, *options],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert deploy.returncode == 0, deploy.stderr
+    assert "Deployed run-notebook/typed" in deploy.stdout
+    assert "n, label, when" in deploy.stdout
+
+    deployment = await client.read_deployment_by_name("run-notebook/typed")
+    fields = deployment.parameter_openapi_schema["properties"]
+    assert fields["notebook"]["default"] == str(notebook)
+    typed = fields["parameters"]["properties"]
+    assert typed["n"] == {
+        "title": "n",
+        "position": 0,
+        "type": "integer",
+        "default": 2,
+        "description": "how many squares",
+    }
+    assert (typed["label"]["type"], typed["label"]["default"]) == ("string", "run")
+    assert typed["when"]["default"] == "1996-12-31"
+    # The generic deployment keeps its free-form dict.
+    generic = await client.read_deployment_by_name("run-notebook/run-notebook")
+    assert "properties" not in str(generic.parameter_openapi_schema["properties"]["parameters"])
+
+    with pytest.raises(PrefectHTTPStatusError) as refused:
+        await client.create_flow_run_from_deployment(
+            deployment.id, parameters={"parameters": {"n": "three"}}
+        )
+    assert refused.value.response.status_code == 409
+    assert "parameters.n" in refused.value.response.text
+    assert "is not of type 'integer'" in refused.value.response.text
+
+    stack.wait_until_workers_are_idle()
+    await _completed_run(
+        stack, client, "run-notebook/typed", {"parameters": {"n": 5}}, timeout_s=300
+    )
+    [metrics] = tmp_path.glob("*/metrics.json")
+    assert json.loads(metrics.read_text()) == {"n": 5, "label": "run"}

@@ -84,12 +84,42 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
     assert [c.execution_count for c in cells] == [1, 2, 3, 4]
     summary = json.loads((Path(result.output_dir) / "summary.json").read_text())
     assert summary["status"] == "completed"
+    # Each stage's task run waits for the one before, so Prefect draws them as a chain.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result.flow_run_id]))
+        )
+    stages = {run.name: run for run in task_runs if run.name.startswith("run-stage-")}
+    define, use, check = (stages[f"run-stage-{name}"] for name in ("define", "use", "check"))
+    assert define.task_inputs.get("wait_for", []) == []
+    assert [link.id for link in use.task_inputs["wait_for"]] == [define.id]
+    assert [link.id for link in check.task_inputs["wait_for"]] == [use.id]
     assert (
         await LocalKernelSandbox.list_handles(
             LocalKernelConfig(), {"prefect-flow-run-id": result.flow_run_id}
         )
         == []
     )
+
+
+async def test_a_run_splits_on_the_stage_heading_level_it_is_given(tmp_path: Path) -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("## Prepare"),
+        nbformat.v4.new_code_cell("rows = 5"),
+        nbformat.v4.new_markdown_cell("## Report"),
+        nbformat.v4.new_code_cell("print(rows)"),
+    ]
+    path = tmp_path / "sections.ipynb"
+    nbformat.write(notebook, path)
+    result = await arun_notebook(str(path), storage=str(tmp_path), stage_heading_level=2)
+    assert [(s.name, s.status, s.cell_count) for s in result.stages] == [
+        ("prepare", "ok", 1),
+        ("report", "ok", 1),
+    ]
 
 
 def _staged_notebook(path: Path) -> Path:
@@ -545,7 +575,10 @@ def test_cli_usage_errors_exit_2_with_a_one_line_reason(
     monkeypatch.chdir(tmp_path)
     source = _staged_notebook(tmp_path / "staged.ipynb")
     usage_cases = [
-        (["-p", "bad"], "parameter 'bad' must look like NAME=VALUE"),
+        (
+            ["-p", "bad"],
+            "parameter 'bad' must look like NAME=VALUE (or NAME VALUE, as papermill's)",
+        ),
         (["-p", "1x=3"], "parameter name '1x' (in '1x=3') is not a Python identifier"),
         (["--input", "no/such.csv"], "--input 'no/such.csv' does not exist"),
         (["--out", str(source)], f"--out {str(source)!r} is not a folder"),

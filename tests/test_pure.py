@@ -554,6 +554,28 @@ def test_untagged_notebook_splits_by_top_level_heading() -> None:
     ]
 
 
+def test_a_stage_heading_level_of_2_splits_on_second_level_headings_too() -> None:
+    notebook = _notebook(
+        nbformat.v4.new_markdown_cell("# Study"),
+        _code("import os"),
+        nbformat.v4.new_markdown_cell("## Load"),
+        _code("x = 1"),
+        nbformat.v4.new_markdown_cell("### Detail, not a stage"),
+        _code("y = 2"),
+        nbformat.v4.new_markdown_cell("## Fit"),
+        _code("z = 3"),
+    )
+    assert [s.name for s in split_stages(notebook)] == ["study"]
+    assert [(s.name, len(s.cells)) for s in split_stages(notebook, 2)] == [
+        ("study", 1),
+        ("load", 2),
+        ("fit", 1),
+    ]
+    assert len(split_stages(notebook, 3)) == 4
+    with pytest.raises(NotebookError, match="stage heading level must be 1 to 6, not 0"):
+        split_stages(notebook, 0)
+
+
 def _headed(*markdown: str) -> nbformat.NotebookNode:
     """A notebook of markdown cells, each followed by one code cell."""
     cells = []
@@ -1058,6 +1080,47 @@ def test_help_notebook_types_literal_defaults_and_leaves_expressions_unknown() -
         ("i", "int"),
         ("j", "int"),
     ]
+
+
+def test_a_notebooks_parameters_become_a_json_schema_with_types_defaults_and_comments() -> None:
+    import jsonschema
+
+    from prefect_sandbox.sandbox.parameter_schema import notebook_parameters_schema
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "n: int = 3  # how many\nalpha = 0.5\nend: datetime.date = '1996-12-31'\n"
+            "tags: list[str] = ['a']\nmode: Literal['fit', 'score'] = 'fit'\n"
+            "limit: int | None = None\nseed = make_seed()  # from the clock\n"
+            "weights: dict[str, float] = {}\nmodel: Model = Model()\n",
+            metadata={"tags": ["parameters"]},
+        )
+    ]
+    schema = notebook_parameters_schema(notebook)
+    fields = schema["properties"]
+    names = ["n", "alpha", "end", "tags", "mode", "limit", "seed", "weights", "model"]
+    assert list(fields) == names
+    assert fields["n"] == {
+        "title": "n",
+        "position": 0,
+        "type": "integer",
+        "default": 3,
+        "description": "how many",
+    }
+    assert (fields["alpha"]["type"], fields["alpha"]["default"]) == ("number", 0.5)
+    assert (fields["end"]["type"], fields["end"]["format"]) == ("string", "date")
+    assert fields["tags"]["items"] == {"type": "string"}
+    assert fields["mode"]["enum"] == ["fit", "score"]
+    assert fields["limit"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+    assert "type" not in fields["seed"] and "default" not in fields["seed"]
+    assert fields["seed"]["description"] == "from the clock; default in the notebook: make_seed()"
+    assert fields["weights"]["additionalProperties"] == {"type": "number"}
+    assert "type" not in fields["model"]  # a class of the notebook's own: any value
+    jsonschema.validate({"n": 4, "limit": None, "mode": "score", "model": [1]}, schema)
+    for wrong in ({"n": "four"}, {"mode": "guess"}, {"tags": [1]}, {"limit": 1.5}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
 
 
 PRIVATE_NAMES = frozenset(

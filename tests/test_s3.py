@@ -131,6 +131,17 @@ async def test_inputs_from_s3_and_odd_artifacts_round_trip(
     )
     summary = json.loads(_fresh_download(moto, bucket.bucket_name, f"{prefix}/summary.json"))
     assert summary["status"] == "completed" and len(summary["artifacts"]) == 4
+    # Each object carries its Content-Type (a browser shows a presigned PNG, not a download).
+    content_types = {
+        path: client.head_object(Bucket=bucket.bucket_name, Key=f"{prefix}/{path}")["ContentType"]
+        for path in ["résumé plot.png", "executed.ipynb", "summary.json", "out dir/年 report.txt"]
+    }
+    assert content_types == {
+        "résumé plot.png": "image/png",
+        "executed.ipynb": "application/x-ipynb+json",
+        "summary.json": "application/json",
+        "out dir/年 report.txt": "text/plain",
+    }
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey

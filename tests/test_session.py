@@ -566,7 +566,16 @@ async def test_the_co2_agent_example_fixes_its_bug_and_stores_a_figure_and_metri
     out = tmp_path / "out"
     found = await example.co2_agent(out=str(out), backend=LocalKernelBackend())
     assert found["steps"] == [(1, 1, "ok"), (2, 2, "ok"), (3, 1, "ok"), (4, 1, "ok")]
-    assert found["last"] == "```stdout\nsaved figures/co2_agent.png\n```"
+    assert found["last"] == "saved figures/co2_agent.png"
+    assert example.report(found, "out").splitlines() == [
+        "The agent ran 4 step(s):",
+        "  step 1: ok",
+        "  step 2: ok, fixed after 1 failed attempt(s)",
+        "  step 3: ok",
+        "  step 4: ok",
+        "Its last cell printed: saved figures/co2_agent.png",
+        "Files (executed.ipynb, figures, metrics.json, summary.json) are in out/",
+    ]
     folder = _only_folder(out)
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["holdout_months"] == 60 and 0 < metrics["holdout_rmse_ppm"] < 2

@@ -182,6 +182,36 @@ def test_the_table_caps_rows_and_metric_columns_and_keeps_its_own_columns() -> N
     assert (first["status"], first["metric status"]) == ("failed", "forged")
 
 
+def test_the_clis_table_lines_up_parameters_and_metrics_as_plain_text() -> None:
+    from prefect_sandbox.flows.sweep.table import sweep_text_table
+    from prefect_sandbox.results import BranchResult, SweepResult
+
+    branches = [
+        BranchResult(
+            index=0, parameters={"train_end": "1990-12-31"}, status="completed",
+            metrics={"mae": 0.412345678, "n": 12}, output_dir="out/s/b-0",
+        ),
+        BranchResult(
+            index=1, parameters={"train_end": "\x1b[31m1996\x1b[0m" + "9" * 50},
+            status="failed", output_dir="out/s/b-1",
+        ),
+    ]  # fmt: skip
+    result = SweepResult(
+        flow_run_id="id", flow_run_name="s", status="failed", mode="subflow",
+        notebook="nb.ipynb", output_dir="out", metrics_artifact="metrics.json",
+        duration_s=1.0, branches=branches,
+    )  # fmt: skip
+    header, first, second = sweep_text_table(result)
+    assert header.split() == ["branch", "status", "parameters", "mae", "n", "folder"]
+    expected = ["0", "completed", 'train_end="1990-12-31"', "0.412346", "12", "out/s/b-0"]
+    assert first.split() == expected
+    assert "\x1b" not in second and "…" in second
+    assert second.split()[-3:] == ["-", "-", "out/s/b-1"]
+    # The columns line up: each starts where its header does.
+    assert first.index("0.412346") == header.index("mae")
+    assert second[header.index("mae")] == "-" and first[header.index("folder") :] == "out/s/b-0"
+
+
 def test_the_tables_column_names_are_plain_text_and_unique_and_its_values_escaped() -> None:
     from prefect_sandbox.flows.sweep import sweep_table
     from prefect_sandbox.results import BranchResult, SweepResult

@@ -117,7 +117,7 @@ async def co2_agent(out: str = "out", backend: SandboxBackend | None = None) -> 
     """The scripted agent's run: one sandbox session, its cells decided as it goes.
 
     Returns:
-        ``{"steps": [(step, attempts, status), ...], "last": the last cell's text}``.
+        ``{"steps": [(step, attempts, status), ...], "last": what the last cell printed}``.
     """
     async with sandbox_session(
         backend=backend,
@@ -128,11 +128,26 @@ async def co2_agent(out: str = "out", backend: SandboxBackend | None = None) -> 
         steps = await run_agent(ScriptedModel(), session)
     return {
         "steps": [(step.step, step.attempt, step.status) for step in steps],
-        "last": steps[-1].text,
+        "last": "".join(
+            o["text"] for o in steps[-1].cell.outputs if o["output_type"] == "stream"
+        ).strip(),
     }
+
+
+def report(found: dict[str, Any], out: str) -> str:
+    """What the run did, for a person: a line per step (status, and how many attempts it took),
+    the last cell's output, and where the files are."""
+    lines = [f"The agent ran {len(found['steps'])} step(s):"]
+    for step, attempts, status in found["steps"]:
+        fixed = f", fixed after {attempts - 1} failed attempt(s)" if attempts > 1 else ""
+        lines.append(f"  step {step}: {status}{fixed}")
+    lines.append(f"Its last cell printed: {found['last']}")
+    lines.append(f"Files (executed.ipynb, figures, metrics.json, summary.json) are in {out}/")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", default="out", help="the folder to store the run's files in")
-    print(asyncio.run(co2_agent(out=parser.parse_args().out)))
+    out = parser.parse_args().out
+    print(report(asyncio.run(co2_agent(out=out)), out))

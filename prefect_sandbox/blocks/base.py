@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator, model_validator
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
 from prefect_sandbox.sandbox.base import (
     Sandbox,
@@ -20,12 +21,13 @@ from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSetti
 
 __all__ = ["DOCS_URL", "SandboxBackend", "docs_page"]
 
-DOCS_URL = "https://prefect-sandbox.github.io/prefect-sandbox/"
-"""Where the documentation site (``docs/``, built by MkDocs) is published: ``site_url`` in
-``mkdocs.yml``. The blocks' "View Docs" link in the Prefect UI points at its pages."""
+DOCS_URL: str | None = None
+"""Where the documentation site (``docs/``, built by MkDocs) is published, ``site_url`` in
+``mkdocs.yml``; None while it is published nowhere. The blocks' "View Docs" link in the Prefect
+UI points at its pages, and is left out while this is None."""
 
 
-def docs_page(path: str) -> str:
+def docs_page(path: str) -> str | None:
     """The published address of a documentation page.
 
     Args:
@@ -33,9 +35,9 @@ def docs_page(path: str) -> str:
             ``docs/backends/e2b.md``).
 
     Returns:
-        ``DOCS_URL`` followed by ``path``.
+        ``DOCS_URL`` followed by ``path``; None while `DOCS_URL` is.
     """
-    return DOCS_URL + path
+    return None if DOCS_URL is None else DOCS_URL + path
 
 
 class SandboxBackend(Block, ABC):
@@ -92,6 +94,27 @@ class SandboxBackend(Block, ABC):
             "Empty for no cap."
         ),
     )
+
+    @classmethod
+    def model_json_schema(  # type: ignore[override]  # Prefect's Block signature, as it is
+        cls,
+        by_alias: bool = True,
+        ref_template: str = "#/definitions/{model}",
+        schema_generator: type[GenerateJsonSchema] = GenerateJsonSchema,
+        mode: JsonSchemaMode = "validation",
+    ) -> dict[str, Any]:
+        """Prefect's block schema, with a backend's own fields (Docker's image, E2B's
+        credentials and template) before the tuning fields every backend shares, here: the
+        UI's block form orders its fields by their ``position``, which Prefect numbers in
+        declaration order, the base class's fields first."""
+        schema = super().model_json_schema(by_alias, ref_template, schema_generator, mode)
+        properties: dict[str, Any] = schema.get("properties", {})
+        shared = [name for name in properties if name in SandboxBackend.model_fields]
+        order = [name for name in properties if name not in shared] + shared
+        schema["properties"] = {
+            name: {**properties[name], "position": position} for position, name in enumerate(order)
+        }
+        return schema
 
     def _common_settings(self) -> dict[str, Any]:
         """The `SandboxConfig` fields every backend's config takes from these blocks."""

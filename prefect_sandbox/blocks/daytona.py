@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["DaytonaBackend", "DaytonaCredentials"]
 
 # GitHub serves an organisation's square avatar at this address.
-_LOGO_URL = "https://github.com/daytonaio.png"
 _DOCS_URL = docs_page("backends/daytona/")
 
 
@@ -41,7 +40,6 @@ class DaytonaCredentials(CredentialsBlock):
 
     _block_type_name = "Daytona Credentials"
     _block_type_slug = "daytona-credentials"
-    _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "An API key for Daytona sandboxes, and the API's URL and region."
 
@@ -91,7 +89,6 @@ class DaytonaBackend(SandboxBackend):
 
     _block_type_name = "Daytona Sandbox"
     _block_type_slug = "daytona-sandbox"
-    _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in a Daytona sandbox that lives for one flow run."
     _sandbox_class = DaytonaSandbox

@@ -42,7 +42,6 @@ class DockerBackend(SandboxBackend):
     _block_type_name = "Docker Sandbox"
     _block_type_slug = "docker-sandbox"
     # Docker's organisation avatar, served square by GitHub.
-    _logo_url = "https://github.com/docker.png"  # type: ignore[assignment]
     _documentation_url = docs_page("backends/docker/")  # type: ignore[assignment]
     _description = "Runs notebook cells in a Docker container that lives for one flow run."
     _sandbox_class = DockerSandbox

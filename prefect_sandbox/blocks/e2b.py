@@ -21,7 +21,6 @@ from prefect_sandbox.sandbox.backends.e2b import (
 __all__ = ["E2BBackend", "E2BCredentials"]
 
 # GitHub serves an organisation's square avatar at this address.
-_LOGO_URL = "https://github.com/e2b-dev.png"
 _DOCS_URL = docs_page("backends/e2b/")
 
 
@@ -41,7 +40,6 @@ class E2BCredentials(CredentialsBlock):
 
     _block_type_name = "E2B Credentials"
     _block_type_slug = "e2b-credentials"
-    _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "An API key for E2B cloud sandboxes, and optional endpoint settings."
 
@@ -122,7 +120,6 @@ class E2BBackend(SandboxBackend):
 
     _block_type_name = "E2B Sandbox"
     _block_type_slug = "e2b-sandbox"
-    _logo_url = _LOGO_URL  # type: ignore[assignment]
     _documentation_url = _DOCS_URL  # type: ignore[assignment]
     _description = "Runs notebook cells in an E2B cloud sandbox that lives for one flow run."
     _sandbox_class = E2BSandbox

@@ -55,12 +55,28 @@ class LocalKernelBackend(SandboxBackend):
 
     _block_type_name = "Local Kernel Sandbox"
     _block_type_slug = "local-kernel-sandbox"
-    _logo_url = "https://jupyter.org/assets/homepage/main-logo.svg"  # type: ignore[assignment]
     _documentation_url = docs_page("backends/local/")  # type: ignore[assignment]
     _description = "Runs notebook cells in a local Jupyter kernel that lives for one flow run."
     _sandbox_class = LocalKernelSandbox
     backend_slug = BACKEND_SLUG
 
+    isolation: Isolation = Field(
+        default="bubblewrap",
+        title="Isolation",
+        description=(
+            "bubblewrap: the kernel sees only its working directory, /usr and its Python "
+            "environment, its own processes, and no network (needs the bwrap program). "
+            "none: a plain process of this user that can read everything the user can."
+        ),
+    )
+    network: bool = Field(
+        default=False,
+        title="Network",
+        description=(
+            "Under bubblewrap, let the kernel use this machine's network (its ports, the "
+            "Prefect API, the internet); off, it has only its own loopback."
+        ),
+    )
     kernel_name: str = Field(
         default="python3",
         title="Kernel name",
@@ -122,24 +138,6 @@ class LocalKernelBackend(SandboxBackend):
         description=(
             "CPU seconds each process of the sandbox may use, not a total; past it that "
             "process dies (the kernel: the sandbox dies). Empty for none."
-        ),
-    )
-
-    isolation: Isolation = Field(
-        default="bubblewrap",
-        title="Isolation",
-        description=(
-            "bubblewrap: the kernel sees only its working directory, /usr and its Python "
-            "environment, its own processes, and no network (needs the bwrap program). "
-            "none: a plain process of this user that can read everything the user can."
-        ),
-    )
-    network: bool = Field(
-        default=False,
-        title="Network",
-        description=(
-            "Under bubblewrap, let the kernel use this machine's network (its ports, the "
-            "Prefect API, the internet); off, it has only its own loopback."
         ),
     )
 

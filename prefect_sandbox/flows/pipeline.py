@@ -100,6 +100,7 @@ async def _checked_run(
     storage: S3Bucket | str | None,
     cell_timeout_s: float | None,
     parameters: dict[str, Any] | None = None,
+    stage_heading_level: int = 1,
 ) -> PipelineResult:
     """The pipeline flows' common path, given their parameters: refuse a deployment run's or a
     bad parameter (before any sandbox starts), make the notebook with ``make_source``, then run
@@ -116,7 +117,7 @@ async def _checked_run(
     source = make_source()
     return await _run_pipeline(
         source,
-        split_stages(source),
+        split_stages(source, stage_heading_level),
         inputs=inputs or [],
         artifacts=artifacts or [],
         backend=backend,
@@ -210,13 +211,15 @@ async def arun_notebook(
     backend: BackendBlock | None = None,
     storage: S3Bucket | str | None = None,
     cell_timeout_s: float | None = None,
+    stage_heading_level: int = 1,
 ) -> PipelineResult:
     """Run a notebook stage by stage in one sandbox and store what it made.
 
-    Stages are the cells tagged ``stage:{name}`` or, untagged, one per top-level markdown
-    heading. The artifacts keep their relative paths in ``storage``, beside ``executed.ipynb``,
-    the inline figures (``inline-figures/``) and ``summary.json``; an artifact with one of
-    those names is stored as ``sandbox-<name>`` (`own_names_kept`), with a warning.
+    Stages are the cells tagged ``stage:{name}`` or, untagged, one per markdown heading of
+    level ``stage_heading_level`` or above (``# `` headings by default). The artifacts keep
+    their relative paths in ``storage``, beside ``executed.ipynb``, the inline figures
+    (``inline-figures/``) and ``summary.json``; an artifact with one of those names is stored
+    as ``sandbox-<name>`` (`own_names_kept`), with a warning.
 
     Args:
         notebook: Path of the .ipynb to run, on the machine that runs the flow.
@@ -235,6 +238,8 @@ async def arun_notebook(
             PREFECT_SANDBOX_STORAGE, else the folder prefect-sandbox-output.
         cell_timeout_s: Seconds each cell may run, -1 for no limit; the backend block's
             cell_timeout_s when empty.
+        stage_heading_level: In a notebook without stage tags, the deepest markdown heading
+            level that opens a stage: 1 for '# ' headings only, 2 for '## ' ones too, up to 6.
 
     Returns:
         The run's `PipelineResult`.
@@ -248,7 +253,8 @@ async def arun_notebook(
             (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an ``s3://``
             storage or input naming no valid bucket), before any sandbox starts;
             `UnsafePathError` for an artifact pattern or ``s3://`` key that climbs.
-        NotebookError: the notebook or a parameter is invalid (names the cell or parameter).
+        NotebookError: the notebook or a parameter is invalid (names the cell or parameter),
+            or ``stage_heading_level`` is not 1 to 6.
         PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
             notebook, artifacts and summary.json were stored.
         prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
@@ -269,7 +275,15 @@ async def arun_notebook(
         return source
 
     return await _checked_run(
-        notebook, make_source, inputs, artifacts, backend, storage, cell_timeout_s, parameters
+        notebook,
+        make_source,
+        inputs,
+        artifacts,
+        backend,
+        storage,
+        cell_timeout_s,
+        parameters,
+        stage_heading_level,
     )
 
 

@@ -382,9 +382,14 @@ class PipelineRun:
     async def _run_stage(
         self, handle: SandboxHandle, stage: StageSpec, cell_timeout_s: float | None
     ) -> None:
+        # The stage before's result: Prefect draws the stage task runs as the chain they are
+        # (it knows the task run that returned that object), not as a fan of parallel ones.
+        before = self.stage_results[-1:]
         with stage_progress() as progress:
             try:
-                result = await run_stage(self.backend, handle, stage, cell_timeout_s)
+                result = await run_stage(
+                    self.backend, handle, stage, cell_timeout_s, wait_for=before
+                )
             except (SandboxError, asyncio.CancelledError) as exc:
                 partial = partial_stage_result(exc, progress)
                 if partial is not None:

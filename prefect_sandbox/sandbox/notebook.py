@@ -161,7 +161,9 @@ def parse_parameter(assignment: str) -> tuple[str, Any]:
     """
     name, sep, raw = assignment.partition("=")
     if not sep:
-        raise NotebookError(f"parameter {assignment!r} must look like NAME=VALUE")
+        raise NotebookError(
+            f"parameter {assignment!r} must look like NAME=VALUE (or NAME VALUE, as papermill's)"
+        )
     problem = parameter_name_problem(name)
     if problem:
         raise NotebookError(f"parameter name {name!r} (in {assignment!r}) {problem}")
@@ -412,12 +414,13 @@ def inject_parameters(notebook: NotebookNode, parameters: Mapping[str, Any]) -> 
     return result
 
 
-def split_stages(notebook: NotebookNode) -> list[StageSpec]:
+def split_stages(notebook: NotebookNode, heading_level: int = 1) -> list[StageSpec]:
     """Split a notebook's code cells into stages.
 
     If any cell carries a ``stage:<name>`` tag, a cell's stage is its tag, else that of the cell
-    before it. Otherwise each markdown cell's first top-level heading (``# Title``, in any
-    script; CommonMark, so not a ``#`` line in a code block) opens a stage named by its slug:
+    before it. Otherwise each markdown cell's first heading of level ``heading_level`` or above
+    (with the default 1, ``# Title``; with 2, ``## Part`` too; in any script; CommonMark, so not
+    a ``#`` line in a code block) opens a stage named by its slug:
     ``# Données brutes`` -> ``données-brutes``, ``# 数据加载`` -> ``数据加载``, a heading with
     no letters or digits ``heading-<n>`` (its number among the headings); a slug seen before
     gets ``-2``, ``-3``... Code cells before the first stage form a stage named ``setup``.
@@ -427,9 +430,11 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
         The stages in notebook order, empty stages left out.
 
     Raises:
-        NotebookError: a cell has two stage tags, or a stage's cells are not consecutive
-            (names the cell).
+        NotebookError: a cell has two stage tags, a stage's cells are not consecutive
+            (names the cell), or ``heading_level`` is not 1 to 6.
     """
+    if heading_level not in range(1, 7):
+        raise NotebookError(f"the stage heading level must be 1 to 6, not {heading_level!r}")
     tagged = any(_stage_tag(cell, index) for index, cell in enumerate(notebook.cells))
     stages: list[StageSpec] = []
     current = LEADING_STAGE
@@ -439,7 +444,7 @@ def split_stages(notebook: NotebookNode) -> list[StageSpec]:
         if tagged:
             current = _stage_tag(cell, index) or current
         elif cell.cell_type == "markdown":
-            heading = _top_heading(cell.source)
+            heading = _top_heading(cell.source, heading_level)
             if heading is not None:
                 headings += 1
                 slug = _slug(heading) or f"heading-{headings}"
@@ -486,15 +491,16 @@ _MARKDOWN = MarkdownIt("commonmark")
 _TEXT_TOKENS = {"text": "", "code_inline": "", "image": "", "softbreak": " ", "hardbreak": " "}
 
 
-def _top_heading(markdown: str) -> str | None:
-    """The text of the first top-level heading of a markdown cell, or None if it has none.
+def _top_heading(markdown: str, level: int = 1) -> str | None:
+    """The text of the first heading of ``level`` or above (``h1`` to ``h{level}``) of a
+    markdown cell, or None if it has none.
 
     Parsed as CommonMark: ``# Title`` and setext headings count, ``#`` lines in fenced or
     indented code do not; emphasis, code and link markup are dropped, leaving the words.
     """
     tokens = _MARKDOWN.parse(markdown)
     for opening, inline in itertools.pairwise(tokens):
-        if opening.type == "heading_open" and opening.tag == "h1":
+        if opening.type == "heading_open" and int(opening.tag[1:]) <= level:
             return "".join(
                 child.content or _TEXT_TOKENS[child.type]
                 for child in inline.children or []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import mimetypes
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -48,6 +49,7 @@ __all__ = [
     "LocalFolderStore",
     "PlannedInput",
     "S3Store",
+    "content_type_of",
     "fetch_inputs",
     "input_credentials",
     "normalised_s3_key",
@@ -262,6 +264,28 @@ class LocalFolderStore(ArtifactStore):
         return self.output_dir
 
 
+_MIME_TYPES = mimetypes.MimeTypes()  # Python's own table only: the same on every machine
+_MIME_TYPES.add_type("application/x-ipynb+json", ".ipynb")  # Jupyter's name for notebooks
+_COMPRESSED_TYPES = {
+    "gzip": "application/gzip",
+    "bzip2": "application/x-bzip2",
+    "xz": "application/x-xz",
+    "br": "application/x-brotli",
+}
+
+
+def content_type_of(key: str) -> str | None:
+    """The Content-Type an S3 object is stored with, from its name's extension (Python's
+    ``mimetypes`` table, not the machine's): ``image/png``, ``application/json``,
+    ``application/x-ipynb+json`` for a notebook; a compressed file's compression
+    (``data.csv.gz`` is ``application/gzip``: never a Content-Encoding, so a browser saves
+    what was stored); None for an unknown extension (S3 then says ``binary/octet-stream``)."""
+    kind, encoding = _MIME_TYPES.guess_type(key, strict=False)
+    if encoding is not None:
+        return _COMPRESSED_TYPES.get(encoding)
+    return kind
+
+
 class S3Store(ArtifactStore):
     """Objects at ``<bucket_folder>/<prefix>/<relative path>`` of an `S3Bucket` block.
 
@@ -388,10 +412,11 @@ class S3Store(ArtifactStore):
             multipart_chunksize=MULTIPART_CHUNK_BYTES,
             max_concurrency=_MAX_CONCURRENCY,
         )
-        upload_kwargs: dict[str, Any] = {
-            "ExtraArgs": {"ChecksumAlgorithm": "SHA256"},
-            "Config": config,
-        }
+        extra_args = {"ChecksumAlgorithm": "SHA256"}
+        content_type = content_type_of(key_in_folder)
+        if content_type is not None:
+            extra_args["ContentType"] = content_type
+        upload_kwargs: dict[str, Any] = {"ExtraArgs": extra_args, "Config": config}
         bucket = self._bucket
         retrying = sync_retrying(
             attempts=_ATTEMPTS, retry_if=_is_transient, what=f"S3 upload of {key_in_folder!r}"

@@ -84,6 +84,7 @@ async def _checked_parameters(
     deployment: str | None,
     metrics_artifact: str | None,
     task_runner: str | None,
+    stage_heading_level: int,
 ) -> _Plan:
     """Every rule on the sweep's parameters (`prefect_sandbox.options.SweepOptions`, then the
     grid, the notebook or the deployment), checked before any branch starts (the flow's
@@ -108,7 +109,7 @@ async def _checked_parameters(
 
         runner = dask_task_runner(task_runner)
     if deployment is None:
-        split_stages(read_notebook(Path(notebook)))
+        split_stages(read_notebook(Path(notebook)), stage_heading_level)
     else:
         deployment = await checked_deployment(deployment)
     if metrics_artifact and metrics_artifact not in (artifacts or []):
@@ -230,6 +231,7 @@ async def asweep_notebook(
     metrics_artifact: str | None = "metrics.json",
     task_runner: str | None = None,
     max_sandboxes: int | None = None,
+    stage_heading_level: int = 1,
 ) -> SweepResult:
     """Run a notebook once per parameter set, each run in its own sandbox, concurrently.
 
@@ -267,6 +269,7 @@ async def asweep_notebook(
             `prefect_sandbox.flows.dask`). Empty: branches are subflows in this process.
         max_sandboxes: Deprecated: the old name of ``max_live_sandboxes`` (a
             `DeprecationWarning`; giving both is a `ValueError`).
+        stage_heading_level: The branches' stage heading level (see `arun_notebook`).
 
     Returns:
         The `SweepResult`: every branch with its parameters, status, flow run, location,
@@ -283,8 +286,8 @@ async def asweep_notebook(
             `UnsafePathError`), the deployment is unknown or of another flow, or a block to
             send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
-        NotebookError: the notebook is invalid (subflow and Dask modes, before any branch
-            starts).
+        NotebookError: the notebook or ``stage_heading_level`` is invalid (subflow and Dask
+            modes, before any branch starts).
         SweepFailedError: a branch failed, was cancelled or crashed; every branch ran to its
             end and ``sweep.json`` was stored (the message names each such branch and where
             its partial results are).
@@ -299,7 +302,7 @@ async def asweep_notebook(
     )
     plan = await _checked_parameters(
         notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_live_sandboxes,
-        deployment, metrics_artifact, task_runner,
+        deployment, metrics_artifact, task_runner, stage_heading_level,
     )  # fmt: skip
     context = FlowRunContext.get()
     assert context is not None and context.flow_run is not None and context.flow is not None
@@ -321,6 +324,7 @@ async def asweep_notebook(
                 storage=_branch_storage(storage, store, plan.mode),
                 cell_timeout_s=cell_timeout_s,
                 sweep_limit=limit,
+                stage_heading_level=stage_heading_level,
             )
             launcher = _launcher(plan, options, flow_run.id)
             poll_s = PrefectSandboxSettings().cancel_poll_s

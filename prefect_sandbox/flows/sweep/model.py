@@ -47,10 +47,13 @@ class BranchOptions:
     storage: S3Bucket | str
     cell_timeout_s: float | None
     sweep_limit: LiveLimit | None = None
+    stage_heading_level: int = 1
 
     def arguments(self) -> dict[str, Any]:
-        """The options as `arun_notebook`'s keyword arguments (the limit is not one)."""
-        return {
+        """The options as `arun_notebook`'s keyword arguments (the limit is not one; the
+        heading level only when not the default, so a deployment made before it had that
+        parameter still takes the runs)."""
+        arguments = {
             "notebook": self.notebook,
             "inputs": self.inputs,
             "artifacts": self.artifacts,
@@ -58,6 +61,9 @@ class BranchOptions:
             "storage": self.storage,
             "cell_timeout_s": self.cell_timeout_s,
         }
+        if self.stage_heading_level != 1:
+            arguments["stage_heading_level"] = self.stage_heading_level
+        return arguments
 
     def with_absolute_paths(self) -> BranchOptions:
         """These options with relative local paths (notebook, inputs, storage folder) made

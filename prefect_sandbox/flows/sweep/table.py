@@ -12,8 +12,9 @@ from prefect_sandbox.flows.metrics import Metric
 from prefect_sandbox.flows.sweep.model import SWEEP_NAME
 from prefect_sandbox.markdown_text import table_cell, table_header
 from prefect_sandbox.results import SweepResult
+from prefect_sandbox.sandbox.outputs import strip_ansi
 
-__all__ = ["METRIC_COLUMNS", "TABLE_ROWS_SHOWN", "sweep_table"]
+__all__ = ["METRIC_COLUMNS", "TABLE_ROWS_SHOWN", "sweep_table", "sweep_text_table"]
 
 METRIC_COLUMNS = 8
 """Metrics shown as columns of the table artifact at most (all are in ``sweep.json``)."""
@@ -85,3 +86,42 @@ def sweep_table(result: SweepResult) -> list[dict[str, str]]:
     if rest > 0:
         rows.append({"branch": f"… and {rest} more branch(es), all listed in {SWEEP_NAME}"})
     return rows
+
+
+TEXT_CELL_CHARS = 40
+"""Characters of one cell of the CLI's table at most; longer ones end in ``…``."""
+
+
+def _text_cell(text: str) -> str:
+    """A branch's text for a terminal: no controls, on one line, cut at `TEXT_CELL_CHARS`."""
+    flat = " ".join(strip_ansi(text).split())
+    return flat if len(flat) <= TEXT_CELL_CHARS else flat[: TEXT_CELL_CHARS - 1] + "…"
+
+
+def sweep_text_table(result: SweepResult) -> list[str]:
+    """The CLI's table of a sweep's branches, the artifact's columns as plain text: branch,
+    status, parameters, the first `METRIC_COLUMNS` metrics, and the branch's folder (all
+    branches; a branch's texts without terminal controls, cut at `TEXT_CELL_CHARS`).
+
+    Returns:
+        Lines, a header first, columns padded to line up; the folder column uncut, last.
+    """
+    names: list[str] = []
+    for branch in result.branches:
+        names += [name for name in branch.metrics if name not in names]
+    names = names[:METRIC_COLUMNS]
+    header = ["branch", "status", "parameters", *(_text_cell(name) for name in names), "folder"]
+    rows = [header]
+    for branch in result.branches:
+        metrics = [
+            _text_cell(_metric_text(branch.metrics[name])) if name in branch.metrics else "-"
+            for name in names
+        ]
+        parameters = _text_cell(_parameters_text(branch.parameters)) or "-"
+        folder = strip_ansi(branch.output_dir or "-")
+        rows.append([str(branch.index), branch.status, parameters, *metrics, folder])
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    return [
+        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]])
+        for row in rows
+    ]
