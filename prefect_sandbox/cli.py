@@ -240,22 +240,8 @@ class _RenamedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def _add_run_command(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
-) -> argparse.ArgumentParser:
-    """Add the subcommand ``name`` (``run`` or ``sweep``) with the examples as its epilog and
-    the options both share: notebook, backend, files, storage, timeout.
-
-    Returns:
-        The subcommand's parser, for the options of its own.
-    """
-    command = commands.add_parser(
-        name,
-        help=help_text,
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    command.add_argument("notebook", help="the .ipynb to run")
+def _add_output_options(command: argparse.ArgumentParser) -> None:
+    """Add what a run prints to a subcommand: ``-q``, ``-v`` and ``--json``."""
     loudness = command.add_mutually_exclusive_group()
     loudness.add_argument(
         "-q",
@@ -277,6 +263,25 @@ def _add_run_command(
         "(status, output_dir, stages, artifacts with size_bytes and sha256, parameters, "
         "metrics) and exit_status; stderr is as quiet as with -q, unless -v",
     )
+
+
+def _add_run_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
+) -> argparse.ArgumentParser:
+    """Add the subcommand ``name`` (``run`` or ``sweep``) with the examples as its epilog and
+    the options both share: notebook, backend, files, storage, timeout.
+
+    Returns:
+        The subcommand's parser, for the options of its own.
+    """
+    command = commands.add_parser(
+        name,
+        help=help_text,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("notebook", help="the .ipynb to run")
+    _add_output_options(command)
     command.add_argument(
         "--backend",
         choices=["local", "e2b", "daytona", "docker"],

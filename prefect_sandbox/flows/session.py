@@ -136,6 +136,16 @@ def _checked_code(code: object, what: str) -> str:
     return code
 
 
+def _checked_attempts(max_attempts: int | None, fix: Fixer | None) -> int:
+    """A step's attempts at most: ``max_attempts``, else `DEFAULT_FIX_ATTEMPTS` with a fixer
+    and 1 without. Raises ValueError for one that is not an int of at least 1."""
+    if max_attempts is None:
+        return 1 if fix is None else DEFAULT_FIX_ATTEMPTS
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ValueError(f"max_attempts must be an int of at least 1, not {max_attempts!r}")
+    return max_attempts
+
+
 def _merge_attempt(step: StageResult, attempt: StageResult) -> None:
     """Add an attempt's cell to its step's result; the step's status is its last attempt's."""
     step.cells.extend(attempt.cells)
@@ -264,14 +274,11 @@ class SandboxSession:
         output goes to the run log, and a cell of the executed notebook whose
         ``metadata.prefect_sandbox`` holds its ``step`` and ``attempt``.
 
-        A kernel that dies during a cell (``exit()``, ``os._exit``, a crash, the OOM killer)
-        is data too: a fresh kernel is started (the ``restart-kernel`` task) and the attempt
-        ends as an error (``SandboxDiedError``) whose message says that the state is gone. A
-        call that is cancelled (its task cancelled, ``asyncio.wait_for``, a framework's tool
-        timeout) interrupts its cell, and restarts the kernel when the cell ignores that, as a
-        timeout does, before the cancellation is raised: the next call runs at once. The
-        notebook keeps the cell's outputs up to the stop, then a ``RunCancelled`` error saying
-        how it stopped.
+        A kernel that dies in a cell (``exit()``, ``os._exit``, a crash, the OOM killer) is
+        restarted (task ``restart-kernel``); the attempt ends as a ``SandboxDiedError`` error
+        saying the state is gone. A cancelled call (``asyncio.wait_for``, a tool timeout)
+        stops its cell as a timeout does before the cancellation is raised, so the next call
+        runs at once; the notebook keeps the outputs, then ``RunCancelled`` saying how.
 
         Args:
             code: the cell's source.
@@ -302,10 +309,7 @@ class SandboxSession:
         """
         self._check_open()
         _checked_code(code, "code")
-        if max_attempts is None:
-            max_attempts = 1 if fix is None else DEFAULT_FIX_ATTEMPTS
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"max_attempts must be an int of at least 1, not {max_attempts!r}")
+        max_attempts = _checked_attempts(max_attempts, fix)
         if timeout_s is None:
             timeout_s = self._cell_timeout_s
         else:
