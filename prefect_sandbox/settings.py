@@ -162,6 +162,16 @@ class PrefectSandboxSettings(BaseSettings):
             "the run Cancelled) within this, plus the kill and storing, wherever it runs."
         ),
     )
+    setup_attempts: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "How many sandboxes a run may make to get one set up: a transient failure before "
+            "the first cell (the create, its code context or first execution, the inputs' "
+            "upload) kills that sandbox and makes a fresh one, after a back-off, up to this "
+            "many set-ups in all; 1: none again."
+        ),
+    )
     warm_pool_size: int = Field(
         default=0,
         ge=0,

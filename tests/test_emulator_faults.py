@@ -361,22 +361,56 @@ async def test_a_kill_that_keeps_failing_is_a_warning_naming_the_sandbox_not_a_l
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 
-# Made per test: a fault counts down the calls it hits.
+# Made per test: a fault counts down the calls it hits. Each hits one set-up, once.
 SET_UP_FAULTS: dict[str, Callable[[], list[Fault]]] = {
-    "503-context-create": lambda: [Fault("create_context", status=503, times=None)],
+    "502-context-create": lambda: [Fault("create_context", status=502)],
     # The set-up's first execution (display hooks, the runner) loses its connection, and the
     # kill that follows meets a 500 once.
     "dropped-set-up": lambda: [Fault("run_code", drop=True), Fault("delete", status=500)],
+    # The input's upload stays unavailable through the backend's own retries.
+    "503-upload": lambda: [Fault("upload", status=503, times=4)],
 }
 
 
 @pytest.mark.parametrize("faults", sorted(SET_UP_FAULTS))
 @pytest.mark.usefixtures("prefect_api")
-async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
+async def test_one_failed_set_up_is_met_with_a_fresh_sandbox(
     vendor: Vendor, tmp_path: Path, caplog: pytest.LogCaptureFixture, faults: str
 ) -> None:
     caplog.set_level(logging.INFO)
+    given = tmp_path / "given.txt"
+    given.write_text("input")
     vendor.emulator.inject(*SET_UP_FAULTS[faults]())
+    start = time.monotonic()
+    result = await amodeling_pipeline(
+        stages={"one": ["open('made.txt', 'w').write(open('given.txt').read() + ' used')"]},
+        inputs=[str(given)],
+        artifacts=["made.txt"],
+        backend=vendor.backend(),
+        storage=str(tmp_path / "out"),
+    )
+    assert any(r.faulted for r in vendor.emulator.requests if r.at >= start), "no fault hit"
+    assert result.status == "completed" and result.setup_attempts == 2
+    summary = _summary(result.output_dir)
+    assert summary["setup_attempts"] == 2 and summary["warnings"] == []
+    assert (Path(result.output_dir) / "made.txt").read_text() == "input used"
+    told = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert any("trying again in" in line for line in told)
+    # The real cause, never the SDK's guess at one for a 502.
+    assert not [line for line in told if "likely due to sandbox timeout" in line]
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: result.flow_run_id}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_set_up_that_keeps_failing_kills_each_sandbox_and_stores_the_summary(
+    vendor: Vendor,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("PREFECT_SANDBOX_SETUP_ATTEMPTS", "2")
+    vendor.emulator.inject(Fault("create_context", status=502, times=None))
     start = time.monotonic()
     try:
         with pytest.raises(PipelineFailedError) as info:
@@ -387,14 +421,17 @@ async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
         vendor.emulator.clear_faults()
     assert isinstance(info.value.__cause__, SandboxUnavailableError)
     summary = _summary(info.value.output_dir)
-    assert summary["status"] == "failed"
+    assert summary["status"] == "failed" and summary["setup_attempts"] == 2
     assert summary["stages"] == [
         {**summary["stages"][0], "name": "one", "status": "not_run"},
     ]
     assert summary["error"] == str(info.value)
+    # The real cause, not the SDK's guess at one.
+    assert "Bad Gateway" in summary["error"] and "set-up failed 2 times" in summary["error"]
+    assert "likely due to sandbox timeout" not in summary["error"]
     assert "set-up failed; killing it" in caplog.text
     assert "could not be killed" not in caplog.text
-    assert len(vendor.since("delete", start)) >= 1
+    assert len(vendor.since("delete", start)) >= 2
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 

@@ -150,11 +150,10 @@ async def _run_pipeline(
             if run.failure is not None:
                 await run.store_made(outputs)  # refused before a sandbox starts
             else:
-                async with run.sandbox_then_store(flow_run, outputs) as handle:
+                async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
                     await run.execute(
                         handle,
                         staging,
-                        inputs=inputs,
                         artifacts=artifacts,
                         cell_timeout_s=cell_timeout_s,
                     )

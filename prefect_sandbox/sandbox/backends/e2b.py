@@ -134,6 +134,9 @@ _KERNEL_RESTARTED = "ContextRestarting"
 _SERVER_LOST_CELL = frozenset({"UnexpectedEndOfExecution", "WebSocketError", "ExecutionAborted"})
 # How the SDK words a sandbox that is gone, in exceptions with no better type.
 _GONE_PHRASES = ("was not found", "sandbox was killed")
+# What the code interpreter SDK appends to the body of any 502 (e2b_code_interpreter's
+# models.format_exception), as a TimeoutException: a guess, never passed on as the cause.
+_SDK_502_GUESS = ": This error is likely due to sandbox timeout."
 _OWN_CELL_TIMEOUT_S = 60  # our own cells: priming, listing files
 # Where E2B's Jupyter server starts (and restarts) kernels: its root folder.
 _JUPYTER_ROOT = "/home/user"
@@ -542,6 +545,9 @@ def translate_error(
     during = " while running a cell" if in_cell else ""
     text = str(exc)
     status = _status_of(exc)
+    if isinstance(exc, e2b_errors.TimeoutException) and _SDK_502_GUESS in text:
+        text = f"Bad Gateway: {text.partition(_SDK_502_GUESS)[0].strip() or 'no body'}"
+        status = 502
     if status is None:
         status = _implied_status(exc, e2b_errors)
     if isinstance(exc, e2b_errors.AuthenticationException):
@@ -579,7 +585,9 @@ def translate_error(
         and status is not None
         and (status == 429 or status >= 500)
     ):
-        kind = type(exc).__name__
+        kind = (
+            "HTTPError" if status == 502 and text.startswith("Bad Gateway") else type(exc).__name__
+        )
         code = f" (HTTP {status})" if status is not None else ""
         return SandboxUnavailableError(
             f"{where}: {operation} failed{during}{code}: {kind}: {text}",
