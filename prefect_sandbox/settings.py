@@ -172,6 +172,16 @@ class PrefectSandboxSettings(BaseSettings):
             "many set-ups in all; 1: none again."
         ),
     )
+    transfer_retry_budget_s: float = Field(
+        default=120.0,
+        gt=0,
+        description=(
+            "Seconds a run may spend, all its artifacts together, waiting out rate limits "
+            "(429) and other transient failures of listing and downloading its artifacts "
+            "once the backend's own retries gave up; a file still not fetched then is named "
+            "in summary.json's warnings."
+        ),
+    )
     warm_pool_size: int = Field(
         default=0,
         ge=0,

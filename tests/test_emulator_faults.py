@@ -460,3 +460,56 @@ async def test_a_first_cell_that_cannot_reach_the_sandbox_is_named_in_the_summar
     notebook = json.loads((Path(info.value.output_dir or "") / "executed.ipynb").read_text())
     assert notebook["cells"][0]["outputs"][-1]["ename"] == "SandboxUnavailableError"
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+# The call an artifact listing makes: E2B's envd lists a folder; Daytona's is a script run by
+# the toolbox's process exec.
+_LISTING = {"e2b": "list_files", "daytona": "exec"}
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_429_burst_on_listing_and_download_loses_no_artifact(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    # Each burst outlasts the backend's own 4 tries.
+    vendor.emulator.inject(
+        Fault(_LISTING[vendor.name], status=429, retry_after_s=1, times=6),
+        Fault("download", status=429, retry_after_s=1, times=5),
+    )
+    start = time.monotonic()
+    result = await amodeling_pipeline(
+        stages={"one": ["open('made.txt', 'w').write('made')"]},
+        artifacts=["made.txt"],
+        backend=vendor.backend(),
+        storage=str(tmp_path),
+    )
+    faulted = [r.operation for r in vendor.emulator.requests if r.faulted and r.at >= start]
+    assert faulted.count("download") == 5 and len(faulted) == 11
+    assert result.status == "completed" and result.warnings == []
+    assert (Path(result.output_dir) / "made.txt").read_text() == "made"
+    assert _summary(result.output_dir)["warnings"] == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_an_artifact_that_stays_rate_limited_is_named_in_warnings_and_the_state(
+    vendor: Vendor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_SANDBOX_TRANSFER_RETRY_BUDGET_S", "1")
+    vendor.emulator.inject(Fault("download", status=429, retry_after_s=1, times=None))
+    try:
+        state = await amodeling_pipeline(
+            stages={"one": ["open('made.txt', 'w').write('made')"]},
+            artifacts=["made.txt"],
+            backend=vendor.backend(),
+            storage=str(tmp_path),
+            return_state=True,
+        )
+    finally:
+        vendor.emulator.clear_faults()
+    result = await state.result()
+    assert state.is_completed() and result.status == "completed"
+    [warning] = result.warnings
+    assert warning.startswith("artifact 'made.txt' not downloaded: ") and "429" in warning
+    assert "made.txt" in (state.message or "") and "1 warning" in (state.message or "")
+    assert _summary(result.output_dir)["warnings"] == [warning]
+    assert [a.path for a in result.artifacts] == ["executed.ipynb"]

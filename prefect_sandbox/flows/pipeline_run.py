@@ -56,7 +56,7 @@ from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     deadline_passed,
-    download_artifacts,
+    fetch_artifacts,
     kill_sandbox,
     partial_stage_result,
     run_stage,
@@ -87,6 +87,7 @@ __all__ = [
     "set_up_again",
     "timed_out_reason",
     "uncancel_current_task",
+    "warnings_note",
 ]
 
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
@@ -445,14 +446,17 @@ class PipelineRun:
         self, handle: SandboxHandle, staging: Path, artifacts: list[str]
     ) -> None:
         """Download the files matching ``artifacts`` into ``staging``, unless the sandbox is
-        already known to be gone; a failure becomes `failure` unless there already is one."""
+        already known to be gone; what could not be fetched is added to `warnings`, a failure
+        becomes `failure` unless there already is one."""
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
             try:
                 with shielded():
-                    self.downloaded = await download_artifacts(
+                    fetched = await fetch_artifacts(
                         self.backend, handle, artifacts, str(staging / "outputs")
                     )
+                self.downloaded = fetched.downloaded
+                self.warnings.extend(fetched.not_fetched)
             except SandboxError as exc:
                 # The notebook and summary.json are still stored; the run fails with this.
                 self.failure = self.failure or exc
@@ -600,6 +604,15 @@ class PipelineRun:
         get_run_logger().info(
             "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.output_dir
         )
+
+
+def warnings_note(warnings: list[str]) -> str:
+    """What a flow run's state message adds for the run's ``warnings``: ``""`` for none, else
+    ``"; 1 warning: artifact 'a.csv' not downloaded: ..."`` (capped as one line of text)."""
+    if not warnings:
+        return ""
+    count = f"{len(warnings)} warning{'s' if len(warnings) > 1 else ''}"
+    return cap_text(f"; {count}: {'; '.join(warnings)}")
 
 
 def timed_out_reason(timeout_seconds: float | None) -> str:

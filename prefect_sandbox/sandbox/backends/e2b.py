@@ -514,6 +514,16 @@ def _implied_status(exc: BaseException, errors: ModuleType) -> int | None:
     return None
 
 
+def _status_and_text(exc: BaseException, errors: ModuleType) -> tuple[int | None, str]:
+    """The HTTP status ``exc`` stands for (`_implied_status` when it carries none) and its
+    text, a 502's without the SDK's guess at its cause (`_SDK_502_GUESS`)."""
+    text = str(exc)
+    if isinstance(exc, errors.TimeoutException) and _SDK_502_GUESS in text:
+        return 502, f"Bad Gateway: {text.partition(_SDK_502_GUESS)[0].strip() or 'no body'}"
+    status = _status_of(exc)
+    return (_implied_status(exc, errors) if status is None else status), text
+
+
 def translate_error(
     exc: BaseException,
     *,
@@ -543,13 +553,7 @@ def translate_error(
 
     where = f"sandbox {sandbox_id}" if sandbox_id else "E2B"
     during = " while running a cell" if in_cell else ""
-    text = str(exc)
-    status = _status_of(exc)
-    if isinstance(exc, e2b_errors.TimeoutException) and _SDK_502_GUESS in text:
-        text = f"Bad Gateway: {text.partition(_SDK_502_GUESS)[0].strip() or 'no body'}"
-        status = 502
-    if status is None:
-        status = _implied_status(exc, e2b_errors)
+    status, text = _status_and_text(exc, e2b_errors)
     if isinstance(exc, e2b_errors.AuthenticationException):
         return SandboxAuthError(
             f"{where}: E2B refused the credentials ({operation}); check the API key",
