@@ -402,6 +402,35 @@ async def test_one_failed_set_up_is_met_with_a_fresh_sandbox(
 
 
 @pytest.mark.usefixtures("prefect_api")
+async def test_a_session_meets_one_failed_set_up_with_a_fresh_sandbox(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    from prefect import flow
+
+    from prefect_sandbox.flows import sandbox_session
+
+    given = tmp_path / "given.txt"
+    given.write_text("input")
+    out = tmp_path / "out"
+    vendor.emulator.inject(Fault("create_context", status=502))
+
+    @flow
+    async def agent() -> str:
+        async with sandbox_session(
+            backend=vendor.backend(), inputs=[str(given)], artifacts=["made.txt"], storage=str(out)
+        ) as session:
+            done = await session.run_cell("open('made.txt', 'w').write(open('given.txt').read())")
+            return done.status
+
+    assert await agent() == "ok"
+    [folder] = out.iterdir()
+    summary = _summary(str(folder))
+    assert summary["status"] == "completed" and summary["setup_attempts"] == 2
+    assert (folder / "made.txt").read_text() == "input"
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
 async def test_a_set_up_that_keeps_failing_kills_each_sandbox_and_stores_the_summary(
     vendor: Vendor,
     tmp_path: Path,
