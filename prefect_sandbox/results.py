@@ -129,6 +129,11 @@ class PipelineResult(BaseModel):
         metrics: the top-level numbers, booleans, nulls and short strings of the stored
             ``metrics.json``, read as a sweep reads its branches' (the first 50); empty when
             the run stored none.
+        setup_attempts: how many sandboxes were made to get one set up: 1 as a rule, more
+            when a transient failure before the first cell made the run kill one and make a
+            fresh one (setting ``setup_attempts``); 0 when none was asked for.
+        warnings: what the run could not do without failing: each artifact that could not be
+            listed or downloaded, named with the reason.
     """
 
     flow_run_id: str
@@ -146,6 +151,8 @@ class PipelineResult(BaseModel):
     sandbox_limits: dict[str, str] = Field(default_factory=dict)
     parameters: dict[str, Any] = Field(default_factory=dict)
     metrics: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
+    setup_attempts: int = 0
+    warnings: list[str] = Field(default_factory=list)
 
 
 class BranchResult(BaseModel):

@@ -162,6 +162,26 @@ class PrefectSandboxSettings(BaseSettings):
             "the run Cancelled) within this, plus the kill and storing, wherever it runs."
         ),
     )
+    setup_attempts: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "How many sandboxes a run may make to get one set up: a transient failure before "
+            "the first cell (the create, its code context or first execution, the inputs' "
+            "upload) kills that sandbox and makes a fresh one, after a back-off, up to this "
+            "many set-ups in all; 1: none again."
+        ),
+    )
+    transfer_retry_budget_s: float = Field(
+        default=120.0,
+        gt=0,
+        description=(
+            "Seconds a run may spend, all its artifacts together, waiting out rate limits "
+            "(429) and other transient failures of listing and downloading its artifacts "
+            "once the backend's own retries gave up; a file still not fetched then is named "
+            "in summary.json's warnings."
+        ),
+    )
     warm_pool_size: int = Field(
         default=0,
         ge=0,

@@ -361,22 +361,85 @@ async def test_a_kill_that_keeps_failing_is_a_warning_naming_the_sandbox_not_a_l
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 
-# Made per test: a fault counts down the calls it hits.
+# Made per test: a fault counts down the calls it hits. Each hits one set-up, once.
 SET_UP_FAULTS: dict[str, Callable[[], list[Fault]]] = {
-    "503-context-create": lambda: [Fault("create_context", status=503, times=None)],
+    "502-context-create": lambda: [Fault("create_context", status=502)],
     # The set-up's first execution (display hooks, the runner) loses its connection, and the
     # kill that follows meets a 500 once.
     "dropped-set-up": lambda: [Fault("run_code", drop=True), Fault("delete", status=500)],
+    # The input's upload stays unavailable through the backend's own retries.
+    "503-upload": lambda: [Fault("upload", status=503, times=4)],
 }
 
 
 @pytest.mark.parametrize("faults", sorted(SET_UP_FAULTS))
 @pytest.mark.usefixtures("prefect_api")
-async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
+async def test_one_failed_set_up_is_met_with_a_fresh_sandbox(
     vendor: Vendor, tmp_path: Path, caplog: pytest.LogCaptureFixture, faults: str
 ) -> None:
     caplog.set_level(logging.INFO)
+    given = tmp_path / "given.txt"
+    given.write_text("input")
     vendor.emulator.inject(*SET_UP_FAULTS[faults]())
+    start = time.monotonic()
+    result = await amodeling_pipeline(
+        stages={"one": ["open('made.txt', 'w').write(open('given.txt').read() + ' used')"]},
+        inputs=[str(given)],
+        artifacts=["made.txt"],
+        backend=vendor.backend(),
+        storage=str(tmp_path / "out"),
+    )
+    assert any(r.faulted for r in vendor.emulator.requests if r.at >= start), "no fault hit"
+    assert result.status == "completed" and result.setup_attempts == 2
+    summary = _summary(result.output_dir)
+    assert summary["setup_attempts"] == 2 and summary["warnings"] == []
+    assert (Path(result.output_dir) / "made.txt").read_text() == "input used"
+    told = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert any("trying again in" in line for line in told)
+    # The real cause, never the SDK's guess at one for a 502.
+    assert not [line for line in told if "likely due to sandbox timeout" in line]
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: result.flow_run_id}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_session_meets_one_failed_set_up_with_a_fresh_sandbox(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    from prefect import flow
+
+    from prefect_sandbox.flows import sandbox_session
+
+    given = tmp_path / "given.txt"
+    given.write_text("input")
+    out = tmp_path / "out"
+    vendor.emulator.inject(Fault("create_context", status=502))
+
+    @flow
+    async def agent() -> str:
+        async with sandbox_session(
+            backend=vendor.backend(), inputs=[str(given)], artifacts=["made.txt"], storage=str(out)
+        ) as session:
+            done = await session.run_cell("open('made.txt', 'w').write(open('given.txt').read())")
+            return done.status
+
+    assert await agent() == "ok"
+    [folder] = out.iterdir()
+    summary = _summary(str(folder))
+    assert summary["status"] == "completed" and summary["setup_attempts"] == 2
+    assert (folder / "made.txt").read_text() == "input"
+    assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_set_up_that_keeps_failing_kills_each_sandbox_and_stores_the_summary(
+    vendor: Vendor,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("PREFECT_SANDBOX_SETUP_ATTEMPTS", "2")
+    vendor.emulator.inject(Fault("create_context", status=502, times=None))
     start = time.monotonic()
     try:
         with pytest.raises(PipelineFailedError) as info:
@@ -387,14 +450,17 @@ async def test_a_failed_set_up_kills_the_sandbox_and_stores_the_summary(
         vendor.emulator.clear_faults()
     assert isinstance(info.value.__cause__, SandboxUnavailableError)
     summary = _summary(info.value.output_dir)
-    assert summary["status"] == "failed"
+    assert summary["status"] == "failed" and summary["setup_attempts"] == 2
     assert summary["stages"] == [
         {**summary["stages"][0], "name": "one", "status": "not_run"},
     ]
     assert summary["error"] == str(info.value)
+    # The real cause, not the SDK's guess at one.
+    assert "Bad Gateway" in summary["error"] and "set-up failed 2 times" in summary["error"]
+    assert "likely due to sandbox timeout" not in summary["error"]
     assert "set-up failed; killing it" in caplog.text
     assert "could not be killed" not in caplog.text
-    assert len(vendor.since("delete", start)) >= 1
+    assert len(vendor.since("delete", start)) >= 2
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
 
 
@@ -423,3 +489,56 @@ async def test_a_first_cell_that_cannot_reach_the_sandbox_is_named_in_the_summar
     notebook = json.loads((Path(info.value.output_dir or "") / "executed.ipynb").read_text())
     assert notebook["cells"][0]["outputs"][-1]["ename"] == "SandboxUnavailableError"
     assert vendor.emulator.sandbox_ids({FLOW_RUN_ID_LABEL: summary["flow_run_id"]}) == []
+
+
+# The call an artifact listing makes: E2B's envd lists a folder; Daytona's is a script run by
+# the toolbox's process exec.
+_LISTING = {"e2b": "list_files", "daytona": "exec"}
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_a_429_burst_on_listing_and_download_loses_no_artifact(
+    vendor: Vendor, tmp_path: Path
+) -> None:
+    # Each burst outlasts the backend's own 4 tries.
+    vendor.emulator.inject(
+        Fault(_LISTING[vendor.name], status=429, retry_after_s=1, times=6),
+        Fault("download", status=429, retry_after_s=1, times=5),
+    )
+    start = time.monotonic()
+    result = await amodeling_pipeline(
+        stages={"one": ["open('made.txt', 'w').write('made')"]},
+        artifacts=["made.txt"],
+        backend=vendor.backend(),
+        storage=str(tmp_path),
+    )
+    faulted = [r.operation for r in vendor.emulator.requests if r.faulted and r.at >= start]
+    assert faulted.count("download") == 5 and len(faulted) == 11
+    assert result.status == "completed" and result.warnings == []
+    assert (Path(result.output_dir) / "made.txt").read_text() == "made"
+    assert _summary(result.output_dir)["warnings"] == []
+
+
+@pytest.mark.usefixtures("prefect_api")
+async def test_an_artifact_that_stays_rate_limited_is_named_in_warnings_and_the_state(
+    vendor: Vendor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFECT_SANDBOX_TRANSFER_RETRY_BUDGET_S", "1")
+    vendor.emulator.inject(Fault("download", status=429, retry_after_s=1, times=None))
+    try:
+        state = await amodeling_pipeline(
+            stages={"one": ["open('made.txt', 'w').write('made')"]},
+            artifacts=["made.txt"],
+            backend=vendor.backend(),
+            storage=str(tmp_path),
+            return_state=True,
+        )
+    finally:
+        vendor.emulator.clear_faults()
+    result = await state.result()
+    assert state.is_completed() and result.status == "completed"
+    [warning] = result.warnings
+    assert warning.startswith("artifact 'made.txt' not downloaded: ") and "429" in warning
+    assert "made.txt" in (state.message or "") and "1 warning" in (state.message or "")
+    assert _summary(result.output_dir)["warnings"] == [warning]
+    assert [a.path for a in result.artifacts] == ["executed.ipynb"]

@@ -877,6 +877,7 @@ def test_summary_markdown_names_the_failing_cell_and_shows_figures() -> None:
         output_dir="s3://b/k",
         duration_s=2.0,
         error="stage 'fit', cell 4: ValueError: bad",
+        warnings=["artifact 'big.csv' not downloaded: 429 | busy"],
     )
     markdown = summary_markdown(
         result, {"figures/a.png": "https://example.test/a.png", "figures/b.png": None}
@@ -884,6 +885,7 @@ def test_summary_markdown_names_the_failing_cell_and_shows_figures() -> None:
     assert "| fit | failed | 1 | 1.00 | cell 4: ValueError: bad \\| red |" in markdown
     assert "![figures/a.png](https://example.test/a.png)" in markdown
     assert "- `figures/b.png`: `/out/b.png`" in markdown
+    assert "- artifact 'big.csv' not downloaded: 429 \\| busy" in markdown
     assert "\x1b" not in markdown
 
 

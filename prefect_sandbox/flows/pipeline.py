@@ -43,7 +43,7 @@ from nbformat import NotebookNode
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact
 from prefect.flows import Flow
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Completed
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_aws import S3Bucket
 
@@ -58,6 +58,7 @@ from prefect_sandbox.flows.pipeline_run import (
     SUMMARY_NAME,
     new_run,
     own_names_kept,
+    warnings_note,
 )
 from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.signals import SignalStop
@@ -150,11 +151,10 @@ async def _run_pipeline(
             if run.failure is not None:
                 await run.store_made(outputs)  # refused before a sandbox starts
             else:
-                async with run.sandbox_then_store(flow_run, outputs) as handle:
+                async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
                     await run.execute(
                         handle,
                         staging,
-                        inputs=inputs,
                         artifacts=artifacts,
                         cell_timeout_s=cell_timeout_s,
                     )
@@ -177,14 +177,17 @@ async def _run_pipeline(
         await run.post_summary(result, "pipeline-summary", "Pipeline summary")
     if run.cancelled:
         where = run.store.output_dir
-        message = f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
+        message = (
+            f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
+            f"{warnings_note(result.warnings)}"
+        )
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
     if run.failure is not None or run.timed_out:
         # After a timeout, Prefect's scope turns this into its TimedOut (Failed) state.
         stopped = next((r for r in run.stage_results if r.status != "ok"), None)
         raise PipelineFailedError(
-            result.error or "pipeline failed",
+            f"{result.error or 'pipeline failed'}{warnings_note(result.warnings)}",
             stage=getattr(run.failure, "stage", None) or (stopped.name if stopped else None),
             cell_index=getattr(run.failure, "cell_index", None)
             if run.failure
@@ -195,6 +198,10 @@ async def _run_pipeline(
             sandbox_id=run.sandbox_id,
             result=result,
         ) from run.failure
+    if result.warnings:
+        # The state's message names each file not fetched; the caller still gets the result.
+        message = f"completed{warnings_note(result.warnings)}"
+        return cast(PipelineResult, Completed(message=message, data=result))
     return result
 
 

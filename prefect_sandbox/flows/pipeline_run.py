@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,7 +35,13 @@ from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle
-from prefect_sandbox.sandbox.errors import FileTransferError, SandboxError, SandboxNotFoundError
+from prefect_sandbox.sandbox.errors import (
+    FileTransferError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+)
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
     INLINE_FIGURES_DIR,
@@ -44,11 +51,12 @@ from prefect_sandbox.sandbox.notebook import (
 )
 from prefect_sandbox.sandbox.outputs import cap_text
 from prefect_sandbox.sandbox.paths import resolve_inside
+from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     deadline_passed,
-    download_artifacts,
+    fetch_artifacts,
     kill_sandbox,
     partial_stage_result,
     run_stage,
@@ -69,13 +77,17 @@ __all__ = [
     "INLINE_FIGURES_BYTES",
     "METRICS_NAME",
     "RESERVED_NAMES",
+    "SETUP_RETRY_DELAY_S",
     "SUMMARY_NAME",
     "PipelineRun",
+    "SetUp",
     "empty_for_this_attempt",
     "new_run",
     "own_names_kept",
+    "set_up_again",
     "timed_out_reason",
     "uncancel_current_task",
+    "warnings_note",
 ]
 
 EXECUTED_NOTEBOOK_NAME = "executed.ipynb"
@@ -88,6 +100,30 @@ them, or inside one, is stored under another name (`own_names_kept`)."""
 INLINE_FIGURES_BYTES = 2 << 20
 """Bytes of PNGs at most that the run summary embeds when the store has no URL to show them."""
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SETUP_RETRY_DELAY_S = 2.0
+"""The first wait before a fresh sandbox after a failed set-up, doubling for each one after
+(unless the service named a ``Retry-After``)."""
+
+SetUp = Callable[[SandboxHandle], Awaitable[None]]
+"""What is done with a new sandbox before its first cell (`PipelineRun.begin`)."""
+
+
+def set_up_again(error: BaseException) -> bool:
+    """Whether a set-up that failed with ``error`` is worth a fresh sandbox: the service was
+    busy or unreachable, or the sandbox or its kernel ended during it; not a refused key, bad
+    settings or a missing input, which a fresh sandbox meets again."""
+    return isinstance(error, SandboxUnavailableError | SandboxDiedError | SandboxNotFoundError)
+
+
+def _after_set_ups(error: SandboxError, set_ups: int) -> SandboxError:
+    """A copy of ``error`` (same type and fields) whose message says how many sandboxes were
+    set up in vain, when more than one was."""
+    if set_ups < 2:
+        return error
+    told = copy.copy(error)
+    told.message = f"{error.message} (set-up failed {set_ups} times, each on a fresh sandbox)"
+    told.args = (told.message,)
+    return told
 
 
 def uncancel_current_task() -> None:
@@ -222,21 +258,25 @@ class PipelineRun:
     sandbox_limits: dict[str, str] = field(default_factory=dict)
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
+    setup_attempts: int = 0
+    """Sandboxes made so far to get one set up (`flow_run_sandbox`)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the run could not do without failing (an artifact not fetched), for
+    ``summary.json`` and the flow run's state message."""
 
     @asynccontextmanager
     async def flow_run_sandbox(
-        self, flow_run_id: str, labels: dict[str, str]
+        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None = None
     ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on
-        exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
-        when it has one, and of a sweep's limit in a sweep's branch (`run_limits`). Records its
-        id and the UTC times bracketing its life."""
+        """The flow run's sandbox: made by the create-sandbox task and ``set_up``, killed by
+        kill-sandbox on exit, whatever happened inside, all within a slot of the backend's
+        live-sandbox limit when it has one, and of a sweep's limit in a sweep's branch
+        (`run_limits`). A transient failure before the first cell is met with a fresh sandbox
+        (`set_up_sandbox`). Records its id and the UTC times bracketing its life."""
         async with live_sandbox_slot(run_limits(self.backend), flow_run_id):
             self.sandbox_created_at = datetime.now(UTC)
             try:
-                handle = await create_sandbox(self.backend, labels)
-                self.sandbox_id = handle.sandbox_id
-                self.sandbox_limits = handle.limits
+                handle = await self.set_up_sandbox(flow_run_id, labels, set_up)
                 try:
                     yield handle
                 finally:
@@ -251,13 +291,69 @@ class PipelineRun:
                 raise
             except SandboxError as exc:
                 self.failure = self.failure or exc
-                if self.sandbox_id is None:
-                    # The create failed, killing what it made if it could; a sandbox made by a
-                    # try whose answer was lost is found by its label.
-                    get_run_logger().warning("Sandbox not made: %s", exc)
-                    await kill_labelled_sandboxes(self.backend, flow_run_id, "its create failed")
-                    self.sandbox_killed_at = datetime.now(UTC)
                 raise
+
+    async def set_up_sandbox(
+        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None
+    ) -> SandboxHandle:
+        """Make a sandbox and ``set_up`` it; after a transient failure (`set_up_again`) that
+        sandbox is killed (what a create left behind is found by its label) and a fresh one
+        made, after a back-off (`async_retrying`: the service's ``Retry-After``, else
+        `SETUP_RETRY_DELAY_S` doubling), up to setting ``setup_attempts`` set-ups in all.
+        `setup_attempts` counts them.
+
+        Returns:
+            The set-up sandbox's handle; `sandbox_id` and `sandbox_limits` are its.
+
+        Raises:
+            SandboxError: the last set-up's error, saying how many failed; a set-up whose
+                sandbox was made leaves `sandbox_id` naming it, killed.
+        """
+        attempts = PrefectSandboxSettings().setup_attempts
+        retrying = async_retrying(
+            attempts=attempts,
+            retry_if=set_up_again,
+            first_delay_s=SETUP_RETRY_DELAY_S,
+            what="Sandbox set-up",
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    self.setup_attempts = attempt.retry_state.attempt_number
+                    return await self._set_up_once(flow_run_id, labels, set_up)
+        except SandboxError as exc:
+            raise _after_set_ups(exc, self.setup_attempts) from exc
+        raise AssertionError("unreachable: tenacity reraises")
+
+    async def _set_up_once(
+        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None
+    ) -> SandboxHandle:
+        """One set-up: a sandbox made and ``set_up``; what a failed one made is killed before
+        its error is raised."""
+        self.sandbox_id = None
+        try:
+            handle = await create_sandbox(self.backend, labels)
+        except SandboxError as exc:
+            # The create killed what it made if it could; a sandbox made by a try whose answer
+            # was lost is found by its label.
+            get_run_logger().warning("Sandbox not made: %s", exc)
+            await kill_labelled_sandboxes(self.backend, flow_run_id, "its create failed")
+            self.sandbox_killed_at = datetime.now(UTC)
+            raise
+        self.sandbox_id = handle.sandbox_id
+        self.sandbox_limits = handle.limits
+        if set_up is None:
+            return handle
+        try:
+            await set_up(handle)
+        except SandboxError as exc:
+            get_run_logger().warning(
+                "Sandbox %s: set-up failed (%s); killing it", handle.sandbox_id, exc
+            )
+            with shielded():
+                await self._kill(handle)
+            raise
+        return handle
 
     async def _kill(self, handle: SandboxHandle) -> None:
         """Kill the sandbox (kill-sandbox retries what is transient); a kill that still fails
@@ -277,17 +373,22 @@ class PipelineRun:
 
     @asynccontextmanager
     async def sandbox_then_store(
-        self, flow_run: FlowRun, outputs: Path
+        self, flow_run: FlowRun, outputs: Path, staging: Path, inputs: list[str]
     ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox, labelled for it (`flow_run_sandbox`); on exit, once it is
-        killed, what was made is stored from ``outputs`` (`storing_on_exit`). Inside, the
-        current task is cancelled once the flow run is Cancelling (`cancelled_from_api`)."""
+        """The flow run's sandbox, labelled for it and set up with ``inputs`` (`begin`, with
+        ``staging``), by `flow_run_sandbox`; on exit, once it is killed, what was made is
+        stored from ``outputs`` (`storing_on_exit`). Inside, the current task is cancelled
+        once the flow run is Cancelling (`cancelled_from_api`)."""
         labels = flow_run_labels(str(flow_run.id), flow_run.name)
+
+        async def set_up(handle: SandboxHandle) -> None:
+            await self.begin(handle, staging, inputs)
+
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         async with (
             cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
             self.storing_on_exit(outputs),
-            self.flow_run_sandbox(str(flow_run.id), labels) as handle,
+            self.flow_run_sandbox(str(flow_run.id), labels, set_up) as handle,
         ):
             yield handle
 
@@ -304,17 +405,16 @@ class PipelineRun:
         handle: SandboxHandle,
         staging: Path,
         *,
-        inputs: list[str],
         artifacts: list[str],
         cell_timeout_s: float | None,
     ) -> None:
-        """Upload the inputs, run the stages until one fails, then download the artifacts.
+        """Run the stages until one fails, then download the artifacts (the inputs were
+        uploaded in the set-up: `sandbox_then_store`).
 
         A `SandboxError` on the way becomes `failure`, a cancellation `cancelled` (or
         `timed_out`); the artifacts are still downloaded unless the sandbox itself is gone.
         """
         try:
-            await self.begin(handle, staging, inputs)
             for done, stage in enumerate(self.stages, start=1):
                 await self._run_stage(handle, stage, cell_timeout_s)
                 assert self.progress_id is not None
@@ -346,14 +446,17 @@ class PipelineRun:
         self, handle: SandboxHandle, staging: Path, artifacts: list[str]
     ) -> None:
         """Download the files matching ``artifacts`` into ``staging``, unless the sandbox is
-        already known to be gone; a failure becomes `failure` unless there already is one."""
+        already known to be gone; what could not be fetched is added to `warnings`, a failure
+        becomes `failure` unless there already is one."""
         # A sandbox that expired or was killed has no files left to collect.
         if artifacts and not isinstance(self.failure, SandboxNotFoundError):
             try:
                 with shielded():
-                    self.downloaded = await download_artifacts(
+                    fetched = await fetch_artifacts(
                         self.backend, handle, artifacts, str(staging / "outputs")
                     )
+                self.downloaded = fetched.downloaded
+                self.warnings.extend(fetched.not_fetched)
             except SandboxError as exc:
                 # The notebook and summary.json are still stored; the run fails with this.
                 self.failure = self.failure or exc
@@ -475,6 +578,8 @@ class PipelineRun:
             sandbox_limits=self.sandbox_limits,
             parameters=parameters or {},
             metrics=self._metrics(outputs),
+            setup_attempts=self.setup_attempts,
+            warnings=self.warnings,
         )
         (outputs / SUMMARY_NAME).write_text(result.model_dump_json(indent=2))
         await asyncio.to_thread(self.store.store, outputs / SUMMARY_NAME, SUMMARY_NAME)
@@ -499,6 +604,15 @@ class PipelineRun:
         get_run_logger().info(
             "Stored %d file(s) and %s in %s", len(self.stored), SUMMARY_NAME, self.store.output_dir
         )
+
+
+def warnings_note(warnings: list[str]) -> str:
+    """What a flow run's state message adds for the run's ``warnings``: ``""`` for none, else
+    ``"; 1 warning: artifact 'a.csv' not downloaded: ..."`` (capped as one line of text)."""
+    if not warnings:
+        return ""
+    count = f"{len(warnings)} warning{'s' if len(warnings) > 1 else ''}"
+    return cap_text(f"; {count}: {'; '.join(warnings)}")
 
 
 def timed_out_reason(timeout_seconds: float | None) -> str:

@@ -49,6 +49,17 @@ def _name_value_table(title: str, column: str, values: Mapping[str, Any]) -> lis
     return lines
 
 
+def _warning_lines(warnings: list[str]) -> list[str]:
+    """The summary's list of what the run could not do (`PipelineResult.warnings`)."""
+    if not warnings:
+        return []
+    lines = ["", "**Warnings:**", ""]
+    lines += [f"- {table_cell(warning)}" for warning in warnings[:ROWS_SHOWN]]
+    if len(warnings) > ROWS_SHOWN:
+        lines += ["", _more(len(warnings) - ROWS_SHOWN, "warning(s)")]
+    return lines
+
+
 def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | None]) -> str:
     """The run's summary: status, stages, errors with cell index, injected parameters, key
     metrics, figures and stored files.
@@ -89,6 +100,7 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
         lines += ["", _more(len(result.stages) - ROWS_SHOWN, "stage(s)")]
     if result.error:
         lines += ["", f"**Error:** {table_cell(result.error)}"]
+    lines += _warning_lines(result.warnings)
     lines += _name_value_table("Parameters", "parameter", result.parameters)
     lines += _name_value_table("Metrics", "metric", result.metrics)
     figures = [a for a in result.artifacts if a.path in figure_urls]

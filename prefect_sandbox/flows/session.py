@@ -529,36 +529,31 @@ async def _open_session(
     with staging_dir() as staging:
         outputs = staging / "outputs"
         try:
-            async with run.sandbox_then_store(flow_run, outputs) as handle:
+            async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
+                session = SandboxSession(
+                    run,
+                    await run.backend.attach(handle),
+                    cell_timeout_s=cell_timeout_s,
+                    max_text_chars=max_text_chars,
+                    max_idle_s=max_idle_s,
+                )
+                keeper = asyncio.create_task(session.keep_alive())
                 try:
-                    await run.begin(handle, staging, inputs)
-                except SandboxError as exc:
-                    run.failure = raised = exc
-                else:
-                    session = SandboxSession(
-                        run,
-                        await run.backend.attach(handle),
-                        cell_timeout_s=cell_timeout_s,
-                        max_text_chars=max_text_chars,
-                        max_idle_s=max_idle_s,
-                    )
-                    keeper = asyncio.create_task(session.keep_alive())
-                    try:
-                        yield session
-                    except asyncio.CancelledError as exc:
-                        cancellation = exc
-                        run.take_cancellation(timed_out=_flow_timeout_passed())
-                    except GeneratorExit:
-                        raise
-                    except BaseException as exc:
-                        raised = exc
-                        run.failure = run.failure or _body_failure(exc)
-                    finally:
-                        session.end()
-                        keeper.cancel()
-                        with shielded():
-                            await asyncio.gather(keeper, return_exceptions=True)
-                            await session.close()
+                    yield session
+                except asyncio.CancelledError as exc:
+                    cancellation = exc
+                    run.take_cancellation(timed_out=_flow_timeout_passed())
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    raised = exc
+                    run.failure = run.failure or _body_failure(exc)
+                finally:
+                    session.end()
+                    keeper.cancel()
+                    with shielded():
+                        await asyncio.gather(keeper, return_exceptions=True)
+                        await session.close()
                 await run.collect_artifacts(handle, staging, artifacts)
         except asyncio.CancelledError as exc:
             # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
@@ -566,7 +561,8 @@ async def _open_session(
             cancellation = cancellation or exc
             run.take_cancellation()
         except SandboxError as exc:
-            # The sandbox was never made: the summary is still stored, then this is raised.
+            # The sandbox was never made or set up: the summary is still stored, then this is
+            # raised.
             run.failure = raised = run.failure or exc
         if not run.cancelled and deadline_passed():
             run.timed_out = True  # it passed while the files were stored

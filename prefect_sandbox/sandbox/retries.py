@@ -10,6 +10,7 @@ execute that may have reached the kernel is never replayed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
 )
+from tenacity.stop import stop_base
 
 __all__ = ["MAX_RETRY_DELAY_S", "async_retrying", "retry_delay_s", "sync_retrying"]
 
@@ -43,11 +45,22 @@ def retry_delay_s(
     return float(min(first_delay_s * 2.0 ** (attempt - 1), MAX_RETRY_DELAY_S))
 
 
+class _StopBeforeDeadline(stop_base):
+    """Stop when the next wait would end past ``deadline`` (a `time.monotonic` time)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return time.monotonic() + retry_state.upcoming_sleep > self.deadline
+
+
 def _policy(
     attempts: int,
     retry_if: Callable[[BaseException], bool],
     first_delay_s: float,
     what: str,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     def wait(state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -58,9 +71,12 @@ def _policy(
         delay_s = state.next_action.sleep if state.next_action is not None else 0.0
         logger.info("%s failed (%s); trying again in %.1f s", what, error, delay_s)
 
+    stop: stop_base = stop_after_attempt(attempts)
+    if deadline is not None:
+        stop = stop | _StopBeforeDeadline(deadline)
     return {
         "retry": retry_if_exception(retry_if),
-        "stop": stop_after_attempt(attempts),
+        "stop": stop,
         "wait": wait,
         "before_sleep": log,
         "reraise": True,
@@ -73,6 +89,7 @@ def async_retrying(
     retry_if: Callable[[BaseException], bool],
     first_delay_s: float = FIRST_RETRY_DELAY_S,
     what: str,
+    deadline: float | None = None,
 ) -> AsyncRetrying:
     """A tenacity loop for an async call: ``async for attempt in ...: with attempt: ...``.
 
@@ -81,11 +98,13 @@ def async_retrying(
         retry_if: whether an exception is worth another try.
         first_delay_s: the first wait when the service names none.
         what: the call, for the log line each retry writes (``"Daytona upload"``).
+        deadline: a `time.monotonic` time no wait may end past: a try that would need one
+            is the last; None for no such bound.
 
     Returns:
         The loop; the last try's exception is raised as it is.
     """
-    return AsyncRetrying(**_policy(attempts, retry_if, first_delay_s, what))
+    return AsyncRetrying(**_policy(attempts, retry_if, first_delay_s, what, deadline))
 
 
 def sync_retrying(

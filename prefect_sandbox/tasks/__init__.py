@@ -1,8 +1,9 @@
-"""Prefect tasks: create, upload, run a stage, download, store, kill."""
+"""Prefect tasks: create, upload, run a stage, download (fetch), store, kill."""
 
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
     download_artifacts,
+    fetch_artifacts,
     kill_sandbox,
     run_stage,
     upload_inputs,
@@ -12,6 +13,7 @@ from prefect_sandbox.tasks.storage import store_artifacts
 __all__ = [
     "create_sandbox",
     "download_artifacts",
+    "fetch_artifacts",
     "kill_sandbox",
     "run_stage",
     "store_artifacts",

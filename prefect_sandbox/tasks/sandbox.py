@@ -14,11 +14,12 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 from prefect import get_run_logger, task
@@ -44,6 +45,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
+    SandboxUnavailableError,
     UnsafePathError,
 )
 from prefect_sandbox.sandbox.labels import API_LABEL, api_id, with_created_at
@@ -56,18 +58,21 @@ from prefect_sandbox.sandbox.outputs import (
     strip_ansi,
 )
 from prefect_sandbox.sandbox.paths import is_utf8, resolve_inside, shown_path
+from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.storage import ArtifactStore, fetch_inputs, input_credentials
 
 __all__ = [
     "CELL_DONE_ATTRIBUTE",
     "PROGRESS_LOG_INTERVAL_S",
+    "ArtifactDownloads",
     "CellDone",
     "StageProgress",
     "cell_failure",
     "create_sandbox",
     "deadline_passed",
     "download_artifacts",
+    "fetch_artifacts",
     "kill_sandbox",
     "partial_stage_result",
     "prefect_api_id",
@@ -712,10 +717,71 @@ async def run_stage(
     return recorder.result(None, None)
 
 
+T = TypeVar("T")
+TRANSFER_RETRY_DELAY_S = 2.0
+"""The first wait before listing or downloading again once the backend's own retries gave
+up (unless the service named a ``Retry-After``), doubling each time."""
+_TRANSFER_ATTEMPTS = 50  # the time budget is the bound that counts
+
+
+class ArtifactDownloads(NamedTuple):
+    """What `fetch_artifacts` fetched.
+
+    Attributes:
+        downloaded: relative paths of the files downloaded.
+        not_fetched: one line per pattern that could not be listed, or file that could not be
+            downloaded, after the retries: what, and why.
+    """
+
+    downloaded: list[str]
+    not_fetched: list[str]
+
+
+class _TransferRetries:
+    """Retries of one run's artifact listings and downloads, all within one time budget
+    (setting ``transfer_retry_budget_s``): a 429 or other transient failure that outlasted the
+    backend's own retries is tried again after the service's ``Retry-After``, else after
+    `TRANSFER_RETRY_DELAY_S` doubling, until the next wait would end past the budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        self._deadline = time.monotonic() + budget_s
+
+    async def call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, retried as the class says.
+
+        Raises:
+            SandboxError: as ``call`` raised it last.
+        """
+        retrying = async_retrying(
+            attempts=_TRANSFER_ATTEMPTS,
+            retry_if=lambda error: isinstance(error, SandboxUnavailableError),
+            first_delay_s=TRANSFER_RETRY_DELAY_S,
+            what=what,
+            deadline=self._deadline,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await call()
+        raise AssertionError("unreachable: tenacity reraises")
+
+
 @task(name="download-artifacts", cache_policy=NO_CACHE, retries=0)
 async def download_artifacts(
     backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
 ) -> list[str]:
+    """Copy the sandbox's files that match artifact patterns into a local staging folder, as
+    `fetch_artifacts` does; what could not be fetched is only logged, as a warning.
+
+    Returns:
+        Relative paths of the files downloaded.
+    """
+    return (await _fetch(backend, handle, patterns, staging_dir)).downloaded
+
+
+@task(name="fetch-artifacts", cache_policy=NO_CACHE, retries=0)
+async def fetch_artifacts(
+    backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
+) -> ArtifactDownloads:
     """Copy the sandbox's files that match artifact patterns into a local staging folder.
 
     A pattern that spells out an existing file's path names that file alone, glob characters
@@ -729,6 +795,11 @@ async def download_artifacts(
     hard link to a file already collected is skipped with a warning naming both: one file is
     stored once, whatever the number of names it has (`RemoteFile.identity`).
 
+    A listing or download that stays rate limited (429) or unavailable through the backend's
+    retries is tried again within the call's time budget (`_TransferRetries`); a pattern or
+    file still not fetched is named in ``not_fetched`` and a warning, and the rest are
+    fetched.
+
     Args:
         backend: the backend block.
         handle: the sandbox.
@@ -736,17 +807,34 @@ async def download_artifacts(
         staging_dir: local folder to copy into, keeping relative paths.
 
     Returns:
-        Relative paths of the files downloaded.
+        The files downloaded, and what could not be fetched.
+
+    Raises:
+        SandboxNotFoundError: the sandbox is gone.
     """
+    return await _fetch(backend, handle, patterns, staging_dir)
+
+
+async def _fetch(
+    backend: SandboxBackend, handle: SandboxHandle, patterns: list[str], staging_dir: str
+) -> ArtifactDownloads:
     logger = get_run_logger()
-    collector = _Collector(Path(staging_dir), PrefectSandboxSettings(), logger)
+    settings = PrefectSandboxSettings()
+    retries = _TransferRetries(settings.transfer_retry_budget_s)
+    collector = _Collector(Path(staging_dir), settings, logger, retries)
     sandbox = await backend.attach(handle)
     try:
         for pattern in patterns:
             try:
-                matches = await sandbox.list_files(pattern)
+                matches = await retries.call(
+                    "Listing artifacts", partial(sandbox.list_files, pattern)
+                )
             except UnsafePathError as exc:
                 logger.warning("Artifact pattern refused: %s", exc)
+                continue
+            except SandboxUnavailableError as exc:
+                collector.not_fetched.append(f"artifact pattern {pattern!r} not listed: {exc}")
+                logger.warning("Artifact pattern %r could not be listed: %s", pattern, exc)
                 continue
             if not matches:
                 logger.warning("Artifact pattern %r matched no file", pattern)
@@ -755,7 +843,7 @@ async def download_artifacts(
     finally:
         await sandbox.close()
     logger.info("Downloaded %d artifact(s)", len(collector.downloaded))
-    return collector.downloaded
+    return ArtifactDownloads(collector.downloaded, collector.not_fetched)
 
 
 class _Collector:
@@ -766,8 +854,11 @@ class _Collector:
         staging: Path,
         settings: PrefectSandboxSettings,
         logger: logging.Logger | LoggingAdapter,
+        retries: _TransferRetries,
     ) -> None:
         self.downloaded: list[str] = []
+        self.not_fetched: list[str] = []
+        self._retries = retries
         self._staging = staging
         self._max_bytes = settings.max_artifact_bytes
         self._left_bytes = settings.max_total_artifact_bytes
@@ -809,10 +900,18 @@ class _Collector:
             max_bytes = self._left_bytes if max_bytes is None else min(max_bytes, self._left_bytes)
         dest = resolve_inside(self._staging, remote.path)
         try:
-            size = await sandbox.download(remote.path, dest, max_bytes=max_bytes)
+            size = await self._retries.call(
+                f"Downloading artifact {shown!r}",
+                partial(sandbox.download, remote.path, dest, max_bytes=max_bytes),
+            )
         except (UnsafePathError, FileTransferError) as exc:
             dest.unlink(missing_ok=True)
             self._logger.warning("Artifact refused: %s", exc)
+            return
+        except SandboxUnavailableError as exc:
+            dest.unlink(missing_ok=True)
+            self.not_fetched.append(f"artifact {shown!r} not downloaded: {exc}")
+            self._logger.warning("Artifact %r could not be downloaded: %s", shown, exc)
             return
         if self._left_bytes is not None:
             self._left_bytes -= size

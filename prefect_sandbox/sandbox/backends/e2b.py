@@ -134,6 +134,9 @@ _KERNEL_RESTARTED = "ContextRestarting"
 _SERVER_LOST_CELL = frozenset({"UnexpectedEndOfExecution", "WebSocketError", "ExecutionAborted"})
 # How the SDK words a sandbox that is gone, in exceptions with no better type.
 _GONE_PHRASES = ("was not found", "sandbox was killed")
+# What the code interpreter SDK appends to the body of any 502 (e2b_code_interpreter's
+# models.format_exception), as a TimeoutException: a guess, never passed on as the cause.
+_SDK_502_GUESS = ": This error is likely due to sandbox timeout."
 _OWN_CELL_TIMEOUT_S = 60  # our own cells: priming, listing files
 # Where E2B's Jupyter server starts (and restarts) kernels: its root folder.
 _JUPYTER_ROOT = "/home/user"
@@ -511,6 +514,16 @@ def _implied_status(exc: BaseException, errors: ModuleType) -> int | None:
     return None
 
 
+def _status_and_text(exc: BaseException, errors: ModuleType) -> tuple[int | None, str]:
+    """The HTTP status ``exc`` stands for (`_implied_status` when it carries none) and its
+    text, a 502's without the SDK's guess at its cause (`_SDK_502_GUESS`)."""
+    text = str(exc)
+    if isinstance(exc, errors.TimeoutException) and _SDK_502_GUESS in text:
+        return 502, f"Bad Gateway: {text.partition(_SDK_502_GUESS)[0].strip() or 'no body'}"
+    status = _status_of(exc)
+    return (_implied_status(exc, errors) if status is None else status), text
+
+
 def translate_error(
     exc: BaseException,
     *,
@@ -540,10 +553,7 @@ def translate_error(
 
     where = f"sandbox {sandbox_id}" if sandbox_id else "E2B"
     during = " while running a cell" if in_cell else ""
-    text = str(exc)
-    status = _status_of(exc)
-    if status is None:
-        status = _implied_status(exc, e2b_errors)
+    status, text = _status_and_text(exc, e2b_errors)
     if isinstance(exc, e2b_errors.AuthenticationException):
         return SandboxAuthError(
             f"{where}: E2B refused the credentials ({operation}); check the API key",
@@ -579,7 +589,9 @@ def translate_error(
         and status is not None
         and (status == 429 or status >= 500)
     ):
-        kind = type(exc).__name__
+        kind = (
+            "HTTPError" if status == 502 and text.startswith("Bad Gateway") else type(exc).__name__
+        )
         code = f" (HTTP {status})" if status is not None else ""
         return SandboxUnavailableError(
             f"{where}: {operation} failed{during}{code}: {kind}: {text}",
