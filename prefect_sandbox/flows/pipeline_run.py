@@ -27,7 +27,7 @@ from prefect_aws import S3Bucket
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
-from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
+from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.report import summary_markdown
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
@@ -230,7 +230,23 @@ class PipelineRun:
         """The flow run's sandbox: made by the create-sandbox task, killed by kill-sandbox on
         exit, whatever happened inside, all within a slot of the backend's live-sandbox limit
         when it has one, and of a sweep's limit in a sweep's branch (`run_limits`). Records its
-        id and the UTC times bracketing its life."""
+        id and the UTC times bracketing its life. A slot that cannot be taken, or whose lease
+        is lost while the sandbox lives (which stops it), is the run's failure (`SlotError`),
+        not a cancellation."""
+        try:
+            async with self._sandbox_in_slot(flow_run_id, labels) as handle:
+                yield handle
+        except SlotError as exc:
+            self.cancelled = False  # the lost lease's cancellation, taken by the stages
+            self.failure = self.failure or exc
+            if self.sandbox_id is None:
+                get_run_logger().warning("Sandbox not made: %s", exc)
+            raise
+
+    @asynccontextmanager
+    async def _sandbox_in_slot(
+        self, flow_run_id: str, labels: dict[str, str]
+    ) -> AsyncIterator[SandboxHandle]:
         async with live_sandbox_slot(run_limits(self.backend), flow_run_id):
             self.sandbox_created_at = datetime.now(UTC)
             try:
