@@ -30,6 +30,7 @@ from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.report import summary_markdown
+from prefect_sandbox.flows.signals import sigint_honoured
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
@@ -297,10 +298,12 @@ class PipelineRun:
     ) -> AsyncIterator[SandboxHandle]:
         """The flow run's sandbox, labelled for it (`flow_run_sandbox`); on exit, once it is
         killed, what was made is stored from ``outputs`` (`storing_on_exit`). Inside, the
-        current task is cancelled once the flow run is Cancelling (`cancelled_from_api`)."""
+        current task is cancelled once the flow run is Cancelling (`cancelled_from_api`), or
+        on a SIGINT that the process inherited as ignored (`sigint_honoured`)."""
         labels = flow_run_labels(str(flow_run.id), flow_run.name)
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         async with (
+            sigint_honoured(),
             cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
             self.storing_on_exit(outputs),
             self.flow_run_sandbox(str(flow_run.id), labels) as handle,
