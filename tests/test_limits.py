@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import nbformat
 import pytest
+from prefect import flow
 from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
@@ -27,8 +28,14 @@ from prefect_sandbox import (
     E2BBackend,
     LocalKernelBackend,
 )
-from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook, limits
-from prefect_sandbox.flows.limits import live_sandbox_limit_name
+from prefect_sandbox.flows import (
+    PipelineFailedError,
+    amodeling_pipeline,
+    arun_notebook,
+    limits,
+    sandbox_session,
+)
+from prefect_sandbox.flows.limits import SlotError, live_sandbox_limit_name
 from prefect_sandbox.results import PipelineResult
 from tests.conftest import max_alive_at_once, run_past_a_flow_timeout
 
@@ -402,4 +409,25 @@ async def test_failed_renewals_keep_the_cap_and_a_lost_lease_stops_the_sandbox(
     summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
     assert f"the lease on its slot of {LIMIT} was lost" in summary["error"]
+    assert (await _read_limit()).active_slots == 0
+
+
+async def test_a_session_whose_lease_is_lost_fails_with_its_summary(
+    tmp_path: Path, no_limit: None, faults: Faults
+) -> None:
+    faults("renew_concurrency_lease", [], forever=404)
+    out = tmp_path / "out"
+
+    @flow
+    async def agent() -> None:
+        async with sandbox_session(
+            backend=LocalKernelBackend(max_live_sandboxes=1), storage=str(out)
+        ) as session:
+            await session.run_cell("import time\ntime.sleep(60)")
+
+    with pytest.raises(SlotError, match="was lost"):
+        await agent()
+    (summary_path,) = out.glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
     assert (await _read_limit()).active_slots == 0
