@@ -219,3 +219,53 @@ async def test_a_script_run_cancelled_through_the_api_mid_cell_ends_cancelled_wi
     _check_cancelled(flow_run, out)
     # The kernel and its folder went with the sandbox; nothing is left under TMPDIR.
     assert [p.name for p in short_tmp.rglob("*") if not p.is_dir()] == []
+
+
+async def test_a_session_flow_cancelled_through_the_api_mid_cell_ends_cancelled_cleanly(
+    server: PrefectStack, client: PrefectClient, tmp_path: Path, short_tmp: Path
+) -> None:
+    env = _polling_env(server, TMPDIR=str(short_tmp))
+    out = tmp_path / "out"
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, sys
+
+            from prefect import flow
+            from prefect.exceptions import CancelledRun
+
+            from prefect_sandbox.flows import sandbox_session
+
+            @flow(name="session-agent")
+            async def agent() -> None:
+                async with sandbox_session(storage={str(out)!r}) as session:
+                    await session.run_cell("open('made.txt', 'w').write('made')")
+                    await session.run_cell("import time; print('sleeping'); time.sleep(600)")
+
+            try:
+                asyncio.run(agent())
+            except CancelledRun as exc:
+                print("CancelledRun:", exc, file=sys.stderr)
+            """
+        )
+    )
+    run = Started([sys.executable, str(script)], env, tmp_path)
+    flow_id = (await client.read_flow_by_name("session-agent")).id
+    (flow_run,) = [r for r in await client.read_flow_runs() if r.flow_id == flow_id]
+    await client.set_flow_run_state(flow_run.id, Cancelling())
+    try:
+        run.process.wait(timeout=180)
+    finally:
+        run.stop()
+    stderr = run.stderr_path.read_text()
+    assert run.process.returncode == 0, stderr[-3000:]
+    # No traceback of the script's own (the interrupted cell's is its output, prefixed).
+    assert "CancelledError" not in stderr, stderr[-3000:]
+    assert not [line for line in stderr.splitlines() if line.startswith("Traceback")]
+    assert "CancelledRun: sandbox session cancelled" in stderr
+    ended = await client.read_flow_run(flow_run.id)
+    assert ended.state is not None and ended.state.type == StateType.CANCELLED, ended.state
+    (summary_path,) = out.glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "cancelled" and summary["sandbox_killed_at"] is not None

@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from uuid import UUID
 
@@ -201,36 +202,62 @@ def test_signal_with_the_temporary_server_leaves_no_server_and_a_cancelled_run(
     assert state == "CANCELLED"
 
 
-def test_sigterm_to_a_script_run_mid_cell_cancels_it_and_leaves_no_staging_folder(
-    server: PrefectStack, tmp_path: Path, short_tmp: Path
-) -> None:
+def _signalled_script(
+    server: PrefectStack,
+    tmp_path: Path,
+    short_tmp: Path,
+    source: Callable[[Path, Path], str],
+    signum: int,
+    *,
+    sigint_ignored: bool = False,
+) -> tuple[int, str, list[Path]]:
+    """Run the script ``source(notebook, out)`` gives against ``server``, signal it once the
+    sleeping notebook's cell sleeps, and check its run ended Cancelled with what it made.
+
+    Returns:
+        Its exit status, its stderr, and the staging folders that were there before the signal.
+    """
     from tests.test_api_cancellation import Started, _check_cancelled, _sleeping_notebook
 
     notebook = _sleeping_notebook(tmp_path / "wait.ipynb")
     out = tmp_path / "out"
     script = tmp_path / "script.py"
-    script.write_text(
-        "from prefect_sandbox.flows import run_notebook\n"
-        f"run_notebook({str(notebook)!r}, artifacts=['made.txt'], storage={str(out)!r})\n"
-    )
+    script.write_text(source(notebook, out))
     env = {**server.env, "PYTHONPATH": str(ROOT), "TMPDIR": str(short_tmp)}
-    run = Started([sys.executable, str(script)], env, tmp_path)
+    # As a background job of a non-interactive shell starts: SIGINT ignored, so asyncio.run
+    # installs no handler of its own.
+    trap = "trap '' INT; " if sigint_ignored else ""
+    run = Started(["bash", "-c", f"{trap}exec {sys.executable} {script}"], env, tmp_path)
     staging = list(short_tmp.glob("prefect-sandbox-staging-*"))
-    assert len(staging) == 1
     try:
-        run.process.send_signal(signal.SIGTERM)
+        run.process.send_signal(signum)
         returncode = run.process.wait(timeout=180)
     finally:
         run.stop()
     stderr = run.stderr_path.read_text()
-    # It exits as the CLI does on SIGTERM, after its run's clean-up.
-    assert returncode == 128 + signal.SIGTERM, stderr[-3000:]
     (summary_path,) = out.glob("*/summary.json")
     flow_run_id = json.loads(summary_path.read_text())["flow_run_id"]
     with temporary_settings({PREFECT_API_URL: server.url}):
         flow_run = asyncio.run(_read_flow_run(flow_run_id))
     _check_cancelled(flow_run, out)
-    assert not staging[0].exists()
+    return returncode, stderr, staging
+
+
+def test_sigterm_to_a_script_run_mid_cell_cancels_it_and_leaves_no_staging_folder(
+    server: PrefectStack, tmp_path: Path, short_tmp: Path
+) -> None:
+    def source(notebook: Path, out: Path) -> str:
+        return (
+            "from prefect_sandbox.flows import run_notebook\n"
+            f"run_notebook({str(notebook)!r}, artifacts=['made.txt'], storage={str(out)!r})\n"
+        )
+
+    returncode, stderr, staging = _signalled_script(
+        server, tmp_path, short_tmp, source, signal.SIGTERM
+    )
+    # It exits as the CLI does on SIGTERM, after its run's clean-up.
+    assert returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert len(staging) == 1 and not staging[0].exists()
     assert [p.name for p in short_tmp.rglob("*") if not p.is_dir()] == []
     assert [p.name for p in short_tmp.iterdir()] in ([], [f"prefect-sandbox-{os.getuid()}"])
 
@@ -238,3 +265,25 @@ def test_sigterm_to_a_script_run_mid_cell_cancels_it_and_leaves_no_staging_folde
 async def _read_flow_run(flow_run_id: str) -> FlowRun:
     async with get_client() as client:
         return await client.read_flow_run(UUID(flow_run_id))
+
+
+def test_sigint_to_an_asyncio_run_script_that_inherited_it_ignored_cancels_the_run(
+    server: PrefectStack, tmp_path: Path, short_tmp: Path
+) -> None:
+    def source(notebook: Path, out: Path) -> str:
+        return (
+            "import asyncio, sys\n"
+            "from prefect.exceptions import CancelledRun\n"
+            "from prefect_sandbox.flows import arun_notebook\n"
+            "try:\n"
+            f"    asyncio.run(arun_notebook({str(notebook)!r}, artifacts=['made.txt'],"
+            f" storage={str(out)!r}))\n"
+            "except CancelledRun as exc:\n"
+            "    print('CancelledRun:', exc, file=sys.stderr)\n"
+        )
+
+    returncode, stderr, _ = _signalled_script(
+        server, tmp_path, short_tmp, source, signal.SIGINT, sigint_ignored=True
+    )
+    assert returncode == 0, stderr[-3000:]
+    assert "CancelledRun: flow run " in stderr

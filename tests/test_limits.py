@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import httpx
 import nbformat
 import pytest
-from prefect.client.orchestration import get_client
+from prefect import flow
+from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
 from prefect.exceptions import CancelledRun, ObjectNotFound
@@ -24,8 +28,14 @@ from prefect_sandbox import (
     E2BBackend,
     LocalKernelBackend,
 )
-from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
-from prefect_sandbox.flows.limits import live_sandbox_limit_name
+from prefect_sandbox.flows import (
+    PipelineFailedError,
+    amodeling_pipeline,
+    arun_notebook,
+    limits,
+    sandbox_session,
+)
+from prefect_sandbox.flows.limits import SlotError, live_sandbox_limit_name
 from prefect_sandbox.results import PipelineResult
 from tests.conftest import max_alive_at_once, run_past_a_flow_timeout
 
@@ -56,6 +66,18 @@ async def no_limit() -> AsyncIterator[None]:
 def _summary(result: PipelineResult) -> dict[str, object]:
     summary: dict[str, object] = json.loads((Path(result.output_dir) / "summary.json").read_text())
     return summary
+
+
+def _waiting_cell(go: Path) -> str:
+    """A cell that marks its start in its working directory, then waits for ``go`` (60 s at
+    most)."""
+    return (
+        "import os, time\n"
+        "open('started.marker', 'w').write('1')\n"
+        "deadline = time.monotonic() + 60\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)"
+    )
 
 
 def test_each_backend_names_its_limit_by_its_handles_slug() -> None:
@@ -91,13 +113,7 @@ async def test_capped_runs_never_overlap_beyond_the_cap_and_all_complete(
     work.mkdir()
     # Unisolated kernels, so that their cells can see the test's "go" file.
     backend = LocalKernelBackend(max_live_sandboxes=2, workdir_root=str(work), isolation="none")
-    cell = (
-        "import os, time\n"
-        "open('started.marker', 'w').write('1')\n"
-        "deadline = time.monotonic() + 60\n"
-        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
-        "    time.sleep(0.05)"
-    )
+    cell = _waiting_cell(go)
 
     def start() -> asyncio.Task[PipelineResult]:
         return asyncio.create_task(
@@ -289,5 +305,129 @@ async def test_a_capped_run_past_its_flow_timeout_stores_everything_and_frees_it
     summary, _, _ = await run_past_a_flow_timeout(
         tmp_path, LocalKernelBackend(max_live_sandboxes=1)
     )
+    assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
+    assert (await _read_limit()).active_slots == 0
+
+
+def _api_error(code: int) -> httpx.HTTPStatusError:
+    request = httpx.Request("POST", "http://127.0.0.1/api/v2/concurrency_limits/")
+    return httpx.HTTPStatusError(
+        f"{code} from the API", request=request, response=httpx.Response(code, request=request)
+    )
+
+
+def _failing(
+    monkeypatch: pytest.MonkeyPatch, method: str, codes: list[int], *, forever: int | None = None
+) -> list[str]:
+    """Make the Prefect client's ``method`` answer each of ``codes`` in turn, then ``forever``
+    every time (None: the API's own answer). Returns a log of the calls: the code or "ok"."""
+    real = getattr(PrefectClient, method)
+    calls: list[str] = []
+
+    async def faulty(self: PrefectClient, *args: Any, **kwargs: Any) -> Any:
+        code = codes[len(calls)] if len(calls) < len(codes) else forever
+        calls.append(str(code or "ok"))
+        if code is not None:
+            raise _api_error(code)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefectClient, method, faulty)
+    return calls
+
+
+Faults = Callable[..., list[str]]
+
+
+@pytest.fixture
+def faults(monkeypatch: pytest.MonkeyPatch) -> Faults:
+    """`_failing` for this test, with the slot's retries and renewals made quick."""
+    monkeypatch.setattr(limits, "RETRY_FIRST_DELAY_S", 0.01)
+    monkeypatch.setattr(limits, "RENEW_EVERY_S", 0.05)
+    return functools.partial(_failing, monkeypatch)
+
+
+async def test_slot_faults_never_cost_the_summary(
+    tmp_path: Path, no_limit: None, faults: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = LocalKernelBackend(max_live_sandboxes=1)
+    # Taking the slot meets two 503s (SQLite locked); giving it back fails every time.
+    takes = faults("increment_concurrency_slots_with_lease", [503, 503])
+    releases = faults("release_concurrency_slots_with_lease", [], forever=500)
+    result = await amodeling_pipeline(
+        stages={"one": ["x = 1"]}, backend=backend, storage=str(tmp_path)
+    )
+    assert takes == ["503", "503", "ok"]
+    assert result.status == "completed" and _summary(result)["status"] == "completed"
+    assert len(releases) == limits.API_ATTEMPTS
+    assert f"The slot of {LIMIT} was not given back" in caplog.text
+
+    # A slot that cannot be taken at all: no sandbox, and the summary says why.
+    faults("increment_concurrency_slots_with_lease", [], forever=503)
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(stages={"two": ["x = 2"]}, backend=backend, storage=str(tmp_path))
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["sandbox_id"] is None
+    assert f"No slot of {LIMIT} could be taken" in summary["error"]
+
+
+async def test_failed_renewals_keep_the_cap_and_a_lost_lease_stops_the_sandbox(
+    tmp_path: Path, no_limit: None, faults: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
+    work, go, out = tmp_path / "work", tmp_path / "go", tmp_path / "out"
+    work.mkdir()
+    backend = LocalKernelBackend(max_live_sandboxes=1, workdir_root=str(work), isolation="none")
+    cell = _waiting_cell(go)
+    # More failed renewals in a row than Prefect's own renewal tries (3) before it gives up.
+    renewals = faults("renew_concurrency_lease", [503] * 5)
+
+    def start() -> asyncio.Task[PipelineResult]:
+        return asyncio.create_task(
+            amodeling_pipeline(stages={"work": [cell]}, backend=backend, storage=str(out))
+        )
+
+    first = start()
+    async with asyncio.timeout(60):
+        while not list(work.rglob("started.marker")):
+            await asyncio.sleep(0.05)
+    second = start()
+    async with asyncio.timeout(60):
+        while renewals.count("ok") < 2 or "Waiting for a slot" not in caplog.text:
+            await asyncio.sleep(0.05)
+    assert renewals[:5] == ["503"] * 5
+    assert len(list(work.rglob("started.marker"))) == 1 and not second.done()
+    assert (await _read_limit()).active_slots == 1
+    go.touch()
+    results = await asyncio.gather(first, second)
+    assert [r.status for r in results] == ["completed"] * 2
+    assert max_alive_at_once([_summary(r) for r in results]) == 1
+
+    # The server no longer has the lease (404): the sandbox is stopped, the run fails.
+    faults("renew_concurrency_lease", [], forever=404)
+    go.unlink()
+    with pytest.raises(PipelineFailedError) as info:
+        await amodeling_pipeline(stages={"lost": [cell]}, backend=backend, storage=str(out))
+    summary = json.loads((Path(info.value.output_dir or "") / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
+    assert f"the lease on its slot of {LIMIT} was lost" in summary["error"]
+    assert (await _read_limit()).active_slots == 0
+
+
+async def test_a_session_whose_lease_is_lost_fails_with_its_summary(
+    tmp_path: Path, no_limit: None, faults: Faults
+) -> None:
+    faults("renew_concurrency_lease", [], forever=404)
+    out = tmp_path / "out"
+
+    @flow
+    async def agent() -> None:
+        async with sandbox_session(
+            backend=LocalKernelBackend(max_live_sandboxes=1), storage=str(out)
+        ) as session:
+            await session.run_cell("import time\ntime.sleep(60)")
+
+    with pytest.raises(SlotError, match="was lost"):
+        await agent()
+    (summary_path,) = out.glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
     assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
     assert (await _read_limit()).active_slots == 0

@@ -15,43 +15,60 @@ holds a slot of it as well as its backend's (`also_holding` passes it to the bra
 A sweep killed outright leaves its limit behind; the reaper removes it once the sweep's flow
 run is final or gone.
 
-Slots are Prefect's lease-based ones (`prefect.concurrency.asyncio.concurrency`), held by
-``{"type": "flow_run", "id": <flow run id>}`` and released on the way out of the block however
-it is left: a result, an exception or a cancellation. A process killed outright cannot release:
-its lease stops being renewed and the server's repossessor service frees the slot once the lease
-expires, `LEASE_DURATION_S` after the last renewal (it looks every 15 s). Prefect's temporary
-API server (no ``PREFECT_API_URL``) runs no repossessor, so there such a slot stays taken; and
-any server keeps leases in memory by default, so one that restarts while a slot is held forgets
-the lease and the slot stays taken in its database. ``prefect gcl update <name> --active-slots
-0`` (or deleting the limit) frees such slots; a cap is meant for a long-lived ``prefect server``
-or Prefect Cloud.
+Slots are Prefect's lease-based ones, taken, renewed and released through its client (not its
+``concurrency()``, whose renewal gives up after 3 failed tries and lets the run go on uncapped),
+held by ``{"type": "flow_run", "id": <flow run id>}``. A call that fails transiently (a 503 while
+SQLite is locked) is tried again; a lease not renewed in time stops the run's sandbox
+(`SlotError`), so the cap holds; a failed release is a warning. A process killed outright cannot
+release: the server's repossessor frees its slot once the lease lapses, `LEASE_DURATION_S` after
+the last renewal (it looks every 15 s). Prefect's temporary API server (no ``PREFECT_API_URL``)
+runs no repossessor, and a server that restarts forgets its in-memory leases: such slots stay
+taken until ``prefect gcl update <name> --active-slots 0``. A cap is meant for a long-lived
+``prefect server`` or Prefect Cloud (docs/how-to/cap.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
+import httpx
 from prefect import get_client, get_run_logger
+from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
-from prefect.concurrency.asyncio import concurrency
+from prefect.client.schemas.responses import (
+    ConcurrencyLimitWithLeaseResponse,
+    GlobalConcurrencyLimitResponse,
+)
+from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from tenacity import AsyncRetrying
 
 from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.sandbox.backends import cancel_and_wait
+from prefect_sandbox.sandbox.errors import SandboxError
+from prefect_sandbox.sandbox.retries import async_retrying, retry_delay_s
 from prefect_sandbox.tasks.sandbox import shielded
 
 __all__ = [
+    "API_ATTEMPTS",
     "LEASE_DURATION_S",
     "LIMIT_PREFIX",
+    "LOST_MARGIN_S",
+    "RENEW_EVERY_S",
+    "RETRY_FIRST_DELAY_S",
     "SWEEP_LIMIT_PREFIX",
+    "HeldSlot",
     "LiveLimit",
+    "SlotError",
     "also_holding",
     "live_sandbox_limit_name",
     "live_sandbox_slot",
@@ -63,9 +80,17 @@ __all__ = [
 LIMIT_PREFIX = "prefect-sandbox:"
 SWEEP_LIMIT_PREFIX = f"{LIMIT_PREFIX}sweep:"
 LEASE_DURATION_S = 120.0
-"""Seconds a slot's lease lasts without renewal. Prefect renews it every 3/4 of this while the
-run lives (with retries), and its server accepts 60 s at least: 120 s leaves a failed renewal
-30 s to retry, and frees a killed run's slot within about 2 minutes on a ``prefect server``."""
+"""Seconds a slot's lease lasts without renewal (Prefect's server accepts 60 s at least): it
+frees a killed run's slot within about 2 minutes on a ``prefect server``."""
+RENEW_EVERY_S = LEASE_DURATION_S / 4
+"""Seconds between renewals: a failed one has 3/4 of the lease to be tried again."""
+LOST_MARGIN_S = 15.0
+"""A lease not renewed within this many seconds of lapsing is taken as lost, so the sandbox is
+stopped before the server's repossessor (which looks every 15 s) gives the slot away."""
+API_ATTEMPTS = 8
+"""Tries in all of each slot call (read, take, release) that fails transiently."""
+RETRY_FIRST_DELAY_S = 1.0
+"""The first wait before another try; it doubles each time, up to 30 s."""
 
 
 @dataclass(frozen=True)
@@ -196,68 +221,211 @@ def _check(limit: LiveLimit, current: GlobalConcurrencyLimitResponse) -> None:
         )
 
 
+class SlotError(SandboxError):
+    """The run's live-sandbox slot could not be taken (the API kept failing, or a limit
+    vanished), or its lease was lost while the sandbox lived (the sandbox is then stopped so
+    that the cap holds). The run still stores what it made and ``summary.json``."""
+
+
+@dataclass
+class HeldSlot:
+    """The slots `live_sandbox_slot` holds.
+
+    Attributes:
+        lost: why the lease was lost while held (the body was cancelled then), or None.
+    """
+
+    lost: str | None = None
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether a Prefect API call that failed so is worth another try: no answer, a timeout, a
+    429 or a 5xx (a 503 is SQLite locked, under load)."""
+    if isinstance(error, httpx.HTTPStatusError):
+        code = error.response.status_code
+        return code in (408, 429) or code >= 500
+    return isinstance(error, httpx.TransportError)
+
+
+def _retrying(what: str, attempts: int = API_ATTEMPTS) -> AsyncRetrying:
+    return async_retrying(
+        attempts=attempts, retry_if=_transient, first_delay_s=RETRY_FIRST_DELAY_S, what=what
+    )
+
+
 @asynccontextmanager
-async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncIterator[None]:
+async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncIterator[HeldSlot]:
     """Hold one slot of each of ``limits`` at once (`run_limits` says which a run holds).
 
     Each limit is created when missing (`LiveLimit.size`); one that exists keeps its size (a
     warning says when it differs). Waits, as long as it takes, for a free slot of each (logging
-    once, at info, that it waits when one is full on arrival); releases them on exit, however
-    the block is left, a passed deadline (a flow's ``timeout_seconds``) not stopping the
-    release (`shielded`).
+    once, at info, that it waits when one is full on arrival); an API call that fails on the
+    way (a 503 while SQLite is locked) is tried again, `API_ATTEMPTS` times in all. Inside, the
+    lease is renewed every `RENEW_EVERY_S`, a failed renewal tried again until the lease would
+    lapse; a lease lost (the server no longer has it, or it could not be renewed in time)
+    cancels the body, so that its sandbox is stopped before the server gives the slot to
+    another run, and `SlotError` is raised on the way out. The slots are released on exit,
+    however the block is left, a passed deadline not stopping the release (`shielded`); a
+    release that still fails is a warning (the server frees the slot once its lease lapses).
 
     Args:
         limits: the limits; none: this holds nothing and calls no Prefect API.
         flow_run_id: the flow run's UUID as a string: the slots' holder.
 
+    Yields:
+        The `HeldSlot`.
+
     Raises:
-        prefect.concurrency.asyncio.ConcurrencySlotAcquisitionError: a limit vanished before
-            a slot was taken, or the API refused the request.
+        SlotError: a limit vanished before a slot was taken, the API kept failing, or the
+            lease was lost inside.
     """
+    slot = HeldSlot()
     if not limits:
-        yield
+        yield slot
         return
-    for limit in limits:
-        _check(limit, await _existing(limit))
-    acquired = asyncio.Event()
-    release = asyncio.Event()
-
-    async def hold() -> None:
-        async with concurrency(
-            [limit.name for limit in limits],
-            lease_duration=LEASE_DURATION_S,
-            strict=True,
-            holder=ConcurrencyLeaseHolder(type="flow_run", id=UUID(flow_run_id)),
-            # A renewal that fails after its retries is logged; the run goes on rather than
-            # lose the user's work to an API hiccup.
-            raise_on_lease_renewal_failure=False,
-        ):
-            acquired.set()
-            await release.wait()
-
-    # Prefect's slot opens cancel scopes (its lease renewal) that must be left in the task that
-    # entered them; held in a task of its own, its release can be shielded from a passed
-    # deadline here and still give the slot back.
-    holder = asyncio.create_task(hold())
+    names = [limit.name for limit in limits]
     try:
-        await _until_acquired(acquired, holder)
-        yield
-    finally:
-        release.set()
-        with shielded():
-            await holder
-
-
-async def _until_acquired(acquired: asyncio.Event, holder: asyncio.Task[None]) -> None:
-    """Wait until ``holder`` holds its slot; raises what ``holder`` raised if it ended first.
-    Cancelled while waiting, it cancels ``holder`` (whose exit gives back a slot it took)."""
-    waiter = asyncio.create_task(acquired.wait())
+        for limit in limits:
+            async for attempt in _retrying(f"Reading the concurrency limit {limit.name}"):
+                with attempt:
+                    current = await _existing(limit)
+            _check(limit, current)
+        lease_id, asked_at = await _acquire(names, UUID(flow_run_id))
+    except (httpx.HTTPError, ConcurrencySlotAcquisitionError) as exc:
+        raise SlotError(f"No slot of {', '.join(names)} could be taken: {exc}") from exc
+    body = asyncio.current_task()
+    assert body is not None, "must run in an asyncio task"
+    keeper = asyncio.create_task(_keep_lease(lease_id, asked_at, names, slot, body))
     try:
-        await asyncio.wait({waiter, holder}, return_when=asyncio.FIRST_COMPLETED)
+        yield slot
     except asyncio.CancelledError:
-        holder.cancel()
-        raise
+        if slot.lost is None:
+            raise
+        body.uncancel()  # the cancellation was the keeper's, for the lost lease
     finally:
-        waiter.cancel()
-    if not acquired.is_set():
-        await holder  # ended without a slot: its error is the caller's
+        with shielded():
+            await cancel_and_wait(keeper)
+            await _release(lease_id, names)
+    if slot.lost is not None:
+        raise SlotError(slot.lost)
+
+
+async def _acquire(names: list[str], holder_id: UUID) -> tuple[UUID, float]:
+    """Take one slot of each of ``names`` with a lease held by the flow run ``holder_id``,
+    waiting while a limit is full (the server's 423 and its Retry-After, as Prefect's own
+    acquisition service does) and trying again what is transient.
+
+    Returns:
+        The lease's id, and the `time.monotonic` before the request that took it (the lease
+        lasts `LEASE_DURATION_S` from a moment after that).
+
+    Raises:
+        ConcurrencySlotAcquisitionError: a limit does not exist.
+        httpx.HTTPError: the API kept failing (`API_ATTEMPTS` tries).
+    """
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=holder_id)
+    async with get_client() as client:
+        async for attempt in _retrying(f"Taking a slot of {', '.join(names)}"):
+            with attempt:
+                while True:
+                    asked_at = time.monotonic()
+                    request = asyncio.ensure_future(
+                        client.increment_concurrency_slots_with_lease(
+                            names=names,
+                            slots=1,
+                            mode="concurrency",
+                            lease_duration=LEASE_DURATION_S,
+                            holder=holder,
+                        )
+                    )
+                    try:
+                        response = await asyncio.shield(request)
+                    except asyncio.CancelledError:
+                        with shielded():
+                            await _release_if_granted(client, request)
+                        raise
+                    except httpx.HTTPStatusError as exc:
+                        if exc.response.status_code != 423:
+                            raise
+                        await asyncio.sleep(float(exc.response.headers.get("Retry-After", 1)))
+                        continue
+                    granted = ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
+                    if len(granted.limits) < len(names):
+                        raise ConcurrencySlotAcquisitionError(
+                            f"Concurrency limits {names!r} vanished before a slot was taken"
+                        )
+                    return granted.lease_id, asked_at
+    raise AssertionError("unreachable: tenacity reraises")
+
+
+async def _release_if_granted(
+    client: PrefectClient, request: asyncio.Future[httpx.Response]
+) -> None:
+    """Give back the lease that ``request``, whose caller was cancelled, may still be granted:
+    else its slot stays taken until the lease lapses (forever on Prefect's temporary API)."""
+    await asyncio.wait({request})
+    if request.cancelled() or request.exception() is not None:
+        return
+    granted = ConcurrencyLimitWithLeaseResponse.model_validate(request.result().json())
+    with contextlib.suppress(httpx.HTTPError):
+        await client.release_concurrency_slots_with_lease(granted.lease_id)
+
+
+async def _keep_lease(
+    lease_id: UUID, held_from: float, names: list[str], slot: HeldSlot, body: asyncio.Task[Any]
+) -> None:
+    """Renew the lease every `RENEW_EVERY_S` until cancelled. A renewal that fails is tried
+    again, with back-off, while the lease still has `LOST_MARGIN_S` to run; when it has not, or
+    the server no longer has the lease, the lease is lost: ``slot.lost`` says why and ``body``
+    is cancelled. (Prefect's own renewal gives up after 3 tries and lets the run go on
+    uncapped: `prefect.concurrency._leases`.)"""
+    logger = get_run_logger()
+    held_until = held_from + LEASE_DURATION_S
+    async with get_client() as client:
+        while True:
+            await asyncio.sleep(RENEW_EVERY_S)
+            tries = 0
+            while True:
+                sent = time.monotonic()
+                try:
+                    await client.renew_concurrency_lease(lease_id, LEASE_DURATION_S)
+                except httpx.HTTPError as exc:
+                    tries += 1
+                    delay = retry_delay_s(exc, tries, first_delay_s=RETRY_FIRST_DELAY_S)
+                    gone = isinstance(exc, httpx.HTTPStatusError) and not _transient(exc)
+                    if gone or time.monotonic() + delay > held_until - LOST_MARGIN_S:
+                        slot.lost = (
+                            f"the lease on its slot of {', '.join(names)} was lost ({exc}); "
+                            "its sandbox was stopped so that the cap holds"
+                        )
+                        logger.error("Live-sandbox slot lost: %s", slot.lost)
+                        body.cancel()
+                        return
+                    logger.warning(
+                        "Renewing the lease on the slot of %s failed (%s); trying again in %.1f s",
+                        ", ".join(names),
+                        exc,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+                else:
+                    held_until = sent + LEASE_DURATION_S
+                    break
+
+
+async def _release(lease_id: UUID, names: list[str]) -> None:
+    """Give the slots back, trying again what is transient; a release that still fails is a
+    warning, never the run's failure: the server frees the slots once the lease lapses."""
+    try:
+        async with get_client() as client:
+            async for attempt in _retrying(f"Releasing the slot of {', '.join(names)}"):
+                with attempt:
+                    await client.release_concurrency_slots_with_lease(lease_id)
+    except httpx.HTTPError as exc:
+        get_run_logger().warning(
+            "The slot of %s was not given back (%s); the server frees it once its lease "
+            "lapses, %.0f s after its last renewal",
+            ", ".join(names),
+            exc,
+            LEASE_DURATION_S,
+        )

@@ -28,9 +28,10 @@ from prefect_aws import S3Bucket
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
-from prefect_sandbox.flows.limits import live_sandbox_slot, run_limits
+from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.report import summary_markdown
+from prefect_sandbox.flows.signals import sigint_honoured
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
@@ -272,7 +273,23 @@ class PipelineRun:
         kill-sandbox on exit, whatever happened inside, all within a slot of the backend's
         live-sandbox limit when it has one, and of a sweep's limit in a sweep's branch
         (`run_limits`). A transient failure before the first cell is met with a fresh sandbox
-        (`set_up_sandbox`). Records its id and the UTC times bracketing its life."""
+        (`set_up_sandbox`). Records its id and the UTC times bracketing its life. A slot that
+        cannot be taken, or whose lease is lost while the sandbox lives (which stops it), is
+        the run's failure (`SlotError`), not a cancellation."""
+        try:
+            async with self._sandbox_in_slot(flow_run_id, labels, set_up) as handle:
+                yield handle
+        except SlotError as exc:
+            self.cancelled = False  # the lost lease's cancellation, taken by the stages
+            self.failure = self.failure or exc
+            if self.sandbox_id is None:
+                get_run_logger().warning("Sandbox not made: %s", exc)
+            raise
+
+    @asynccontextmanager
+    async def _sandbox_in_slot(
+        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None
+    ) -> AsyncIterator[SandboxHandle]:
         async with live_sandbox_slot(run_limits(self.backend), flow_run_id):
             self.sandbox_created_at = datetime.now(UTC)
             try:
@@ -378,7 +395,8 @@ class PipelineRun:
         """The flow run's sandbox, labelled for it and set up with ``inputs`` (`begin`, with
         ``staging``), by `flow_run_sandbox`; on exit, once it is killed, what was made is
         stored from ``outputs`` (`storing_on_exit`). Inside, the current task is cancelled
-        once the flow run is Cancelling (`cancelled_from_api`)."""
+        once the flow run is Cancelling (`cancelled_from_api`), or on a SIGINT that the
+        process inherited as ignored (`sigint_honoured`)."""
         labels = flow_run_labels(str(flow_run.id), flow_run.name)
 
         async def set_up(handle: SandboxHandle) -> None:
@@ -386,6 +404,7 @@ class PipelineRun:
 
         # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
         async with (
+            sigint_honoured(),
             cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
             self.storing_on_exit(outputs),
             self.flow_run_sandbox(str(flow_run.id), labels, set_up) as handle,

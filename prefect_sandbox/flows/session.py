@@ -32,10 +32,15 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
+import httpx
 import nbformat
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from prefect import get_run_logger
+from prefect import get_client, get_run_logger
+from prefect.client.schemas import OrchestrationResult
+from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
 from prefect_aws import S3Bucket
 from pydantic import BaseModel
@@ -497,6 +502,23 @@ _sessions_opened: dict[tuple[str, int], int] = {}
 ``run_count``."""
 
 
+async def _end_flow_run_cancelled(flow_run: FlowRun, message: str) -> None:
+    """Set the session's flow run Cancelled, as a pipeline flow ends, before the cancellation
+    is re-raised: Prefect's engine takes a BaseException raised once its flow run is final as
+    raised after the run ended (not as a crash), and the flow's caller gets `CancelledRun`.
+    Where the API refuses, the run ends Crashed as before (a warning says why)."""
+    try:
+        async with get_client() as client:
+            answer: OrchestrationResult[Any] = await client.set_flow_run_state(
+                flow_run.id, Cancelled(message=message), force=True
+            )
+    except (httpx.HTTPError, PrefectHTTPStatusError) as exc:
+        get_run_logger().warning("Flow run %s not set Cancelled: %s", flow_run.name, exc)
+        return
+    if answer.state is not None:
+        flow_run.state = answer.state  # the engine's own copy: it reads this one
+
+
 def _session_suffix() -> str:
     """What the folder and artifact key of the session being opened add to the flow run's:
     nothing for its attempt's first, ``-session-<n>`` for the n-th (nested or in turn), so
@@ -572,6 +594,8 @@ async def _open_session(
             )
     with shielded():
         await run.post_summary(result, SESSION_SUMMARY_KEY + suffix, "Sandbox session summary")
+        if run.cancelled:
+            await _end_flow_run_cancelled(flow_run, f"sandbox session {result.error}")
     if cancellation is not None:
         raise cancellation
     if raised is not None:
@@ -763,8 +787,11 @@ def sandbox_session(
             and ``summary.json`` stored first).
         SessionFailedError: on leaving a block that raised nothing, files could not all be
             collected or stored. An exception the block raised leaves as it is, after storing.
-        asyncio.CancelledError: the flow's task was cancelled; it is re-raised once the
-            sandbox is killed and the files stored (``summary.json`` says ``"cancelled"``).
+        asyncio.CancelledError: the flow's task was cancelled (a signal, or the flow run set
+            Cancelling through the API or UI); it is re-raised once the sandbox is killed, the
+            files stored (``summary.json`` says ``"cancelled"``) and the flow run set
+            Cancelled, so that it ends Cancelled (not Crashed) and its caller gets
+            ``prefect.exceptions.CancelledRun``.
     """
     check_options(
         RunOptions,

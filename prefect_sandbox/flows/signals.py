@@ -6,6 +6,11 @@ Prefect's flow engine turns SIGTERM into its own exception only on the main thre
 where it raises out of the loop wherever it stood; a flow run from a plain script (the flows'
 sync twins) runs on another thread, where nothing catches the signal and the process dies at
 once, leaving its staging folder and its flow run Running.
+
+A process started with SIGINT ignored (a background job of a non-interactive shell, ``python
+script.py &``) keeps it ignored, and ``asyncio.run`` then installs no handler of its own: a
+SIGINT sent to a script running a flow with ``asyncio.run`` did nothing. `sigint_honoured` takes
+it there while a run's sandbox lives.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import contextlib
 import contextvars
 import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar, cast
 
-__all__ = ["SignalStop"]
+__all__ = ["SignalStop", "sigint_honoured"]
 
 T = TypeVar("T")
 
@@ -96,3 +102,33 @@ class SignalStop:
         if self._loop is not None and self._task is not None:
             with contextlib.suppress(RuntimeError):  # the loop already closed: the run is over
                 self._loop.call_soon_threadsafe(self._task.cancel)
+
+
+@asynccontextmanager
+async def sigint_honoured() -> AsyncIterator[None]:
+    """Within, on the main thread's event loop where SIGINT is ignored (inherited so), the first
+    SIGINT cancels the current task, as ``asyncio.run``'s own handler does where it is not: the
+    pipeline then kills its sandbox, stores what was made and ends Cancelled. Later ones are
+    ignored while that happens; on exit SIGINT is ignored again. Elsewhere nothing changes."""
+    task = asyncio.current_task()
+    if (
+        task is None
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    ):
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    received: list[bool] = []
+
+    def stop() -> None:
+        if not received:
+            received.append(True)
+            task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
