@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from prefect_sandbox.sandbox.backends.docker import DockerSandbox, DockerSandboxConfig
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.docker import DockerSandbox, DockerSandboxConfig
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.testing.docker import DockerDaemon, build_test_image
 

@@ -45,8 +45,8 @@ from bench_local import (
     verdict,
 )
 
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
-from prefect_sandbox.sandbox.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "isolation.json"
 OURS: tuple[Isolation, ...] = ("bubblewrap", "none")

@@ -154,7 +154,7 @@ async def bench_per_cell(sizes: Sizes) -> dict[str, Any]:
     Each round runs one cell on each contender in turn, ``cells_per_round`` times, so that
     drift (other processes, Prefect's threads) hits all of them alike.
     """
-    from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+    from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 
     ipc_dir = Path(tempfile.mkdtemp(prefix="bench-raw-ipc-"))
     sandbox = None
@@ -383,7 +383,7 @@ async def bench_flow_overhead(sizes: Sizes, work: Path) -> dict[str, Any]:
     kernel work the flow cannot avoid; the difference is the flow's own overhead.
     """
     from prefect_sandbox.flows import amodeling_pipeline
-    from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+    from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 
     out_kwargs = output_kwargs(amodeling_pipeline, work / "out-flow")
 

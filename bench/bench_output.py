@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 from jupyter_client.manager import AsyncKernelManager
 
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 
 CELL = "import sys\nfor _ in range(100): sys.stdout.write('x' * 2**20 + '\\n')\nprint('END')"
 RAW_DISPLAYS_CELL = (

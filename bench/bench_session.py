@@ -55,7 +55,7 @@ async def run_all(rounds: int, out: Path) -> dict[str, Any]:
 
     from prefect_sandbox import LocalKernelBackend
     from prefect_sandbox.flows import sandbox_session
-    from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+    from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
     from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
 
     @task(cache_policy=NO_CACHE)

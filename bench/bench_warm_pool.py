@@ -46,9 +46,13 @@ from bench_local import (
     verdict,
 )
 
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox, _guards
-from prefect_sandbox.sandbox.backends.warm_pool import close_warm_pools
-from prefect_sandbox.sandbox.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.local import (
+    LocalKernelConfig,
+    LocalKernelSandbox,
+    _guards,
+)
+from prefect_sandbox.sandbox.backends.kernel.warm_pool import close_warm_pools
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "warm_pool.json"
 ISOLATIONS: tuple[Isolation, ...] = ("bubblewrap", "none")

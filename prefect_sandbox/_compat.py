@@ -1,8 +1,8 @@
-"""The private or internal APIs of Prefect, prefect-aws and CPython that this package reaches.
+"""The private or internal APIs of Prefect and prefect-aws that this package reaches.
 
 Each is reached here only, so that a release that moves one breaks one function, named in one
-place. Every import is inside its function: importing this module imports no Prefect (the
-sandbox layer uses it too).
+place; CPython's are in `prefect_sandbox.sandbox._compat`, the core's own. Every import is
+inside its function: importing this module imports no Prefect.
 
 - ``Block._block_document_id`` and ``Block._block_document_name``: a saved block's id and
   name (Prefect 3 has no public accessor).
@@ -13,14 +13,10 @@ sandbox layer uses it too).
 - ``prefect.server.api.server.SubprocessASGIServer``: the temporary API server Prefect starts
   when no ``PREFECT_API_URL`` is set; one instance per process.
 - ``prefect.context.GLOBAL_SETTINGS_CONTEXT``: the settings every later flow call reads.
-- ``threading._register_atexit``: CPython's hook that runs before its threads are joined at
-  exit (`concurrent.futures` uses it); plain `atexit` where it is missing.
 """
 
 from __future__ import annotations
 
-import atexit
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -36,7 +32,6 @@ __all__ = [
     "called_blocking",
     "global_settings_context",
     "join_bucket_folder",
-    "register_before_threads_join",
     "set_global_settings_context",
     "temporary_api_server_url",
 ]
@@ -92,10 +87,3 @@ def set_global_settings_context(context: SettingsContext) -> None:
     import prefect.context
 
     prefect.context.GLOBAL_SETTINGS_CONTEXT = context
-
-
-def register_before_threads_join(function: Callable[[], Any]) -> None:
-    """Run ``function`` at this process's normal exit, before Python joins its threads (and
-    its thread pools refuse work); at plain `atexit` time where CPython lacks that hook."""
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(function)

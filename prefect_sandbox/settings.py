@@ -17,14 +17,14 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from prefect_sandbox.sandbox.backends.kernel.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.uids import DEFAULT_UID_RANGE, parse_uid_range
 from prefect_sandbox.sandbox.base import checked_timeout_s
-from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
 from prefect_sandbox.sandbox.paths import (
     DEFAULT_MAX_ARTIFACT_BYTES,
     DEFAULT_MAX_TOTAL_ARTIFACT_BYTES,
 )
-from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, parse_uid_range
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from prefect_sandbox.blocks import E2BCredentials
-from prefect_sandbox.sandbox.backends import daytona, docker, e2b
+from prefect_sandbox.sandbox.backends import daytona, e2b
 from prefect_sandbox.sandbox.backends.daytona import DaytonaSandbox
-from prefect_sandbox.sandbox.backends.docker import DockerSandbox
 from prefect_sandbox.sandbox.backends.e2b import E2BSandbox
-from prefect_sandbox.sandbox.backends.local import LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel import docker
+from prefect_sandbox.sandbox.backends.kernel.docker import DockerSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelSandbox
 from prefect_sandbox.sandbox.base import (
     TIMEOUT_ENAME,
     CellError,

@@ -1,6 +1,7 @@
 """The product code's shape (issue 21): no function in `prefect_sandbox` over `MAX_LINES`
 lines, docstring included; a flow's parameter list, which mirrors its options one per line,
-and its docstring, which documents each, do not count."""
+and its docstring, which documents each, do not count. The layout (issue 32): the core imports
+nothing above it, and the remote backends nothing of the host-kernel ones."""
 
 from __future__ import annotations
 
@@ -62,3 +63,34 @@ def test_the_rule_counts_a_plain_function_whole_and_a_flow_from_its_body() -> No
     flow = f'@flow(name="x")\nasync def g(\n{params}\n) -> None:\n    """Doc."""\n{body}\n'
     assert _long_functions(flow) == {}
     assert _long_functions(flow + "    y = 1\n") == {"g:2": MAX_LINES + 1}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The absolute module names a file imports, at any depth of its code."""
+    names: set[str] = set()
+    for node in ast.walk(parse_python(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_core_imports_nothing_above_it_and_remote_backends_no_kernel_machinery() -> None:
+    core = PACKAGE / "sandbox"
+    above = {
+        f"{path.relative_to(PACKAGE).as_posix()}: {name}"
+        for path in core.rglob("*.py")
+        for name in _imported_modules(path)
+        if name.split(".")[0] == "prefect"
+        or (name.startswith("prefect_sandbox.") and not name.startswith("prefect_sandbox.sandbox"))
+    }
+    assert above == set()
+    kernel = "prefect_sandbox.sandbox.backends.kernel"
+    remote = [core / "backends" / name for name in ("e2b.py", "daytona.py", "_daytona_runner.py")]
+    assert {
+        f"{path.name}: {name}"
+        for path in remote
+        for name in _imported_modules(path)
+        if name == kernel or name.startswith(f"{kernel}.")
+    } == set()

@@ -32,7 +32,7 @@ from prefect_sandbox.sandbox.backends.daytona import (
     record_content,
     translate_error,
 )
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,

@@ -34,7 +34,7 @@ from prefect.states import Cancelling
 from prefect_sandbox.blocks import LocalKernelBackend
 from prefect_sandbox.flows.sweep import SWEEP_NAME
 from prefect_sandbox.results import SweepResult
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.prefect_server import PREFECT, PrefectServer
 from prefect_sandbox.testing.s3 import MotoServer

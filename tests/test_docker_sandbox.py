@@ -19,7 +19,7 @@ import pytest
 
 from prefect_sandbox import DockerBackend
 from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
-from prefect_sandbox.sandbox.backends.docker import DockerSandbox
+from prefect_sandbox.sandbox.backends.kernel.docker import DockerSandbox
 from prefect_sandbox.sandbox.errors import (
     CellTimeoutError,
     SandboxDiedError,

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.base import Sandbox
 from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.sandbox.notebook import WIDGET_STATE_MIME, ExecutedNotebook

@@ -14,7 +14,7 @@ import pytest
 
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.sandbox.backends.e2b import E2BSandbox
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import stream_text
 

@@ -26,7 +26,7 @@ from prefect_sandbox.flows import (
     modeling_pipeline,
     run_notebook,
 )
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
 from tests.conftest import (
     ROOT,

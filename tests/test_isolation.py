@@ -32,16 +32,9 @@ import pytest
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
-from prefect_sandbox.sandbox import isolation
-from prefect_sandbox.sandbox import uids as uids_module
-from prefect_sandbox.sandbox.backends.local import (
-    KERNEL_LOG_BYTES,
-    LocalKernelConfig,
-    LocalKernelSandbox,
-)
-from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
-from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxUnavailableError
-from prefect_sandbox.sandbox.isolation import (
+from prefect_sandbox.sandbox.backends.kernel import isolation
+from prefect_sandbox.sandbox.backends.kernel import uids as uids_module
+from prefect_sandbox.sandbox.backends.kernel.isolation import (
     SANDBOX_HOME,
     SECCOMP_REFUSED,
     SandboxView,
@@ -50,6 +43,13 @@ from prefect_sandbox.sandbox.isolation import (
     sandbox_view,
     staged_command,
 )
+from prefect_sandbox.sandbox.backends.kernel.local import (
+    KERNEL_LOG_BYTES,
+    LocalKernelConfig,
+    LocalKernelSandbox,
+)
+from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
+from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxUnavailableError
 from tests.conftest import ROOT, stream_text
 
 LABELS = {"prefect-sandbox": "true", "suite": "isolation"}

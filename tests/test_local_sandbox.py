@@ -25,14 +25,14 @@ import psutil
 import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 
-from prefect_sandbox.sandbox.backends.jupyter import STREAM_MESSAGE_CHARS
-from prefect_sandbox.sandbox.backends.local import (
+from prefect_sandbox.sandbox.backends.kernel.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.jupyter import STREAM_MESSAGE_CHARS
+from prefect_sandbox.sandbox.backends.kernel.local import (
     HOST_ENV_ALLOW_LIST,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxUnavailableError
-from prefect_sandbox.sandbox.isolation import Isolation
 from tests.conftest import kernel_processes, stream_text
 from tests.contract.test_forks import forked_child
 
@@ -147,7 +147,10 @@ async def test_a_sigkilled_flow_process_leaves_no_kernel_behind(isolation: Isola
         """
         import asyncio, json, pathlib, time
         import psutil
-        from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+        from prefect_sandbox.sandbox.backends.kernel.local import (
+            LocalKernelConfig,
+            LocalKernelSandbox,
+        )
 
         async def main():
             box = await LocalKernelSandbox.create(LocalKernelConfig(isolation=ISOLATION))

@@ -1129,7 +1129,8 @@ PRIVATE_NAMES = frozenset(
     {"_block_document_id", "_block_document_name", "_join_bucket_folder", "_register_atexit"}
     | {"SubprocessASGIServer", "GLOBAL_SETTINGS_CONTEXT"}
 )
-"""Private or internal names of Prefect, prefect-aws and CPython (see `prefect_sandbox._compat`)."""
+"""Private or internal names of Prefect, prefect-aws and CPython (see `prefect_sandbox._compat`
+and, for CPython's, `prefect_sandbox.sandbox._compat`)."""
 PRIVATE_KEYWORDS = frozenset({"_sync"})
 """Private keyword arguments: Prefect's ``async_dispatch`` takes ``_sync``."""
 
@@ -1157,7 +1158,9 @@ def test_private_apis_are_reached_only_through_the_compat_module() -> None:
         if path.name != "_compat.py"
     }
     assert {path: names for path, names in reaching.items() if names} == {}
-    assert _private_uses((package / "_compat.py").read_text()) == PRIVATE_NAMES | PRIVATE_KEYWORDS
+    compat_modules = (package / "_compat.py", package / "sandbox" / "_compat.py")
+    reached = set().union(*(_private_uses(path.read_text()) for path in compat_modules))
+    assert reached == PRIVATE_NAMES | PRIVATE_KEYWORDS
 
 
 class _CyclicGarbage:

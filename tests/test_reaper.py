@@ -140,7 +140,7 @@ async def _reap(**parameters: Any) -> tuple[list[ReapedSandbox], list[dict[str, 
 
 
 async def test_a_local_sandbox_whose_handle_is_half_written_is_not_listed() -> None:
-    from prefect_sandbox.sandbox.backends.host import runtime_base
+    from prefect_sandbox.sandbox.backends.kernel.host import runtime_base
 
     half_made = runtime_base() / f"local-{uuid.uuid4().hex[:12]}"
     half_made.mkdir()

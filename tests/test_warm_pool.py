@@ -27,13 +27,13 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox.flows import amodeling_pipeline
-from prefect_sandbox.sandbox.backends import warm_pool as warm_pool_module
-from prefect_sandbox.sandbox.backends.local import (
+from prefect_sandbox.sandbox.backends.kernel import warm_pool as warm_pool_module
+from prefect_sandbox.sandbox.backends.kernel.local import (
     LocalKernelConfig,
     _pool_key,
     kill_orphaned_pool_kernels,
 )
-from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, close_warm_pools, warm_pool
+from prefect_sandbox.sandbox.backends.kernel.warm_pool import WarmPool, close_warm_pools, warm_pool
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.labels import (
     FLOW_RUN_ID_LABEL,

@@ -1,5 +1,6 @@
-"""Reading a working directory that a sandbox may be changing (`prefect_sandbox.sandbox.workdir`),
-and the pure rules of which files a pattern names, on plain folders of this machine."""
+"""Reading a working directory that a sandbox may be changing
+(`prefect_sandbox.sandbox.backends.kernel.workdir`), and the pure rules of which files a
+pattern names, on plain folders of this machine."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from prefect_sandbox.sandbox.backends.kernel.workdir import MAX_LINK_HOPS, copy_out, list_workdir
 from prefect_sandbox.sandbox.base import RemoteFile
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
 from prefect_sandbox.sandbox.paths import (
@@ -21,7 +23,6 @@ from prefect_sandbox.sandbox.paths import (
     matching_files,
     shown_path,
 )
-from prefect_sandbox.sandbox.workdir import MAX_LINK_HOPS, copy_out, list_workdir
 
 SANDBOX_ROOT = PurePosixPath("/work")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field
 
 from prefect_sandbox.blocks.base import SandboxBackend, docs_page
-from prefect_sandbox.sandbox.backends.docker import (
+from prefect_sandbox.sandbox.backends.kernel.docker import (
     BACKEND_SLUG,
     DockerSandbox,
     DockerSandboxConfig,

@@ -8,13 +8,13 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from prefect_sandbox.blocks.base import SandboxBackend, docs_page
-from prefect_sandbox.sandbox.backends.local import (
+from prefect_sandbox.sandbox.backends.kernel.isolation import Isolation
+from prefect_sandbox.sandbox.backends.kernel.local import (
     BACKEND_SLUG,
     DEFAULT_MAX_PROCESSES,
     LocalKernelConfig,
     LocalKernelSandbox,
 )
-from prefect_sandbox.sandbox.isolation import Isolation
 from prefect_sandbox.settings import PrefectSandboxSettings
 
 __all__ = ["LocalKernelBackend"]

@@ -14,7 +14,7 @@ from prefect_sandbox.blocks.daytona import DaytonaBackend
 from prefect_sandbox.blocks.docker import DockerBackend
 from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.blocks.local import LocalKernelBackend
-from prefect_sandbox.sandbox.backends.warm_pool import close_warm_pools
+from prefect_sandbox.sandbox.backends.kernel.warm_pool import close_warm_pools
 from prefect_sandbox.sandbox.base import Sandbox
 
 CONTRACT_LABELS = {"prefect-sandbox": "true", "suite": "contract"}

@@ -1,13 +1,12 @@
 """The sandbox backends, one module each, every one a `prefect_sandbox.sandbox.base.Sandbox`.
 
-- `local`: `LocalKernelSandbox`, an ipykernel on this machine (no extra needed).
+- `kernel`: the host-kernel backends, `kernel.local` (`LocalKernelSandbox`, an ipykernel on this
+  machine, no extra needed) and `kernel.docker` (`DockerSandbox`, an ipykernel in a Docker
+  container, ``pip install 'prefect-sandbox[docker]'``), with the machinery they share.
 - `e2b`: `E2BSandbox`, an E2B cloud sandbox (``pip install 'prefect-sandbox[e2b]'``).
 - `daytona`: `DaytonaSandbox`, a Daytona sandbox (``pip install 'prefect-sandbox[daytona]'``);
   `_daytona_runner` is the code it installs in the sandbox's interpreter.
-- `docker`: `DockerSandbox`, an ipykernel in a Docker container on this machine
-  (``pip install 'prefect-sandbox[docker]'``).
-- `warm_pool`: `WarmPool`, sandboxes started ahead of time and handed out once each (the local
-  backend's ``warm_pool_size``).
+- `native_threads`: waits, at exit, for a vendor SDK's native threads (E2B's).
 
 No backend is imported here, so importing one never imports another's SDK.
 """

@@ -73,7 +73,6 @@ from prefect_sandbox.sandbox.backends import (
     kill_after_failed_setup,
     translated,
 )
-from prefect_sandbox.sandbox.backends.jupyter import FORKED_CHILD_GUARD_CODE
 from prefect_sandbox.sandbox.backends.native_threads import wait_for_quiet_threads_at_exit
 from prefect_sandbox.sandbox.base import (
     CellError,
@@ -94,6 +93,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
+from prefect_sandbox.sandbox.kernel_side import FORKED_CHILD_GUARD_CODE
 from prefect_sandbox.sandbox.outputs import COMM_MSG_TYPES, CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from prefect_sandbox.sandbox.backends.local import HOST_ENV_ALLOW_LIST
+from prefect_sandbox.sandbox.backends.kernel.local import HOST_ENV_ALLOW_LIST
 
 __all__ = ["EmulatedContext", "EmulatedSandbox", "ExecOutcome", "World"]
 

@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from prefect_sandbox.sandbox.backends.local import LocalKernelConfig, LocalKernelSandbox
+from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, LocalKernelSandbox
 from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.testing.e2b.channel import KernelChannel
 from prefect_sandbox.testing.e2b.profile import write_template_profile

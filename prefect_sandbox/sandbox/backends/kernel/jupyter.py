@@ -31,7 +31,12 @@ import zmq
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.session import Session
 
-from prefect_sandbox.sandbox.backends.kernel_sockets import check_pinned, clear_sockets, pin_sockets
+from prefect_sandbox.sandbox.backends.kernel.kernel_sockets import (
+    check_pinned,
+    clear_sockets,
+    pin_sockets,
+)
+from prefect_sandbox.sandbox.backends.kernel.workdir import copy_out, list_workdir
 from prefect_sandbox.sandbox.base import (
     CellError,
     CellReply,
@@ -42,6 +47,7 @@ from prefect_sandbox.sandbox.base import (
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
+from prefect_sandbox.sandbox.kernel_side import FORKED_CHILD_GUARD_CODE
 from prefect_sandbox.sandbox.outputs import (
     COMM_MSG_TYPES,
     OUTPUT_MSG_TYPES,
@@ -49,10 +55,8 @@ from prefect_sandbox.sandbox.outputs import (
     OutputCollector,
 )
 from prefect_sandbox.sandbox.paths import checked_upload_source, resolve_inside
-from prefect_sandbox.sandbox.workdir import copy_out, list_workdir
 
 __all__ = [
-    "FORKED_CHILD_GUARD_CODE",
     "STARTUP_FILE_NAME",
     "STREAM_MESSAGE_CHARS",
     "JupyterKernelConfig",
@@ -83,61 +87,6 @@ STARTUP_FILE_NAME = "00-prefect-sandbox.py"
 
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
-
-FORKED_CHILD_GUARD_CODE = """
-def _prefect_sandbox_quiet_forked_children():
-    # A process forked by a cell (os.fork) is a copy of the kernel holding its sockets: it
-    # would send the cell's busy/idle status and reply as if it were the kernel. It may send
-    # the cell's outputs only, and it stops (no CPU, killed with the kernel) where its copy
-    # of the cell ends, instead of carrying on as a second kernel that nothing can reach.
-    import os
-    import signal
-    import sys
-
-    kernel_pid = os.getpid()
-    shell = get_ipython()
-    session = getattr(getattr(shell, "kernel", None), "session", None)
-    if session is None:
-        return  # not ipykernel
-    outputs = {"stream", "display_data", "update_display_data", "clear_output", "error"}
-    send = session.send
-
-    def send_from_kernel(stream, msg_or_type, *args, **kwargs):
-        if os.getpid() != kernel_pid:
-            msg_type = msg_or_type
-            if not isinstance(msg_type, str):
-                msg_type = msg_or_type["header"]["msg_type"]
-            if msg_type not in outputs:
-                return None
-        return send(stream, msg_or_type, *args, **kwargs)
-
-    def stop_forked_child(result):
-        if os.getpid() == kernel_pid:
-            return
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        parent = os.getppid()
-        try:
-            import ctypes
-
-            # Killed when its parent ends (PR_SET_PDEATHSIG): a restart, not only a kill.
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent:
-            os._exit(1)
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    session.send = send_from_kernel
-    shell.events.register("post_run_cell", stop_forked_child)
-
-
-_prefect_sandbox_quiet_forked_children()
-del _prefect_sandbox_quiet_forked_children
-"""
-"""Kernel start-up code (IPython's namespace): a process forked by a cell sends outputs
-only, and stops where its copy of the cell ends, killed when its parent ends. Part of our
-startup file; a backend that cannot place that file runs it in the kernel itself."""
 
 # ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
 # us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
@@ -323,7 +272,7 @@ class JupyterKernelSandbox(Sandbox):
     which is a folder on this machine.
 
     The kernel's IPC sockets are reached only through links pinned in a folder of the host's
-    (`prefect_sandbox.sandbox.backends.kernel_sockets`): ``connection_file`` names that
+    (`kernel.kernel_sockets`): ``connection_file`` names that
     folder, and `_handshake` pins the sockets there first if need be. A subclass that starts
     a kernel again on the same sockets calls `_clear_sockets` while none runs.
 
@@ -634,7 +583,7 @@ class JupyterKernelSandbox(Sandbox):
         """Copy a file out of the working directory (see `Sandbox.download`).
 
         The kernel may be changing the folder meanwhile: no link is followed by name and what
-        is opened is checked before it is read (`prefect_sandbox.sandbox.workdir.copy_out`).
+        is opened is checked before it is read (`kernel.workdir.copy_out`).
         A link is resolved by hand, inside the working directory only.
         """
         return await asyncio.to_thread(

@@ -8,14 +8,14 @@ sockets (unique per kernel, so many kernels never clash on TCP ports), starts in
 working directory with no stdin and only an allow-list of the host's environment, and exits on
 its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``,
 or bwrap's ``--die-with-parent``; and a guard process for the kernel's children). By default
-it runs under bubblewrap (`prefect_sandbox.sandbox.isolation`).
+it runs under bubblewrap (`kernel.isolation`).
 
 Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
 labels), so ``attach(handle)`` works from another thread or another process on this machine.
 The folder is private (mode 0700) and removed at kill; an isolated kernel sees of it only its
 connection file (``kernel.json``, read-only), its sockets' folder (``ipc/``) and its IPython
 folder. The host's own connection file (``connection.json``) names the sockets as links it
-pinned in ``sock/`` (`prefect_sandbox.sandbox.backends.kernel_sockets`), so a cell that swaps
+pinned in ``sock/`` (`kernel.kernel_sockets`), so a cell that swaps
 its sockets never leads the host elsewhere.
 The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
 the size of each ``stream`` message (`write_ipython_startup`); a user's ``IPYTHONDIR`` in the
@@ -24,7 +24,7 @@ anew without following any link the last kernel left. What the kernel's processe
 fds 1 and 2 goes to ``kernel.log``, at most `KERNEL_LOG_BYTES` of it.
 
 With ``warm_pool_size`` set, `LocalKernelSandbox.create` hands out a kernel that this process
-started ahead of time with the same settings (`prefect_sandbox.sandbox.backends.warm_pool`):
+started ahead of time with the same settings (`kernel.warm_pool`):
 it was made exactly as a cold one, with only a kernel_info round trip and no code run, and
 carried the marker and ``prefect-sandbox-pool-owner`` labels until it got the caller's.
 """
@@ -55,27 +55,14 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKerne
 from jupyter_client.launcher import launch_kernel
 
 from prefect_sandbox.sandbox.backends import run_to_end_in_thread
-from prefect_sandbox.sandbox.backends.host import (
+from prefect_sandbox.sandbox.backends.kernel.cgroups import SandboxCgroup, make_cgroup
+from prefect_sandbox.sandbox.backends.kernel.host import (
     new_runtime_dir,
     new_workdir,
     remove_folders,
     runtime_base,
 )
-from prefect_sandbox.sandbox.backends.jupyter import (
-    STARTUP_FILE_NAME,
-    JupyterKernelConfig,
-    JupyterKernelSandbox,
-    connection_file_of,
-    write_ipython_startup,
-)
-from prefect_sandbox.sandbox.backends.warm_pool import WarmPool, warm_pool
-from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
-from prefect_sandbox.sandbox.cgroups import SandboxCgroup, make_cgroup
-from prefect_sandbox.sandbox.errors import (
-    SandboxError,
-    SandboxNotFoundError,
-)
-from prefect_sandbox.sandbox.isolation import (
+from prefect_sandbox.sandbox.backends.kernel.isolation import (
     ISOLATION_LEVELS,
     SANDBOX_ENV,
     Isolation,
@@ -88,9 +75,22 @@ from prefect_sandbox.sandbox.isolation import (
     seccomp_filter,
     staged_command,
 )
+from prefect_sandbox.sandbox.backends.kernel.jupyter import (
+    STARTUP_FILE_NAME,
+    JupyterKernelConfig,
+    JupyterKernelSandbox,
+    connection_file_of,
+    write_ipython_startup,
+)
+from prefect_sandbox.sandbox.backends.kernel.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
+from prefect_sandbox.sandbox.backends.kernel.warm_pool import WarmPool, warm_pool
+from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
+from prefect_sandbox.sandbox.errors import (
+    SandboxError,
+    SandboxNotFoundError,
+)
 from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
 from prefect_sandbox.sandbox.paths import resolve_inside
-from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
 
 __all__ = [
     "BACKEND_SLUG",
@@ -187,7 +187,7 @@ class LocalKernelConfig(JupyterKernelConfig):
             (``RLIMIT_CPU``), not a total: past it that process gets ``SIGXCPU`` and dies
             (the kernel: the sandbox dies). None for no limit.
         isolation: ``"bubblewrap"`` runs the kernel under ``bwrap`` (see
-            `prefect_sandbox.sandbox.isolation`): it sees only its working directory
+            `kernel.isolation`): it sees only its working directory
             (writable), ``/usr`` and its Python environment (read-only), a fresh ``/tmp`` and
             ``HOME``, its own processes, and no network but loopback. ``"none"`` runs it as a
             plain process of this user, able to read what this user can.
@@ -199,13 +199,13 @@ class LocalKernelConfig(JupyterKernelConfig):
             none (every create starts a kernel). The pool starts at the first create, which
             is a cold start, and refills in the background after each create.
         uid_range: the host uids (first, last) sandboxes isolated by a root process take
-            one each of, never two live sandboxes the same (`prefect_sandbox.sandbox.uids`).
+            one each of, never two live sandboxes the same (`kernel.uids`).
         max_processes: processes and threads the whole sandbox may have at once (its cgroup's
             ``pids.max``, where this process may make cgroups: it is root); None for no cap.
         cpu_limit: CPUs' worth of time the whole sandbox may use at once (its cgroup's CPU
             quota: 0.5 is half a core), where it has a cgroup; None for no cap.
 
-    With a cgroup (`prefect_sandbox.sandbox.cgroups`), ``memory_limit_bytes`` also bounds the
+    With a cgroup (`kernel.cgroups`), ``memory_limit_bytes`` also bounds the
     whole sandbox, its tmpfs included. The handle's ``limits`` says how each limit applied.
     """
 

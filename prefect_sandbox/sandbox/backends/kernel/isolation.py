@@ -10,7 +10,7 @@ its sockets). Host paths keep their names inside, so the working directory is th
 both sides.
 
 It never runs as host root: when this process is root, bwrap itself runs as a uid of the
-sandbox's own (`prefect_sandbox.sandbox.uids`), through `_drop_root.py`, which first makes the
+sandbox's own (`kernel.uids`), through `_drop_root.py`, which first makes the
 paths to mount reachable to that user; otherwise it runs as this process's user. Inside, the
 kernel is uid 0 of its own user namespace, mapped to that host uid alone (``uid_map`` ``0 UID
 1``).

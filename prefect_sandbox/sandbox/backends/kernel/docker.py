@@ -19,7 +19,7 @@ mounts; the container can write only that kernel folder and ``/work``.
 Files go in through Docker's archive API (``put_archive``), which resolves paths inside the
 container, so a symlink the sandbox made never leads the host to write a host file; paths that
 leave ``/work`` are refused before that. Files come out, and are listed, through the bind mount
-as a local kernel's are (`prefect_sandbox.sandbox.workdir`): opened from folder descriptors,
+as a local kernel's are (`kernel.workdir`): opened from folder descriptors,
 never through a link by name, checked before they are read, while the kernel may be swapping
 them.
 
@@ -48,17 +48,18 @@ from typing import IO, TYPE_CHECKING, Any
 from jupyter_client.connect import write_connection_file
 
 from prefect_sandbox.sandbox.backends import import_extra, run_to_end_in_thread, translated
-from prefect_sandbox.sandbox.backends.host import (
+from prefect_sandbox.sandbox.backends.kernel.host import (
     new_runtime_dir,
     new_workdir,
     remove_folders,
 )
-from prefect_sandbox.sandbox.backends.jupyter import (
+from prefect_sandbox.sandbox.backends.kernel.jupyter import (
     JupyterKernelConfig,
     JupyterKernelSandbox,
     connection_file_of,
     write_ipython_startup,
 )
+from prefect_sandbox.sandbox.backends.kernel.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
@@ -67,7 +68,6 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
 )
 from prefect_sandbox.sandbox.paths import checked_relative_path, resolve_inside
-from prefect_sandbox.sandbox.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
 
 if TYPE_CHECKING:
     import docker
@@ -126,7 +126,7 @@ class DockerSandboxConfig(JupyterKernelConfig):
         workdir_root: a host folder under which each sandbox's working directory is made
             (bind-mounted at ``/work``); None for a fresh temporary directory.
         uid_range: the host uids (first, last) containers started by a root process run as,
-            one each, never two live sandboxes the same (`prefect_sandbox.sandbox.uids`).
+            one each, never two live sandboxes the same (`kernel.uids`).
     """
 
     image: str
@@ -148,7 +148,7 @@ class DockerSandboxConfig(JupyterKernelConfig):
 
 def _container_user(config: DockerSandboxConfig, sandbox_id: str, runtime_dir: Path) -> int:
     """The container's uid (and gid): ours, or one of its own when we are root (see
-    `prefect_sandbox.sandbox.uids`: no two live sandboxes share one)."""
+    `kernel.uids`: no two live sandboxes share one)."""
     if os.geteuid() == 0:
         return claim_uid(config.uid_range, sandbox_id, runtime_dir)
     return os.getuid()

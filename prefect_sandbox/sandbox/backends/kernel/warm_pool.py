@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from prefect_sandbox._compat import register_before_threads_join
+from prefect_sandbox.sandbox._compat import register_before_threads_join
 from prefect_sandbox.sandbox.base import SandboxHandle
 
 __all__ = ["WarmPool", "close_warm_pools", "warm_pool"]
