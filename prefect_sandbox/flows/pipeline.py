@@ -31,20 +31,15 @@ as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the tw
 from __future__ import annotations
 
 import asyncio
-import functools
-import signal
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact
-from prefect.flows import Flow
 from prefect.states import Cancelled, Completed
-from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
@@ -61,8 +56,8 @@ from prefect_sandbox.flows.pipeline_run import (
     warnings_note,
 )
 from prefect_sandbox.flows.policy import check_deployment_run
-from prefect_sandbox.flows.signals import SignalStop
 from prefect_sandbox.flows.staging import staging_dir
+from prefect_sandbox.flows.stopping import sync_twin
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.errors import SandboxError
@@ -74,7 +69,7 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
     undeclared_parameters,
 )
-from prefect_sandbox.tasks.sandbox import deadline_passed, shielded
+from prefect_sandbox.tasks.scopes import deadline_passed, shielded
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -87,9 +82,6 @@ __all__ = [
     "own_names_kept",
     "run_notebook",
 ]
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 async def _checked_run(
@@ -357,48 +349,6 @@ async def amodeling_pipeline(
         storage,
         cell_timeout_s,
     )
-
-
-def sync_twin(async_flow: Flow[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
-    """Derive the blocking twin of an async flow, for plain Python callers.
-
-    On the main thread, outside an event loop and with SIGTERM's default action, the twin runs
-    the flow on a worker thread's event loop and takes SIGTERM while it runs (`SignalStop`):
-    the flow's task is cancelled, so the run kills its sandbox, stores what it made, removes
-    its staging folder and ends Cancelled; the twin then raises ``SystemExit(143)``. Elsewhere
-    it runs the flow with Prefect's ``run_coro_as_sync``.
-
-    Returns:
-        A function with the flow's signature that runs the flow and returns its result.
-    """
-
-    @functools.wraps(async_flow.fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        if not _may_take_sigterm():
-            return run_coro_as_sync(async_flow(*args, **kwargs))
-        stop = SignalStop((signal.SIGTERM,))
-        with stop:
-            try:
-                return stop.run(lambda: async_flow(*args, **kwargs))
-            finally:
-                if stop.signum is not None:
-                    # The run has cleaned up and ended Cancelled: exit as the CLI does (143),
-                    # through the interpreter's exit handlers (Prefect's temporary server).
-                    raise SystemExit(128 + stop.signum)
-
-    return run
-
-
-def _may_take_sigterm() -> bool:
-    """Whether a sync twin called here may handle SIGTERM itself: on the main thread, outside an
-    event loop, where SIGTERM still has its default action (no handler of the caller's)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    return False
 
 
 run_notebook = sync_twin(arun_notebook)

@@ -26,13 +26,12 @@ from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.report import summary_markdown
-from prefect_sandbox.flows.signals import sigint_honoured
 from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
+from prefect_sandbox.flows.stopping import cancelled_from_api, sigint_honoured, take_cancellation
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle
@@ -56,15 +55,14 @@ from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
-    deadline_passed,
     fetch_artifacts,
     kill_sandbox,
     partial_stage_result,
     run_stage,
-    shielded,
     stage_progress,
     upload_inputs,
 )
+from prefect_sandbox.tasks.scopes import shielded
 from prefect_sandbox.tasks.storage import (
     ArtifactStore,
     input_credentials,
@@ -87,7 +85,6 @@ __all__ = [
     "own_names_kept",
     "set_up_again",
     "timed_out_reason",
-    "uncancel_current_task",
     "warnings_note",
 ]
 
@@ -125,14 +122,6 @@ def _after_set_ups(error: SandboxError, set_ups: int) -> SandboxError:
     told.message = f"{error.message} (set-up failed {set_ups} times, each on a fresh sandbox)"
     told.args = (told.message,)
     return told
-
-
-def uncancel_current_task() -> None:
-    """Take the current asyncio task's cancellation as handled, so the awaits of its clean-up
-    (killing sandboxes, storing files) are not cancelled in turn."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
 
 
 def _clashes(path: str, taken: set[str]) -> bool:
@@ -519,17 +508,14 @@ class PipelineRun:
                 raise
         self.stage_results.append(result)
 
-    def take_cancellation(self, *, timed_out: bool = False) -> None:
-        """Take this task's cancellation as handled here: the run stops, kills its sandbox,
-        stores what it made and ends Cancelled; or, when the flow run's ``timeout_seconds``
-        passed (``timed_out``, or `deadline_passed`), ends TimedOut."""
-        if timed_out or deadline_passed():
-            # Prefect's cancel scope cancels each await until the flow returns, whatever is
-            # uncancelled here: the clean-up's awaits are shielded instead.
+    def take_cancellation(self) -> None:
+        """Take this task's cancellation as handled here (`take_cancellation`): the run stops,
+        kills its sandbox, stores what it made and ends Cancelled, or TimedOut when the flow
+        run's ``timeout_seconds`` passed."""
+        if take_cancellation() == "timed_out":
             self.timed_out = True
-            return
-        uncancel_current_task()
-        self.cancelled = True
+        else:
+            self.cancelled = True
 
     @asynccontextmanager
     async def storing_on_exit(self, outputs: Path) -> AsyncIterator[None]:

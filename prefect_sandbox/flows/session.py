@@ -28,7 +28,6 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
@@ -63,15 +62,14 @@ from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_te
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
 from prefect_sandbox.tasks.sandbox import (
     cell_failure,
-    deadline_passed,
     download_artifacts,
     partial_stage_result,
     restart_kernel,
     reusing,
     run_stage,
-    shielded,
     stage_progress,
 )
+from prefect_sandbox.tasks.scopes import deadline_passed, shielded
 
 __all__ = [
     "DEFAULT_FIX_ATTEMPTS",
@@ -479,17 +477,6 @@ _WAKE_S = 0.1
 """Seconds a sync session's call waits at a time for its result (see `SyncSandboxSession`)."""
 
 
-def _flow_timeout_passed() -> bool:
-    """Whether the flow run's ``timeout_seconds`` has passed. A sync flow's timeout is raised
-    in its own thread (by a signal, or an exception Prefect sets there), which the session's
-    event loop sees as a plain cancellation, with no deadline of its own."""
-    context = FlowRunContext.get()
-    if context is None or context.flow is None or context.flow.timeout_seconds is None:
-        return False
-    elapsed = datetime.now(UTC) - context.start_time
-    return elapsed.total_seconds() >= context.flow.timeout_seconds
-
-
 def _body_failure(exc: BaseException) -> SandboxError:
     """What ``summary.json`` says of an exception that left the session's block."""
     if isinstance(exc, SandboxError):
@@ -564,7 +551,7 @@ async def _open_session(
                     yield session
                 except asyncio.CancelledError as exc:
                     cancellation = exc
-                    run.take_cancellation(timed_out=_flow_timeout_passed())
+                    run.take_cancellation()
                 except GeneratorExit:
                     raise
                 except BaseException as exc:
