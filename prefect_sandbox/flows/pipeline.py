@@ -31,7 +31,6 @@ as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the tw
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +38,7 @@ from typing import Any, cast
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact
+from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed
 from prefect_aws import S3Bucket
 
@@ -51,12 +51,12 @@ from prefect_sandbox.flows.pipeline_run import (
     METRICS_NAME,
     RESERVED_NAMES,
     SUMMARY_NAME,
+    PipelineRun,
     new_run,
     own_names_kept,
     warnings_note,
 )
 from prefect_sandbox.flows.policy import check_deployment_run
-from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.flows.stopping import sync_twin
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult
@@ -69,7 +69,6 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
     undeclared_parameters,
 )
-from prefect_sandbox.tasks.scopes import deadline_passed, shielded
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -131,65 +130,55 @@ async def _run_pipeline(
     cell_timeout_s: float | None,
     parameters: dict[str, Any] | None = None,
 ) -> PipelineResult:
-    start = time.monotonic()
     run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
     run.progress_id = await acreate_progress_artifact(
         progress=0.0, description=f"0 of {len(stages)} stage(s) done"
     )
-    with staging_dir() as staging:
-        outputs = staging / "outputs"
-        try:
-            await run.check_inputs(inputs)
-            if run.failure is not None:
-                await run.store_made(outputs)  # refused before a sandbox starts
-            else:
-                async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
-                    await run.execute(
-                        handle,
-                        staging,
-                        artifacts=artifacts,
-                        cell_timeout_s=cell_timeout_s,
-                    )
-        except asyncio.CancelledError:
-            # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
-            # for a slot, while the sandbox was made or killed (it killed every sandbox of the
-            # run then), or while files were stored.
-            run.take_cancellation()
-        except SandboxError as exc:
-            # The sandbox was never made (`flow_run_sandbox` recorded why): the summary is
-            # still stored, and the run fails with that error.
-            run.failure = run.failure or exc
-        if not run.cancelled and deadline_passed():
-            run.timed_out = True  # it passed while the files were stored
-        with shielded():
-            result = await run.store_summary(
-                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start, parameters
-            )
-    with shielded():
-        await run.post_summary(result, "pipeline-summary", "Pipeline summary")
-    if run.cancelled:
-        where = run.store.output_dir
+    async with run.running(
+        flow_run,
+        inputs=inputs,
+        artifacts=artifacts,
+        summary=("pipeline-summary", "Pipeline summary"),
+        parameters=parameters,
+    ) as handle:
+        if handle is not None:
+            await run.execute(handle, cell_timeout_s)
+    return _ended(run, flow_run)
+
+
+def _ended(run: PipelineRun, flow_run: FlowRun) -> PipelineResult:
+    """The pipeline's end, from its run's outcome: its result (a Completed state naming the
+    warnings, when there are some), a Cancelled state, or `PipelineFailedError` (also on a
+    timeout: Prefect's scope turns it into its TimedOut state); an exception of another kind
+    that left the stages is raised as it is."""
+    outcome, result = run.outcome, run.result
+    assert result is not None, "running stores the result on every way out"
+    if outcome.cancelled:
         message = (
-            f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
-            f"{warnings_note(result.warnings)}"
+            f"flow run {flow_run.name!r} {result.error}; partial results in "
+            f"{run.store.output_dir}{warnings_note(result.warnings)}"
         )
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
-    if run.failure is not None or run.timed_out:
-        # After a timeout, Prefect's scope turns this into its TimedOut (Failed) state.
+    if outcome.raised is not None and not isinstance(
+        outcome.raised, SandboxError | asyncio.CancelledError
+    ):
+        raise outcome.raised
+    if outcome.failure is not None or outcome.timed_out:
         stopped = next((r for r in run.stage_results if r.status != "ok"), None)
+        failure = outcome.failure
         raise PipelineFailedError(
             f"{result.error or 'pipeline failed'}{warnings_note(result.warnings)}",
-            stage=getattr(run.failure, "stage", None) or (stopped.name if stopped else None),
-            cell_index=getattr(run.failure, "cell_index", None)
-            if run.failure
+            stage=getattr(failure, "stage", None) or (stopped.name if stopped else None),
+            cell_index=getattr(failure, "cell_index", None)
+            if failure
             else stopped.failed_cell_index
             if stopped
             else None,
             output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
             result=result,
-        ) from run.failure
+        ) from failure
     if result.warnings:
         # The state's message names each file not fetched; the caller still gets the result.
         message = f"completed{warnings_note(result.warnings)}"
