@@ -62,3 +62,31 @@ def test_the_rule_counts_a_plain_function_whole_and_a_flow_from_its_body() -> No
     flow = f'@flow(name="x")\nasync def g(\n{params}\n) -> None:\n    """Doc."""\n{body}\n'
     assert _long_functions(flow) == {}
     assert _long_functions(flow + "    y = 1\n") == {"g:2": MAX_LINES + 1}
+
+
+def _imported(path: Path) -> set[str]:
+    return {
+        node.module or ""
+        for node in ast.walk(parse_python(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+    }
+
+
+def test_the_reaper_imports_nothing_from_the_pipeline_flows() -> None:
+    pipeline = {
+        "prefect_sandbox.flows.pipeline",
+        "prefect_sandbox.flows.pipeline_run",
+        "prefect_sandbox.flows.session",
+    }
+    assert _imported(PACKAGE / "flows" / "reaper.py") & pipeline == set()
+
+
+def test_one_function_answers_whether_a_deadline_passed() -> None:
+    # Whether Prefect's timeout_seconds has passed is asked of the clock in one place (issue
+    # 32): anyio's cancel-scope clock, or the flow run's start.
+    readers = sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if "anyio.current_time()" in (text := path.read_text()) or "context.start_time" in text
+    )
+    assert readers == ["tasks/scopes.py"]
