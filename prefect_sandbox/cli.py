@@ -89,7 +89,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from prefect_sandbox.blocks import BackendBlock
-    from prefect_sandbox.flows.signals import SignalStop
+    from prefect_sandbox.flows.stopping import SignalStop
     from prefect_sandbox.options import RunOptions
     from prefect_sandbox.results import PipelineResult, SweepResult
 
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.register(_print_reason)
     if args.quiet:
         _quiet_prefect_console(logging.WARNING)
-    from prefect_sandbox.flows.signals import SignalStop
+    from prefect_sandbox.flows.stopping import SignalStop
     from prefect_sandbox.progress import quiet_run_errors
 
     stop = SignalStop(on_signal=_quiet_prefect_console)

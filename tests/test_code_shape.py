@@ -94,3 +94,23 @@ def test_the_core_imports_nothing_above_it_and_remote_backends_no_kernel_machine
         for name in _imported_modules(path)
         if name == kernel or name.startswith(f"{kernel}.")
     } == set()
+
+
+def test_the_reaper_imports_nothing_from_the_pipeline_flows() -> None:
+    pipeline = {
+        "prefect_sandbox.flows.pipeline",
+        "prefect_sandbox.flows.pipeline_run",
+        "prefect_sandbox.flows.session",
+    }
+    assert _imported_modules(PACKAGE / "flows" / "reaper.py") & pipeline == set()
+
+
+def test_one_function_answers_whether_a_deadline_passed() -> None:
+    # Whether Prefect's timeout_seconds has passed is asked of the clock in one place (issue
+    # 32): anyio's cancel-scope clock, or the flow run's start.
+    readers = sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if "anyio.current_time()" in (text := path.read_text()) or "context.start_time" in text
+    )
+    assert readers == ["tasks/scopes.py"]

@@ -1,7 +1,7 @@
 """Griffe extension: the flows' sync twins (``run_notebook = sync_twin(arun_notebook)``) shown
 as the functions they are at run time, with their async flow's signature, not as attributes.
 
-`prefect_sandbox.flows.pipeline.sync_twin` wraps the flow's function with ``functools.wraps``,
+`prefect_sandbox.flows.stopping.sync_twin` wraps the flow's function with ``functools.wraps``,
 so the twin's signature is the flow's; griffe reads the source, where the twin is an
 assignment, so this extension makes it a function of that signature for the API reference.
 """

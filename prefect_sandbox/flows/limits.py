@@ -56,7 +56,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.backends import cancel_and_wait
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.retries import async_retrying, retry_delay_s
-from prefect_sandbox.tasks.sandbox import shielded
+from prefect_sandbox.tasks.scopes import shielded
 
 __all__ = [
     "API_ATTEMPTS",

@@ -31,20 +31,15 @@ as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the tw
 from __future__ import annotations
 
 import asyncio
-import functools
-import signal
-import threading
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_progress_artifact
-from prefect.flows import Flow
+from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed
-from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
@@ -56,13 +51,13 @@ from prefect_sandbox.flows.pipeline_run import (
     METRICS_NAME,
     RESERVED_NAMES,
     SUMMARY_NAME,
+    PipelineRun,
     new_run,
     own_names_kept,
     warnings_note,
 )
 from prefect_sandbox.flows.policy import check_deployment_run
-from prefect_sandbox.flows.signals import SignalStop
-from prefect_sandbox.flows.staging import staging_dir
+from prefect_sandbox.flows.stopping import sync_twin
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult
 from prefect_sandbox.sandbox.errors import SandboxError
@@ -74,7 +69,6 @@ from prefect_sandbox.sandbox.notebook import (
     split_stages,
     undeclared_parameters,
 )
-from prefect_sandbox.tasks.sandbox import deadline_passed, shielded
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -87,9 +81,6 @@ __all__ = [
     "own_names_kept",
     "run_notebook",
 ]
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 async def _checked_run(
@@ -139,65 +130,55 @@ async def _run_pipeline(
     cell_timeout_s: float | None,
     parameters: dict[str, Any] | None = None,
 ) -> PipelineResult:
-    start = time.monotonic()
     run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
     run.progress_id = await acreate_progress_artifact(
         progress=0.0, description=f"0 of {len(stages)} stage(s) done"
     )
-    with staging_dir() as staging:
-        outputs = staging / "outputs"
-        try:
-            await run.check_inputs(inputs)
-            if run.failure is not None:
-                await run.store_made(outputs)  # refused before a sandbox starts
-            else:
-                async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
-                    await run.execute(
-                        handle,
-                        staging,
-                        artifacts=artifacts,
-                        cell_timeout_s=cell_timeout_s,
-                    )
-        except asyncio.CancelledError:
-            # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
-            # for a slot, while the sandbox was made or killed (it killed every sandbox of the
-            # run then), or while files were stored.
-            run.take_cancellation()
-        except SandboxError as exc:
-            # The sandbox was never made (`flow_run_sandbox` recorded why): the summary is
-            # still stored, and the run fails with that error.
-            run.failure = run.failure or exc
-        if not run.cancelled and deadline_passed():
-            run.timed_out = True  # it passed while the files were stored
-        with shielded():
-            result = await run.store_summary(
-                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start, parameters
-            )
-    with shielded():
-        await run.post_summary(result, "pipeline-summary", "Pipeline summary")
-    if run.cancelled:
-        where = run.store.output_dir
+    async with run.running(
+        flow_run,
+        inputs=inputs,
+        artifacts=artifacts,
+        summary=("pipeline-summary", "Pipeline summary"),
+        parameters=parameters,
+    ) as handle:
+        if handle is not None:
+            await run.execute(handle, cell_timeout_s)
+    return _ended(run, flow_run)
+
+
+def _ended(run: PipelineRun, flow_run: FlowRun) -> PipelineResult:
+    """The pipeline's end, from its run's outcome: its result (a Completed state naming the
+    warnings, when there are some), a Cancelled state, or `PipelineFailedError` (also on a
+    timeout: Prefect's scope turns it into its TimedOut state); an exception of another kind
+    that left the stages is raised as it is."""
+    outcome, result = run.outcome, run.result
+    assert result is not None, "running stores the result on every way out"
+    if outcome.cancelled:
         message = (
-            f"flow run {flow_run.name!r} {result.error}; partial results in {where}"
-            f"{warnings_note(result.warnings)}"
+            f"flow run {flow_run.name!r} {result.error}; partial results in "
+            f"{run.store.output_dir}{warnings_note(result.warnings)}"
         )
         # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
         return cast(PipelineResult, Cancelled(message=message))
-    if run.failure is not None or run.timed_out:
-        # After a timeout, Prefect's scope turns this into its TimedOut (Failed) state.
+    if outcome.raised is not None and not isinstance(
+        outcome.raised, SandboxError | asyncio.CancelledError
+    ):
+        raise outcome.raised
+    if outcome.failure is not None or outcome.timed_out:
         stopped = next((r for r in run.stage_results if r.status != "ok"), None)
+        failure = outcome.failure
         raise PipelineFailedError(
             f"{result.error or 'pipeline failed'}{warnings_note(result.warnings)}",
-            stage=getattr(run.failure, "stage", None) or (stopped.name if stopped else None),
-            cell_index=getattr(run.failure, "cell_index", None)
-            if run.failure
+            stage=getattr(failure, "stage", None) or (stopped.name if stopped else None),
+            cell_index=getattr(failure, "cell_index", None)
+            if failure
             else stopped.failed_cell_index
             if stopped
             else None,
             output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
             result=result,
-        ) from run.failure
+        ) from failure
     if result.warnings:
         # The state's message names each file not fetched; the caller still gets the result.
         message = f"completed{warnings_note(result.warnings)}"
@@ -357,48 +338,6 @@ async def amodeling_pipeline(
         storage,
         cell_timeout_s,
     )
-
-
-def sync_twin(async_flow: Flow[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
-    """Derive the blocking twin of an async flow, for plain Python callers.
-
-    On the main thread, outside an event loop and with SIGTERM's default action, the twin runs
-    the flow on a worker thread's event loop and takes SIGTERM while it runs (`SignalStop`):
-    the flow's task is cancelled, so the run kills its sandbox, stores what it made, removes
-    its staging folder and ends Cancelled; the twin then raises ``SystemExit(143)``. Elsewhere
-    it runs the flow with Prefect's ``run_coro_as_sync``.
-
-    Returns:
-        A function with the flow's signature that runs the flow and returns its result.
-    """
-
-    @functools.wraps(async_flow.fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        if not _may_take_sigterm():
-            return run_coro_as_sync(async_flow(*args, **kwargs))
-        stop = SignalStop((signal.SIGTERM,))
-        with stop:
-            try:
-                return stop.run(lambda: async_flow(*args, **kwargs))
-            finally:
-                if stop.signum is not None:
-                    # The run has cleaned up and ended Cancelled: exit as the CLI does (143),
-                    # through the interpreter's exit handlers (Prefect's temporary server).
-                    raise SystemExit(128 + stop.signum)
-
-    return run
-
-
-def _may_take_sigterm() -> bool:
-    """Whether a sync twin called here may handle SIGTERM itself: on the main thread, outside an
-    event loop, where SIGTERM still has its default action (no handler of the caller's)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    return False
 
 
 run_notebook = sync_twin(arun_notebook)

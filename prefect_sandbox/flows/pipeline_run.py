@@ -1,8 +1,10 @@
-"""One pipeline run's machinery, shared by the pipeline flows (`prefect_sandbox.flows.pipeline`)
-and sandbox sessions (`prefect_sandbox.flows.session`): `new_run` makes a `PipelineRun` for the
+"""One run's lifecycle, shared by the pipeline flows (`prefect_sandbox.flows.pipeline`) and
+sandbox sessions (`prefect_sandbox.flows.session`): `new_run` makes a `PipelineRun` for the
 current flow run, which holds what the run has made so far (stage results, downloaded and stored
-files, its first failure), makes and kills the flow run's sandbox within its live-sandbox slot,
-and stores the executed notebook, its figures and ``summary.json`` whatever happened."""
+files) and how it ended (`RunOutcome`). Its one lifecycle, `PipelineRun.running`, owns the
+staging folder, the live-sandbox slot, the sandbox, every way out (an error, a cancellation, a
+lost lease, a passed ``timeout_seconds``) and ``summary.json``; the callers hold only their
+stages or steps, and end the run from its outcome."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import asyncio
 import base64
 import copy
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from nbformat import NotebookNode
@@ -26,13 +29,12 @@ from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
 from prefect_sandbox.flows.report import summary_markdown
-from prefect_sandbox.flows.signals import sigint_honoured
-from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs
+from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_dir
+from prefect_sandbox.flows.stopping import cancelled_from_api, sigint_honoured, take_cancellation
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
 from prefect_sandbox.sandbox.base import SandboxHandle
@@ -56,15 +58,14 @@ from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,
-    deadline_passed,
     fetch_artifacts,
     kill_sandbox,
     partial_stage_result,
     run_stage,
-    shielded,
     stage_progress,
     upload_inputs,
 )
+from prefect_sandbox.tasks.scopes import deadline_passed, shielded
 from prefect_sandbox.tasks.storage import (
     ArtifactStore,
     input_credentials,
@@ -81,13 +82,14 @@ __all__ = [
     "SETUP_RETRY_DELAY_S",
     "SUMMARY_NAME",
     "PipelineRun",
+    "RunOutcome",
+    "RunStatus",
     "SetUp",
     "empty_for_this_attempt",
     "new_run",
     "own_names_kept",
     "set_up_again",
     "timed_out_reason",
-    "uncancel_current_task",
     "warnings_note",
 ]
 
@@ -125,14 +127,6 @@ def _after_set_ups(error: SandboxError, set_ups: int) -> SandboxError:
     told.message = f"{error.message} (set-up failed {set_ups} times, each on a fresh sandbox)"
     told.args = (told.message,)
     return told
-
-
-def uncancel_current_task() -> None:
-    """Take the current asyncio task's cancellation as handled, so the awaits of its clean-up
-    (killing sandboxes, storing files) are not cancelled in turn."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
 
 
 def _clashes(path: str, taken: set[str]) -> bool:
@@ -230,6 +224,70 @@ def _write_notebook_files(
     return [*written, EXECUTED_NOTEBOOK_NAME]
 
 
+RunStatus = Literal["completed", "failed", "cancelled"]
+
+
+@dataclass
+class RunOutcome:
+    """How a run ended, as its lifecycle (`PipelineRun.running`) records it: the first failure
+    wins; a cancellation and a passed ``timeout_seconds`` are flags beside it.
+
+    Attributes:
+        failure: the first failure (a stage's, the sandbox's, storing's); the run fails with it.
+        raised: what left the caller's block or the run's set-up, for the caller's ending to
+            raise again: the first cancellation, else the first other exception.
+        cancelled: the run was stopped by a signal or the API's Cancelling (ends Cancelled).
+        timed_out: the flow run's ``timeout_seconds`` passed (ends TimedOut, a Failed state).
+    """
+
+    failure: SandboxError | None = None
+    raised: BaseException | None = None
+    cancelled: bool = False
+    timed_out: bool = False
+
+    def fail(self, error: SandboxError, *, stopped_by_it: bool = False) -> None:
+        """Record ``error`` as the run's failure unless it has one already. ``stopped_by_it``:
+        the cancellation the run took was this error's (a lost lease stops the stages so), so
+        the run failed rather than was cancelled."""
+        if self.failure is None:
+            self.failure = error
+        if stopped_by_it:
+            self.cancelled = False
+
+    def cancel(self) -> None:
+        """Record that the run was cancelled (a signal, the API's Cancelling)."""
+        self.cancelled = True
+
+    def time_out(self) -> None:
+        """Record that the flow run's ``timeout_seconds`` passed."""
+        self.timed_out = True
+
+    def keep_raised(self, exc: BaseException) -> None:
+        """Keep ``exc`` for the caller's ending to raise: a cancellation before any other."""
+        cancellation = isinstance(exc, asyncio.CancelledError)
+        if self.raised is None or (
+            cancellation and not isinstance(self.raised, asyncio.CancelledError)
+        ):
+            self.raised = exc
+
+    @property
+    def status(self) -> RunStatus:
+        """``summary.json``'s status: ``"cancelled"``, ``"failed"`` (a failure or a timeout),
+        else ``"completed"``."""
+        if self.cancelled:
+            return "cancelled"
+        if self.failure is not None or self.timed_out:
+            return "failed"
+        return "completed"
+
+
+def _failure_of(exc: BaseException) -> SandboxError:
+    """What ``summary.json`` says of an exception that left the run's block."""
+    if isinstance(exc, SandboxError):
+        return exc
+    return SandboxError(f"the flow's code raised {type(exc).__name__}: {exc}")
+
+
 @dataclass
 class PipelineRun:
     """One pipeline run: what it has made so far, kept so that a failure still stores it."""
@@ -244,14 +302,12 @@ class PipelineRun:
     downloaded: list[str] = field(default_factory=list)
     stored: list[StoredArtifact] = field(default_factory=list)
     figures: dict[str, str | None] = field(default_factory=dict)
-    failure: SandboxError | None = None
-    """The first failure: a stage's, or else storing's; the flow raises from it."""
-    cancelled: bool = False
-    """The flow's task was cancelled (the CLI does so on SIGINT and SIGTERM); the flow ends
-    Cancelled once the sandbox is killed and what was made is stored."""
-    timed_out: bool = False
-    """The flow run's ``timeout_seconds`` passed; the flow ends TimedOut (Failed) once the
-    sandbox is killed and what was made is stored, ``summary.json`` saying ``"failed"``."""
+    outcome: RunOutcome = field(default_factory=RunOutcome)
+    """How the run ended so far; set by `running` alone."""
+    result: PipelineResult | None = None
+    """The run's result, once `running` stored ``summary.json``."""
+    started: float = field(default_factory=time.monotonic)
+    """`time.monotonic` when the run began, for its ``duration_s``."""
     timeout_seconds: float | None = None
     attempt: int = 1
     """The flow run's attempt, Prefect's ``run_count``."""
@@ -260,36 +316,110 @@ class PipelineRun:
     sandbox_created_at: datetime | None = None
     sandbox_killed_at: datetime | None = None
     setup_attempts: int = 0
-    """Sandboxes made so far to get one set up (`flow_run_sandbox`)."""
+    """Sandboxes made so far to get one set up (`set_up_sandbox`)."""
     warnings: list[str] = field(default_factory=list)
     """What the run could not do without failing (an artifact not fetched), for
     ``summary.json`` and the flow run's state message."""
 
     @asynccontextmanager
-    async def flow_run_sandbox(
-        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None = None
-    ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox: made by the create-sandbox task and ``set_up``, killed by
-        kill-sandbox on exit, whatever happened inside, all within a slot of the backend's
-        live-sandbox limit when it has one, and of a sweep's limit in a sweep's branch
-        (`run_limits`). A transient failure before the first cell is met with a fresh sandbox
-        (`set_up_sandbox`). Records its id and the UTC times bracketing its life. A slot that
-        cannot be taken, or whose lease is lost while the sandbox lives (which stops it), is
-        the run's failure (`SlotError`), not a cancellation."""
-        try:
-            async with self._sandbox_in_slot(flow_run_id, labels, set_up) as handle:
-                yield handle
-        except SlotError as exc:
-            self.cancelled = False  # the lost lease's cancellation, taken by the stages
-            self.failure = self.failure or exc
+    async def running(
+        self,
+        flow_run: FlowRun,
+        *,
+        inputs: list[str],
+        artifacts: list[str],
+        summary: tuple[str, str],
+        parameters: dict[str, Any] | None = None,
+    ) -> AsyncIterator[SandboxHandle | None]:
+        """The run's whole life around the caller's block, which it yields the flow run's
+        sandbox to: the inputs checked (before any sandbox starts) and uploaded, the sandbox
+        made and set up within the run's live-sandbox slot (`_sandbox`), the block, the
+        ``artifacts`` downloaded, the sandbox killed, what was made stored, then ``summary.json``
+        stored and posted as the artifact ``summary`` (key, description) names, shielded from a
+        passed deadline. Within, the task is cancelled on the API's Cancelling
+        (`cancelled_from_api`) or a SIGINT inherited as ignored (`sigint_honoured`).
+
+        Every way out is recorded in `outcome` and none leaves here: what the block raised
+        (`RunOutcome.raised`), a cancellation (taken as handled: `take_cancellation`), a
+        `SandboxError`, a passed ``timeout_seconds``. The caller ends the run from `outcome`
+        and `result` once the block is left.
+
+        Yields:
+            The sandbox's handle; None when there is none (inputs refused, no slot, no
+            sandbox made, cancelled before): the run is over, `outcome` says how.
+        """
+        yielded = False
+        with staging_dir() as staging:
+            outputs = staging / "outputs"
+            try:
+                async with (
+                    sigint_honoured(),
+                    cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
+                ):
+                    try:
+                        await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
+                        async with self._sandbox(flow_run, staging, inputs) as handle:
+                            yielded = True
+                            try:
+                                yield handle
+                            except GeneratorExit:
+                                raise
+                            except BaseException as exc:
+                                self._record(exc)
+                            await self._collect_artifacts(handle, staging, artifacts)
+                    except (asyncio.CancelledError, SandboxError) as exc:
+                        self._record(exc)  # while the sandbox was made or killed, or no slot
+                    finally:
+                        await self._store_made(outputs)
+            except asyncio.CancelledError as exc:
+                self._record(exc)  # while the files were stored
+            if not yielded:
+                yield None
+            if not self.outcome.cancelled and deadline_passed():
+                self.outcome.time_out()  # it passed while the files were stored
+            with shielded():
+                result = await self.store_summary(
+                    outputs, str(flow_run.id), flow_run.name, parameters
+                )
+        self.result = result
+        with shielded():
+            await self.post_summary(result, *summary)
+
+    def _record(self, exc: BaseException) -> None:
+        """Record in `outcome` how ``exc`` left the run's block or its set-up."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.outcome.keep_raised(exc)
+            if take_cancellation() == "timed_out":
+                self.outcome.time_out()
+            else:
+                self.outcome.cancel()
+            return
+        if isinstance(exc, SlotError):
+            self.outcome.fail(exc, stopped_by_it=True)  # the stages took its cancellation
             if self.sandbox_id is None:
                 get_run_logger().warning("Sandbox not made: %s", exc)
-            raise
+        else:
+            self.outcome.fail(_failure_of(exc))
+        failure = self.outcome.failure
+        self.outcome.keep_raised(failure if failure and isinstance(exc, SandboxError) else exc)
 
     @asynccontextmanager
-    async def _sandbox_in_slot(
-        self, flow_run_id: str, labels: dict[str, str], set_up: SetUp | None
+    async def _sandbox(
+        self, flow_run: FlowRun, staging: Path, inputs: list[str]
     ) -> AsyncIterator[SandboxHandle]:
+        """The flow run's sandbox, labelled for it, made by the create-sandbox task and set up
+        with ``inputs`` (`begin`; a transient failure meets a fresh sandbox: `set_up_sandbox`),
+        killed by kill-sandbox on exit, whatever happened inside, all within a slot of the
+        backend's live-sandbox limit when it has one, and of a sweep's limit in a sweep's
+        branch (`run_limits`). Records its id and the UTC times bracketing its life. A slot
+        that cannot be taken, or whose lease is lost while the sandbox lives (which stops it),
+        raises `SlotError`."""
+        flow_run_id = str(flow_run.id)
+        labels = flow_run_labels(flow_run_id, flow_run.name)
+
+        async def set_up(handle: SandboxHandle) -> None:
+            await self.begin(handle, staging, inputs)
+
         async with live_sandbox_slot(run_limits(self.backend), flow_run_id):
             self.sandbox_created_at = datetime.now(UTC)
             try:
@@ -305,9 +435,6 @@ class PipelineRun:
                 with shielded():
                     await kill_labelled_sandboxes(self.backend, flow_run_id, "cancelled")
                 self.sandbox_killed_at = datetime.now(UTC)
-                raise
-            except SandboxError as exc:
-                self.failure = self.failure or exc
                 raise
 
     async def set_up_sandbox(
@@ -388,66 +515,32 @@ class PipelineRun:
         else:
             self.sandbox_killed_at = datetime.now(UTC)
 
-    @asynccontextmanager
-    async def sandbox_then_store(
-        self, flow_run: FlowRun, outputs: Path, staging: Path, inputs: list[str]
-    ) -> AsyncIterator[SandboxHandle]:
-        """The flow run's sandbox, labelled for it and set up with ``inputs`` (`begin`, with
-        ``staging``), by `flow_run_sandbox`; on exit, once it is killed, what was made is
-        stored from ``outputs`` (`storing_on_exit`). Inside, the current task is cancelled
-        once the flow run is Cancelling (`cancelled_from_api`), or on a SIGINT that the
-        process inherited as ignored (`sigint_honoured`)."""
-        labels = flow_run_labels(str(flow_run.id), flow_run.name)
+    async def execute(self, handle: SandboxHandle, cell_timeout_s: float | None) -> None:
+        """Run the stages in order, posting the progress artifact after each, until one fails
+        (raises its `SandboxError`) or the run is cancelled; inside `running`, which records
+        either."""
+        for done, stage in enumerate(self.stages, start=1):
+            await self._run_stage(handle, stage, cell_timeout_s)
+            assert self.progress_id is not None
+            await aupdate_progress_artifact(
+                self.progress_id,
+                progress=100.0 * done / len(self.stages),
+                description=f"{done} of {len(self.stages)} stage(s) done: "
+                f"{escape_markdown(stage.name)}",
+            )
 
-        async def set_up(handle: SandboxHandle) -> None:
-            await self.begin(handle, staging, inputs)
+    def add_stage(self, name: str) -> tuple[StageSpec, StageResult]:
+        """A stage decided as the run goes (a session's step), added to the run with no cells
+        yet, and its result so far (status ``"ok"``), which its attempts' results join.
 
-        # Exits run last-in first-out: the sandbox is killed, then what was made is stored.
-        async with (
-            sigint_honoured(),
-            cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
-            self.storing_on_exit(outputs),
-            self.flow_run_sandbox(str(flow_run.id), labels, set_up) as handle,
-        ):
-            yield handle
-
-    async def check_inputs(self, inputs: list[str]) -> None:
-        """List the inputs (`plan_inputs`) before any sandbox starts; a `SandboxError`
-        (missing, unreadable, clashing inputs) becomes `failure`."""
-        try:
-            await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
-        except SandboxError as exc:
-            self.failure = exc
-
-    async def execute(
-        self,
-        handle: SandboxHandle,
-        staging: Path,
-        *,
-        artifacts: list[str],
-        cell_timeout_s: float | None,
-    ) -> None:
-        """Run the stages until one fails, then download the artifacts (the inputs were
-        uploaded in the set-up: `sandbox_then_store`).
-
-        A `SandboxError` on the way becomes `failure`, a cancellation `cancelled` (or
-        `timed_out`); the artifacts are still downloaded unless the sandbox itself is gone.
+        Returns:
+            The stage and its result, both the run's own.
         """
-        try:
-            for done, stage in enumerate(self.stages, start=1):
-                await self._run_stage(handle, stage, cell_timeout_s)
-                assert self.progress_id is not None
-                await aupdate_progress_artifact(
-                    self.progress_id,
-                    progress=100.0 * done / len(self.stages),
-                    description=f"{done} of {len(self.stages)} stage(s) done: "
-                    f"{escape_markdown(stage.name)}",
-                )
-        except SandboxError as exc:
-            self.failure = exc
-        except asyncio.CancelledError:
-            self.take_cancellation()
-        await self.collect_artifacts(handle, staging, artifacts)
+        stage = StageSpec(name=name, cells=[])
+        result = StageResult(name=name, status="ok")
+        self.stages.append(stage)
+        self.stage_results.append(result)
+        return stage, result
 
     async def begin(self, handle: SandboxHandle, staging: Path, inputs: list[str]) -> None:
         """Note the sandbox in the notebook's metadata and upload the inputs into it.
@@ -461,14 +554,14 @@ class PipelineRun:
         if inputs:
             await upload_inputs(self.backend, handle, inputs, str(staging / "inputs"), self.store)
 
-    async def collect_artifacts(
+    async def _collect_artifacts(
         self, handle: SandboxHandle, staging: Path, artifacts: list[str]
     ) -> None:
         """Download the files matching ``artifacts`` into ``staging``, unless the sandbox is
         already known to be gone; what could not be fetched is added to `warnings`, a failure
-        becomes `failure` unless there already is one."""
+        is the run's unless it has one already."""
         # A sandbox that expired or was killed has no files left to collect.
-        if artifacts and not isinstance(self.failure, SandboxNotFoundError):
+        if artifacts and not isinstance(self.outcome.failure, SandboxNotFoundError):
             try:
                 with shielded():
                     fetched = await fetch_artifacts(
@@ -478,7 +571,7 @@ class PipelineRun:
                 self.warnings.extend(fetched.not_fetched)
             except SandboxError as exc:
                 # The notebook and summary.json are still stored; the run fails with this.
-                self.failure = self.failure or exc
+                self.outcome.fail(exc)
             self._keep_own_names(staging / "outputs")
 
     def _keep_own_names(self, outputs: Path) -> None:
@@ -519,29 +612,7 @@ class PipelineRun:
                 raise
         self.stage_results.append(result)
 
-    def take_cancellation(self, *, timed_out: bool = False) -> None:
-        """Take this task's cancellation as handled here: the run stops, kills its sandbox,
-        stores what it made and ends Cancelled; or, when the flow run's ``timeout_seconds``
-        passed (``timed_out``, or `deadline_passed`), ends TimedOut."""
-        if timed_out or deadline_passed():
-            # Prefect's cancel scope cancels each await until the flow returns, whatever is
-            # uncancelled here: the clean-up's awaits are shielded instead.
-            self.timed_out = True
-            return
-        uncancel_current_task()
-        self.cancelled = True
-
-    @asynccontextmanager
-    async def storing_on_exit(self, outputs: Path) -> AsyncIterator[None]:
-        """On exit, however it comes, store the executed notebook, its inline figures and the
-        downloaded artifacts from ``outputs``; a file that could not be stored becomes the
-        failure unless there already is one."""
-        try:
-            yield
-        finally:
-            await self.store_made(outputs)
-
-    async def store_made(self, outputs: Path) -> None:
+    async def _store_made(self, outputs: Path) -> None:
         """Store the executed notebook, its inline figures and the downloaded artifacts from
         ``outputs``; a file that could not be stored becomes the failure unless there already
         is one."""
@@ -552,10 +623,12 @@ class PipelineRun:
                 str(outputs), [*self.downloaded, *written], self.store
             )
             self.figures = await asyncio.to_thread(_figure_urls, self.stored, self.store, outputs)
-        if storage_failures and self.failure is None:
-            self.failure = FileTransferError(
-                f"{len(storage_failures)} artifact(s) could not be stored in "
-                f"{self.store.output_dir}: {'; '.join(storage_failures)}"
+        if storage_failures:
+            self.outcome.fail(
+                FileTransferError(
+                    f"{len(storage_failures)} artifact(s) could not be stored in "
+                    f"{self.store.output_dir}: {'; '.join(storage_failures)}"
+                )
             )
 
     async def store_summary(
@@ -563,16 +636,16 @@ class PipelineRun:
         outputs: Path,
         flow_run_id: str,
         flow_run_name: str,
-        duration_s: float,
         parameters: dict[str, Any] | None = None,
     ) -> PipelineResult:
         """The run's result, also written to ``outputs`` as ``summary.json`` and stored, with
         the injected ``parameters`` and the metrics of a stored `METRICS_NAME`."""
         # One line for people; a cell's full exception text is in the notebook only.
-        error = cap_text(str(self.failure)) if self.failure else None
-        if self.cancelled:
+        outcome = self.outcome
+        error = cap_text(str(outcome.failure)) if outcome.failure else None
+        if outcome.cancelled:
             error = f"cancelled {_stopped_where(self.stage_results)}"
-        elif self.timed_out:
+        elif outcome.timed_out:
             timed_out = (
                 f"{timed_out_reason(self.timeout_seconds)} {_stopped_where(self.stage_results)}"
             )
@@ -581,15 +654,11 @@ class PipelineRun:
             flow_run_id=flow_run_id,
             flow_run_name=flow_run_name,
             attempt=self.attempt,
-            status="cancelled"
-            if self.cancelled
-            else "failed"
-            if self.failure or self.timed_out
-            else "completed",
+            status=outcome.status,
             stages=_summaries(self.stages, self.stage_results),
             artifacts=self.stored,
             output_dir=self.store.output_dir,
-            duration_s=round(duration_s, 6),
+            duration_s=round(time.monotonic() - self.started, 6),
             error=error,
             sandbox_id=self.sandbox_id,
             sandbox_created_at=self.sandbox_created_at,
@@ -690,6 +759,7 @@ async def new_run(
         RuntimeError: not called inside a flow run.
         FileTransferError: files cannot be stored in ``storage``.
     """
+    started = time.monotonic()
     context = FlowRunContext.get()
     if context is None or context.flow_run is None or context.flow is None:
         raise RuntimeError(f"{what} runs inside a Prefect flow run; call it from a @flow")
@@ -707,7 +777,7 @@ async def new_run(
     executed.set_metadata(flow_run_id=str(flow_run.id), flow_run_name=flow_run.name)
     # Those of SIGKILLed runs on this machine, which could not remove their own.
     await asyncio.to_thread(remove_orphaned_staging_dirs)
-    run = PipelineRun(stages, backend, store, executed)
+    run = PipelineRun(stages, backend, store, executed, started=started)
     run.timeout_seconds = context.flow.timeout_seconds
     run.attempt = max(flow_run.run_count, 1)
     return run, flow_run

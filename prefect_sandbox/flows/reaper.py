@@ -78,8 +78,8 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.local import LocalKernelBackend
 from prefect_sandbox.flows.errors import ReapFailedError
 from prefect_sandbox.flows.limits import SWEEP_LIMIT_PREFIX
-from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.flows.staging import orphaned_staging_dirs, remove_orphaned_staging_dirs
+from prefect_sandbox.flows.stopping import sync_twin
 from prefect_sandbox.sandbox.base import SandboxHandle
 from prefect_sandbox.sandbox.errors import SandboxError, SandboxNotFoundError
 from prefect_sandbox.sandbox.labels import API_LABEL, FLOW_RUN_ID_LABEL, MARKER_LABEL, created_at

@@ -28,7 +28,6 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
@@ -48,7 +47,6 @@ from pydantic import BaseModel
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.errors import FixerError, SessionFailedError
 from prefect_sandbox.flows.pipeline_run import PipelineRun, new_run
-from prefect_sandbox.flows.staging import staging_dir
 from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import (
@@ -63,15 +61,14 @@ from prefect_sandbox.sandbox.model_text import DEFAULT_MODEL_TEXT_CHARS, cell_te
 from prefect_sandbox.sandbox.notebook import METADATA_KEY, CellSpec, StageSpec
 from prefect_sandbox.tasks.sandbox import (
     cell_failure,
-    deadline_passed,
     download_artifacts,
     partial_stage_result,
     restart_kernel,
     reusing,
     run_stage,
-    shielded,
     stage_progress,
 )
+from prefect_sandbox.tasks.scopes import shielded
 
 __all__ = [
     "DEFAULT_FIX_ATTEMPTS",
@@ -250,6 +247,20 @@ class SandboxSession:
                     "Sandbox %s: lifetime not renewed while idle: %s", self._handle.sandbox_id, exc
                 )
 
+    @asynccontextmanager
+    async def kept_alive(self) -> AsyncIterator[None]:
+        """Within, the sandbox's lifetime is renewed while idle (`keep_alive`); on exit the
+        session ends (`end`) and drops its connection (`close`), shielded."""
+        keeper = asyncio.create_task(self.keep_alive())
+        try:
+            yield
+        finally:
+            self.end()
+            keeper.cancel()
+            with shielded():
+                await asyncio.gather(keeper, return_exceptions=True)
+                await self.close()
+
     async def settled(self) -> None:
         """Wait until no cell of this session is running, or recording how it ended."""
         async with self._turn:
@@ -324,10 +335,7 @@ class SandboxSession:
             self._check_open()
             self._steps += 1
             step = self._steps
-            spec = StageSpec(name=f"cell-{step}", cells=[])
-            result = StageResult(name=spec.name, status="ok")
-            self._run.stages.append(spec)
-            self._run.stage_results.append(result)
+            spec, result = self._run.add_stage(f"cell-{step}")
             done = await self._attempt(spec, result, step, 1, code, timeout_s)
         while done.status != "ok" and fix is not None and done.attempt < max_attempts:
             # Unlocked: the fixer may run cells of its own on this session.
@@ -479,24 +487,6 @@ _WAKE_S = 0.1
 """Seconds a sync session's call waits at a time for its result (see `SyncSandboxSession`)."""
 
 
-def _flow_timeout_passed() -> bool:
-    """Whether the flow run's ``timeout_seconds`` has passed. A sync flow's timeout is raised
-    in its own thread (by a signal, or an exception Prefect sets there), which the session's
-    event loop sees as a plain cancellation, with no deadline of its own."""
-    context = FlowRunContext.get()
-    if context is None or context.flow is None or context.flow.timeout_seconds is None:
-        return False
-    elapsed = datetime.now(UTC) - context.start_time
-    return elapsed.total_seconds() >= context.flow.timeout_seconds
-
-
-def _body_failure(exc: BaseException) -> SandboxError:
-    """What ``summary.json`` says of an exception that left the session's block."""
-    if isinstance(exc, SandboxError):
-        return exc
-    return SessionFailedError(f"the flow's code raised {type(exc).__name__}: {exc}")
-
-
 _sessions_opened: dict[tuple[str, int], int] = {}
 """Sessions opened so far in each flow run attempt of this process, by flow run id and
 ``run_count``."""
@@ -541,71 +531,46 @@ async def _open_session(
     max_text_chars: int,
     max_idle_s: float | None,
 ) -> AsyncIterator[SandboxSession]:
-    start = time.monotonic()
     suffix = _session_suffix()
     run, flow_run = await new_run(
         nbformat.v4.new_notebook(), [], backend, storage, "a sandbox session", folder_suffix=suffix
     )
-    raised: BaseException | None = None
-    cancellation: asyncio.CancelledError | None = None
-    with staging_dir() as staging:
-        outputs = staging / "outputs"
-        try:
-            async with run.sandbox_then_store(flow_run, outputs, staging, inputs) as handle:
-                session = SandboxSession(
-                    run,
-                    await run.backend.attach(handle),
-                    cell_timeout_s=cell_timeout_s,
-                    max_text_chars=max_text_chars,
-                    max_idle_s=max_idle_s,
-                )
-                keeper = asyncio.create_task(session.keep_alive())
-                try:
-                    yield session
-                except asyncio.CancelledError as exc:
-                    cancellation = exc
-                    run.take_cancellation(timed_out=_flow_timeout_passed())
-                except GeneratorExit:
-                    raise
-                except BaseException as exc:
-                    raised = exc
-                    run.failure = run.failure or _body_failure(exc)
-                finally:
-                    session.end()
-                    keeper.cancel()
-                    with shielded():
-                        await asyncio.gather(keeper, return_exceptions=True)
-                        await session.close()
-                await run.collect_artifacts(handle, staging, artifacts)
-        except asyncio.CancelledError as exc:
-            # Cancelled (by a signal, or through the API: `cancelled_from_api`) while waiting
-            # for a slot, while the sandbox was made or killed, or while files were stored.
-            cancellation = cancellation or exc
-            run.take_cancellation()
-        except SandboxError as exc:
-            # The sandbox was never made or set up: the summary is still stored, then this is
-            # raised.
-            run.failure = raised = run.failure or exc
-        if not run.cancelled and deadline_passed():
-            run.timed_out = True  # it passed while the files were stored
-        with shielded():
-            result = await run.store_summary(
-                outputs, str(flow_run.id), flow_run.name, time.monotonic() - start
+    async with run.running(
+        flow_run,
+        inputs=inputs,
+        artifacts=artifacts,
+        summary=(SESSION_SUMMARY_KEY + suffix, "Sandbox session summary"),
+    ) as handle:
+        if handle is not None:
+            session = SandboxSession(
+                run,
+                await run.backend.attach(handle),
+                cell_timeout_s=cell_timeout_s,
+                max_text_chars=max_text_chars,
+                max_idle_s=max_idle_s,
             )
-    with shielded():
-        await run.post_summary(result, SESSION_SUMMARY_KEY + suffix, "Sandbox session summary")
-        if run.cancelled:
+            async with session.kept_alive():
+                yield session
+    await _ended(run, flow_run)
+
+
+async def _ended(run: PipelineRun, flow_run: FlowRun) -> None:
+    """The session's end, from its run's outcome: a cancelled run's flow run set Cancelled,
+    then what left the block (or the set-up) raised again as it is, else a failure to collect
+    or store raised as `SessionFailedError`."""
+    outcome, result = run.outcome, run.result
+    assert result is not None, "running stores the result on every way out"
+    if outcome.cancelled:
+        with shielded():
             await _end_flow_run_cancelled(flow_run, f"sandbox session {result.error}")
-    if cancellation is not None:
-        raise cancellation
-    if raised is not None:
-        raise raised
-    if run.failure is not None:
+    if outcome.raised is not None:
+        raise outcome.raised
+    if outcome.failure is not None:
         raise SessionFailedError(
             result.error or "the session's files were not all stored",
             output_dir=run.store.output_dir,
             sandbox_id=run.sandbox_id,
-        ) from run.failure
+        ) from outcome.failure
 
 
 async def _in_context(context: contextvars.Context, call: Callable[[], Awaitable[T]]) -> T:

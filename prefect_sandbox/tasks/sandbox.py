@@ -60,6 +60,7 @@ from prefect_sandbox.sandbox.outputs import (
 from prefect_sandbox.sandbox.paths import is_utf8, resolve_inside, shown_path
 from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
+from prefect_sandbox.tasks.scopes import deadline_passed, shielded
 from prefect_sandbox.tasks.storage import ArtifactStore, fetch_inputs, input_credentials
 
 __all__ = [
@@ -70,7 +71,6 @@ __all__ = [
     "StageProgress",
     "cell_failure",
     "create_sandbox",
-    "deadline_passed",
     "download_artifacts",
     "fetch_artifacts",
     "kill_sandbox",
@@ -79,7 +79,6 @@ __all__ = [
     "restart_kernel",
     "reusing",
     "run_stage",
-    "shielded",
     "stage_progress",
     "upload_inputs",
 ]
@@ -180,25 +179,6 @@ async def _attached(backend: SandboxBackend, handle: SandboxHandle) -> AsyncIter
     finally:
         with shielded():
             await sandbox.close()
-
-
-def deadline_passed() -> bool:
-    """Whether the caller is being stopped by a deadline: Prefect enforces a flow's or task's
-    ``timeout_seconds`` with an anyio cancel scope, which then cancels every await inside it
-    (not once, as `asyncio.Task.cancel` does) until the scope is left. Call it where such a
-    cancellation was caught, outside any shielded scope.
-
-    Returns:
-        True when an enclosing cancel scope's deadline passed or it was cancelled.
-    """
-    return anyio.current_effective_deadline() <= anyio.current_time()
-
-
-def shielded() -> anyio.CancelScope:
-    """A scope whose awaits a passed deadline (`deadline_passed`) does not cancel, for clean-up
-    that must finish: killing the sandbox, storing what was made. An `asyncio.Task.cancel`
-    (the CLI's on SIGINT) still reaches them."""
-    return anyio.CancelScope(shield=True)
 
 
 def prefect_api_id() -> str:

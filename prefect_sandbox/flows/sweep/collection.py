@@ -10,13 +10,14 @@ from prefect.client.schemas.objects import StateType
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.flows.metrics import read_metrics
-from prefect_sandbox.flows.pipeline_run import SUMMARY_NAME, uncancel_current_task
+from prefect_sandbox.flows.pipeline_run import SUMMARY_NAME
+from prefect_sandbox.flows.stopping import uncancel_current_task
 from prefect_sandbox.flows.sweep.launchers import BranchLauncher
 from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, SWEEP_NAME, Branch
 from prefect_sandbox.results import BranchResult, PipelineResult
 from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.outputs import cap_text
-from prefect_sandbox.tasks.sandbox import shielded
+from prefect_sandbox.tasks.scopes import shielded
 from prefect_sandbox.tasks.storage import resolve_storage
 
 __all__ = ["FAILED_NAMED", "collect", "failure_message", "run_branches"]

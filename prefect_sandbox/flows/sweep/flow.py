@@ -21,12 +21,11 @@ from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
 from prefect_sandbox.deprecation import renamed_argument
-from prefect_sandbox.flows.cancelling import cancelled_from_api
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
-from prefect_sandbox.flows.pipeline import sync_twin
 from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt, timed_out_reason
 from prefect_sandbox.flows.policy import check_deployment_run
+from prefect_sandbox.flows.stopping import cancelled_from_api, sync_twin
 from prefect_sandbox.flows.sweep.collection import collect, failure_message, run_branches
 from prefect_sandbox.flows.sweep.deployment import checked_deployment
 from prefect_sandbox.flows.sweep.grid import expand_grid
@@ -44,7 +43,7 @@ from prefect_sandbox.options import SweepOptions, check_options
 from prefect_sandbox.results import BranchResult, SweepResult
 from prefect_sandbox.sandbox.notebook import read_notebook, split_stages
 from prefect_sandbox.settings import PrefectSandboxSettings
-from prefect_sandbox.tasks.sandbox import shielded
+from prefect_sandbox.tasks.scopes import shielded
 from prefect_sandbox.tasks.storage import S3_BLOCK_PREFIX, ArtifactStore, resolve_storage
 
 if TYPE_CHECKING:

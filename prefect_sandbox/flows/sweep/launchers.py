@@ -28,7 +28,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.hooks import default_backend, hook_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import also_holding
 from prefect_sandbox.flows.pipeline import arun_notebook
-from prefect_sandbox.flows.pipeline_run import uncancel_current_task
+from prefect_sandbox.flows.stopping import uncancel_current_task
 from prefect_sandbox.flows.sweep.deployment import (
     deployment_arguments,
     final_state,
