@@ -1,7 +1,7 @@
 #!/bin/sh
 # Set-up and everyday commands. Needs only Python 3.11+ with venv and pip.
 #   ./dev.sh main    run the main job: the CO2 forecast notebook on a local kernel
-#   ./dev.sh test    run the test suite
+#   ./dev.sh test    run the test suite, on a pytest-xdist worker per core (-n 0: in one process)
 #   ./dev.sh lint    mypy and ruff
 #   ./dev.sh docs    build the documentation site into site/ (strict: a broken link fails)
 #   ./dev.sh bench   slow scale tests, then benchmarks (bench/README.md)
@@ -53,6 +53,19 @@ setup() {
     fi
 }
 
+# pytest-xdist's options for `test`: a worker per core, each taking a test module at a time (so a
+# module's fixtures are made once), unless the arguments already say how many workers (-n 0: none).
+workers() {
+    for arg in "$@"; do
+        case "$arg" in
+            -n | -n* | --numprocesses | --numprocesses=* | --dist | --dist=* | no:xdist | -pno:xdist)
+                return 0
+                ;;
+        esac
+    done
+    echo "-n auto --dist loadscope"
+}
+
 command="${1:-}"
 [ $# -gt 0 ] && shift
 case "$command" in
@@ -65,7 +78,8 @@ case "$command" in
         ;;
     test)
         setup
-        exec "$venv/bin/python" -m pytest "$@"
+        # shellcheck disable=SC2046  # the options are words
+        exec "$venv/bin/python" -m pytest $(workers "$@") "$@"
         ;;
     lint)
         setup

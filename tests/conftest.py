@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 
+# A pytest-xdist worker's own TMPDIR and PREFECT_HOME, set before Prefect is imported.
+import tests.workers  # noqa: F401  # isort: split
+
 # jupyter_core warns about its coming path change unless told which to use.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 

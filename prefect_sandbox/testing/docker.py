@@ -7,7 +7,8 @@ image pip-installs wheels downloaded on the host (mounted, never copied into a l
 tarball and the wheels are cached (`default_cache_dir`), and an image whose tag (a hash of the
 recipe) exists is never rebuilt.
 
-`DockerDaemon` starts ``dockerd`` when none answers, and stops it only if it started it.
+`DockerDaemon` starts ``dockerd`` when none answers; processes that use it at once (the test
+workers) share it, and the last to leave stops one that any of them started.
 
 Run ``python -m prefect_sandbox.testing.docker`` to build the image and print its tag.
 Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to its index.
@@ -16,21 +17,27 @@ Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
+import math
 import os
 import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect_sandbox.testing.stopping import StopsOnExit
 
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     import docker
 
 __all__ = [
+    "DAEMON_STATE_FOLDER",
     "DEBIAN_SUITE",
     "IMAGE_REPOSITORY",
     "IMAGE_REQUIREMENTS",
@@ -307,11 +315,19 @@ def _wheels(cache: Path, requirements: Sequence[str]) -> Path:
     return folder
 
 
+DAEMON_STATE_FOLDER = Path("/run/prefect-sandbox")
+"""Where `DockerDaemon` keeps, machine-wide whatever ``TMPDIR`` says, which ``dockerd`` one of
+its objects started and which processes use it (``dockerd.json``, under ``dockerd.lock``), and
+that daemon's log."""
+
+
 class DockerDaemon(StopsOnExit):
     """A Docker daemon that answers: the running one, or a ``dockerd`` started here.
 
-    ``with DockerDaemon() as daemon:`` gives ``daemon.client``; a daemon this object started is
-    stopped on exit, one that was already running is left alone.
+    ``with DockerDaemon() as daemon:`` gives ``daemon.client``. Objects in any number of
+    processes at once (pytest-xdist's workers, two test sessions) share one daemon: each enters
+    as a user of it, under a machine-wide lock, and a ``dockerd`` that one of them started is
+    stopped when the last of them leaves. One that was already running is left alone.
 
     Raises:
         DockerUnavailable: (on entry) the SDK is missing, or no daemon answers and none could be
@@ -319,63 +335,140 @@ class DockerDaemon(StopsOnExit):
     """
 
     def __init__(self, log_path: Path | None = None) -> None:
-        self._log_path = log_path or Path(tempfile.gettempdir()) / "prefect-sandbox-dockerd.log"
+        self._log_path = log_path or DAEMON_STATE_FOLDER / "dockerd.log"
         self._process: subprocess.Popen[bytes] | None = None
+        self._user: dict[str, int | str] | None = None
         self.client: docker.DockerClient
 
     def __enter__(self) -> DockerDaemon:
-        try:
-            import docker
-        except ImportError:
+        if importlib.util.find_spec("docker") is None:
             raise DockerUnavailable(
                 "the docker SDK is not installed (pip install 'prefect-sandbox[docker]')"
-            ) from None
-        try:
-            self.client = docker.from_env()
-            self.client.ping()
-            return self
-        except docker.errors.DockerException as exc:
-            reason = str(exc)
+            )
+        reason = _ping(self)
+        if reason is None and os.geteuid() != 0:
+            return self  # not root: it could not have been started here, nor stopped
         dockerd = shutil.which("dockerd")
-        if dockerd is None or os.geteuid() != 0:
+        if reason is not None and (dockerd is None or os.geteuid() != 0):
             raise DockerUnavailable(
                 f"no Docker daemon answers ({reason}) and none can be started here "
                 f"({'not root' if dockerd else 'no dockerd; apt-get install docker.io'})"
             )
+        with _daemon_state() as state:
+            if _ping(self) is not None:
+                assert dockerd is not None
+                state["pid"] = self._start(dockerd)
+            self._user = {"pid": os.getpid(), "id": uuid.uuid4().hex}
+            state["users"] = [*state.get("users", []), self._user]
+        return self
+
+    def _start(self, dockerd: str) -> int:
+        """Start ``dockerd`` in a session of its own and wait until it answers; its pid.
+
+        Started outside this process's group and TMPDIR: it serves other processes too, and
+        outlives this one while they use it.
+        """
+        env = {name: value for name, value in os.environ.items() if name != "TMPDIR"}
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
             self._process = subprocess.Popen(
-                [dockerd], stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                [dockerd],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
             )
         deadline = time.monotonic() + _DAEMON_START_S
-        while True:
-            try:
-                self.client = docker.from_env()
-                self.client.ping()
-                return self
-            except docker.errors.DockerException as exc:
-                if self._process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise DockerUnavailable(
-                        f"dockerd did not start ({exc}); see {self._log_path}"
-                    ) from None
-                time.sleep(0.5)
-
-    @property
-    def started_here(self) -> bool:
-        """Whether this object started the daemon (and so will stop it)."""
-        return self._process is not None
+        while (reason := _ping(self)) is not None:
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                _stop_dockerd(self._process.pid, self._process)
+                self._process = None
+                raise DockerUnavailable(f"dockerd did not start ({reason}); see {self._log_path}")
+            time.sleep(0.5)
+        return self._process.pid
 
     def stop(self) -> None:
-        """Stop the daemon if this object started it; idempotent."""
-        if self._process is None:
+        """Leave the daemon: stop it if one of its users started it and no other user is
+        left (a user whose process is gone does not count); idempotent."""
+        if self._user is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=_DAEMON_STOP_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        with _daemon_state() as state:
+            users = [
+                user
+                for user in state.get("users", [])
+                if user != self._user and _alive(int(user["pid"]))
+            ]
+            state["users"] = users
+            pid = state.get("pid")
+            if not users and pid is not None:
+                _stop_dockerd(int(pid), self._process)
+                state.pop("pid")
+        self._user = None
         self._process = None
+
+
+def _ping(daemon: DockerDaemon) -> str | None:
+    """Connect ``daemon.client`` to the daemon; None if it answers, else why not."""
+    import docker
+
+    try:
+        daemon.client = docker.from_env()
+        daemon.client.ping()
+    except docker.errors.DockerException as exc:
+        return str(exc)
+    return None
+
+
+@contextlib.contextmanager
+def _daemon_state() -> Iterator[dict[str, Any]]:
+    """`DAEMON_STATE_FOLDER`'s ``dockerd.json``, read and written back under its lock."""
+    DAEMON_STATE_FOLDER.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = DAEMON_STATE_FOLDER / "dockerd.json"
+    with open(DAEMON_STATE_FOLDER / "dockerd.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state: dict[str, Any] = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            state = {}
+        if "pid" in state and not _is_dockerd(int(state["pid"])):
+            state = {}  # that daemon is gone (stopped, or the machine restarted)
+        yield state
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(state))
+        partial.replace(path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b")")[2].split()[0] != b"Z"
+
+
+def _is_dockerd(pid: int) -> bool:
+    """Whether process ``pid`` runs and is a ``dockerd``."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return _alive(pid) and Path(os.fsdecode(command)).name == "dockerd"
+
+
+def _stop_dockerd(pid: int, process: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM ``dockerd`` (``process`` when this process started it, to reap it), wait until
+    it is gone, SIGKILL it after `_DAEMON_STOP_S`."""
+    if not _is_dockerd(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + _DAEMON_STOP_S
+    while _alive(pid) if process is None else process.poll() is None:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = math.inf
+        time.sleep(0.1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
