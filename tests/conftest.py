@@ -58,6 +58,22 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_they_were() -> Iterator[None]:
+    """Each test leaves this process's SIGINT and SIGTERM handlers as it found them.
+
+    A library may leave one of its own behind: the Daytona SDK's engineio client puts a SIGINT
+    handler on the running event loop (the session's), once per process, and never removes it.
+    A later test that counts on Python's own (``asyncio.run`` cancelling its task on Ctrl-C)
+    met it when the workers' order put a Daytona test first.
+    """
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
+
+
 SUBPROCESS_TEST_TIMEOUT_S = 400
 """pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask
 cluster in fresh interpreters: the suite's 120 s was outrun at load 11."""

@@ -1,6 +1,11 @@
-"""The contract suite's fixtures: one backend per parameter, a fresh sandbox per test.
+"""The contract suite's fixtures: one backend per parameter, a fresh sandbox per test, or one
+per backend for a module's tests marked ``shares_sandbox``.
 
 Adding a backend means adding a parameter to `backend` (and its fake server), not copying tests.
+A test shares its module's sandbox only where it reads nothing but what it set itself (its own
+variable names and files), and changes nothing a later test could meet: no kill, restart,
+timeout, interrupt, limit, thread or child left running, replaced ``sys.stdout`` or plotting
+backend. The rest get a fresh one.
 """
 
 from __future__ import annotations
@@ -115,11 +120,36 @@ def _warm_pools_end_with_the_suite() -> Iterator[None]:
     close_warm_pools()
 
 
-@pytest.fixture
-async def sandbox(backend: SandboxBackend) -> AsyncIterator[Sandbox]:
-    """A fresh sandbox of the backend under test, killed afterwards."""
-    box = await backend.create(CONTRACT_LABELS)
+@pytest.fixture(scope="module")
+async def _module_sandboxes() -> AsyncIterator[dict[str, Sandbox]]:
+    """The sandboxes this module's ``shares_sandbox`` tests share, by backend parameter; killed
+    with the module."""
+    shared: dict[str, Sandbox] = {}
     try:
-        yield box
+        yield shared
     finally:
-        await box.kill()
+        for box in shared.values():
+            await box.kill()
+
+
+@pytest.fixture
+async def sandbox(
+    backend: SandboxBackend,
+    request: pytest.FixtureRequest,
+    _module_sandboxes: dict[str, Sandbox],
+) -> AsyncIterator[Sandbox]:
+    """A fresh sandbox of the backend under test, killed afterwards; for a test marked
+    ``shares_sandbox``, its module's sandbox of that backend, with no late output left of an
+    earlier test."""
+    if request.node.get_closest_marker("shares_sandbox") is None:
+        box = await backend.create(CONTRACT_LABELS)
+        try:
+            yield box
+        finally:
+            await box.kill()
+        return
+    name = request.node.callspec.params["backend"]
+    if name not in _module_sandboxes:
+        _module_sandboxes[name] = await backend.create(CONTRACT_LABELS)
+    await _module_sandboxes[name].take_late_outputs()
+    yield _module_sandboxes[name]

@@ -4,6 +4,8 @@ stdout, stdin, command pipe, result formatting): each case ends as on the local 
 
 from __future__ import annotations
 
+import pytest
+
 from prefect_sandbox.sandbox.base import Sandbox
 from tests.conftest import stream_text
 from tests.contract.conftest import cannot
@@ -37,6 +39,7 @@ async def test_a_cell_whose_stdout_is_closed_still_reports(sandbox: Sandbox) -> 
     assert [r["data"]["text/plain"] for r in results] == ["42"]
 
 
+@pytest.mark.shares_sandbox
 async def test_reading_stdin_finds_its_end_and_eats_no_command(sandbox: Sandbox) -> None:
     await sandbox.run_cell("kept = 'state'")
     for read in ("sys.stdin.readline()", "sys.stdin.read()", "os.read(0, 100)"):
@@ -54,6 +57,7 @@ async def test_reading_stdin_finds_its_end_and_eats_no_command(sandbox: Sandbox)
     assert stream_text(after.outputs) == "state\n" and not after.state_lost
 
 
+@pytest.mark.shares_sandbox
 async def test_a_value_whose_repr_raises_fails_the_cell(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(
         "class Unprintable:\n"
@@ -70,6 +74,7 @@ async def test_a_value_whose_repr_raises_fails_the_cell(sandbox: Sandbox) -> Non
     assert after.status == "ok" and stream_text(after.outputs) == "next\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_a_display_whose_repr_raises_shows_the_error_and_goes_on(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(
         "class Unprintable:\n"

@@ -8,11 +8,14 @@ import json
 import struct
 import textwrap
 
+import pytest
+
 from prefect_sandbox.sandbox.base import Sandbox
 from tests.conftest import stream_text
 from tests.contract.conftest import cannot
 
 
+@pytest.mark.shares_sandbox
 async def test_state_persists_across_cells(sandbox: Sandbox) -> None:
     await sandbox.run_cell("import math\nradius = 2")
     result = await sandbox.run_cell("print(round(math.pi * radius**2, 3))")
@@ -20,6 +23,7 @@ async def test_state_persists_across_cells(sandbox: Sandbox) -> None:
     assert stream_text(result.outputs) == "12.566\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_outputs_of_each_type_arrive_in_order(sandbox: Sandbox) -> None:
     seen: list[str] = []
     code = textwrap.dedent(
@@ -51,6 +55,7 @@ async def test_outputs_of_each_type_arrive_in_order(sandbox: Sandbox) -> None:
     assert seen.count("stream") >= 2
 
 
+@pytest.mark.shares_sandbox
 async def test_user_exceptions_are_data(sandbox: Sandbox) -> None:
     error = await sandbox.run_cell("raise ValueError('bad value')")
     assert error.status == "error"
@@ -68,6 +73,7 @@ async def test_user_exceptions_are_data(sandbox: Sandbox) -> None:
     assert stream_text((await sandbox.run_cell("print('alive')")).outputs) == "alive\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_h20_compile_errors_and_reply_only_errors(sandbox: Sandbox) -> None:
     assert (await sandbox.run_cell("x = 1")).status == "ok"
     syntax = await sandbox.run_cell("def f(:\n    pass")
@@ -88,6 +94,7 @@ async def test_h20_compile_errors_and_reply_only_errors(sandbox: Sandbox) -> Non
     assert stream_text(after.outputs) == "1\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_ipython_syntax_magics_shell_commands_and_top_level_await(sandbox: Sandbox) -> None:
     cells = {
         "%env PREFECT_SANDBOX_MAGIC=1": "env: PREFECT_SANDBOX_MAGIC=1\n",
@@ -101,6 +108,7 @@ async def test_ipython_syntax_magics_shell_commands_and_top_level_await(sandbox:
     assert stream_text((await sandbox.run_cell("print('alive')")).outputs) == "alive\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_h08_stdin_is_refused_at_once(sandbox: Sandbox) -> None:
     for code in ["name = input('Name: ')", "import getpass; pw = getpass.getpass()"]:
         result = await sandbox.run_cell(code, timeout_s=5)
@@ -121,6 +129,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
+@pytest.mark.shares_sandbox
 async def test_h10_figure_without_show_is_one_png(sandbox: Sandbox) -> None:
     first = await sandbox.run_cell(
         "import matplotlib.pyplot as plt; fig, ax = plt.subplots(); "
@@ -134,6 +143,7 @@ async def test_h10_figure_without_show_is_one_png(sandbox: Sandbox) -> None:
     assert not [o for o in second.outputs if "image/png" in o.get("data", {})]
 
 
+@pytest.mark.shares_sandbox
 async def test_h12_dataframe_display_then_result(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(
         "import pandas as pd\n"
@@ -150,6 +160,7 @@ async def test_h12_dataframe_display_then_result(sandbox: Sandbox) -> None:
         assert [line.split() for line in lines[-2:]] == [["a", "4"], ["b", "2"]]
 
 
+@pytest.mark.shares_sandbox
 async def test_carriage_return_progress_is_collapsed(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(
         "import sys, time\n"
@@ -160,6 +171,7 @@ async def test_carriage_return_progress_is_collapsed(sandbox: Sandbox) -> None:
     assert stream_text(result.outputs) == "progress 100% done\n"
 
 
+@pytest.mark.shares_sandbox
 async def test_undecodable_output_becomes_replacement_characters(sandbox: Sandbox) -> None:
     result = await sandbox.run_cell(
         "import os, time\n"
@@ -209,6 +221,7 @@ async def test_background_thread_output_is_recorded_once(sandbox: Sandbox) -> No
     assert await sandbox.take_late_outputs() == {}
 
 
+@pytest.mark.shares_sandbox
 async def test_msg_id_is_the_cells_execute_request_or_none(sandbox: Sandbox) -> None:
     first = await sandbox.run_cell("1")
     second = await sandbox.run_cell("2")
@@ -218,6 +231,7 @@ async def test_msg_id_is_the_cells_execute_request_or_none(sandbox: Sandbox) -> 
         assert first.msg_id and second.msg_id and first.msg_id != second.msg_id
 
 
+@pytest.mark.shares_sandbox
 async def test_notebook_syntax_that_public_notebooks_use(sandbox: Sandbox) -> None:
     """Top-level ``await`` with a value, ``%matplotlib inline``, ``x = !cmd``, ``%%writefile``
     and an unknown magic give what IPython gives, state kept throughout."""

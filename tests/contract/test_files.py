@@ -13,6 +13,7 @@ from tests.conftest import stream_text
 from tests.contract.conftest import cannot
 
 
+@pytest.mark.shares_sandbox
 async def test_odd_names_round_trip(sandbox: Sandbox, tmp_path: Path) -> None:
     names = ["my data (v2).csv", "données_年.csv", "empty.bin"]
     for name in names:
@@ -34,6 +35,7 @@ async def test_odd_names_round_trip(sandbox: Sandbox, tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.shares_sandbox
 async def test_paths_that_leave_the_workdir_are_refused(sandbox: Sandbox, tmp_path: Path) -> None:
     source = tmp_path / "data.txt"
     source.write_text("x")

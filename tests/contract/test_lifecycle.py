@@ -97,6 +97,7 @@ async def test_async_with_kills_on_exit(backend: SandboxBackend) -> None:
         await backend.attach(handle)
 
 
+@pytest.mark.shares_sandbox
 async def test_the_handle_names_the_python_kernel_that_runs_the_cells(sandbox: Sandbox) -> None:
     kernel = sandbox.handle.kernel
     assert kernel is not None
