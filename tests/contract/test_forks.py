@@ -48,8 +48,12 @@ async def _ends_as_the_kernels_cell(sandbox: Sandbox, code: str, printed: str) -
     assert printed in stream_text(result.outputs)
     assert "parent" not in stream_text(result.outputs)
     after = await sandbox.run_cell('print("next cell:", value, child > 0)')
-    assert after.status == "ok"
-    if not result.state_lost:
+    if result.state_lost:
+        # The interrupt did not land in time (a busy machine) and the kernel was restarted:
+        # it answers the next cell, with none of the state.
+        assert after.error is not None and after.error.ename == "NameError", after
+    else:
+        assert after.status == "ok"
         assert stream_text(after.outputs) == "next cell: parent True\n"
 
 
