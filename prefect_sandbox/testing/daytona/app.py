@@ -37,7 +37,12 @@ from prefect_sandbox.testing.daytona.state import (
     EmulatedSandbox,
     World,
 )
-from prefect_sandbox.testing.faults import COMMON_OPERATIONS, FaultBook, serve_with_fault
+from prefect_sandbox.testing.faults import (
+    COMMON_OPERATIONS,
+    INTERRUPT_AFTER_S_KEY,
+    FaultBook,
+    serve_with_fault,
+)
 
 __all__ = ["OPERATIONS", "WEBSOCKET_OPERATIONS", "build_app"]
 
@@ -395,6 +400,7 @@ class _DaytonaApi:
             request.get("envs"),
             timeout_s,
             lambda chunk: frames.put_nowait(json.dumps(chunk, ensure_ascii=False)),
+            interrupt_after_s=websocket.scope.get(INTERRUPT_AFTER_S_KEY),
         )
         if outcome.control is not None:
             frames.put_nowait(_frame("control", outcome.control))

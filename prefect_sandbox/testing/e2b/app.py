@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.paths import is_utf8
 from prefect_sandbox.testing.e2b.state import (
     NOT_FOUND_MESSAGE,
@@ -50,7 +51,7 @@ from prefect_sandbox.testing.e2b.state import (
     World,
 )
 from prefect_sandbox.testing.e2b.wire import ROUTES
-from prefect_sandbox.testing.faults import FaultBook, serve_with_fault
+from prefect_sandbox.testing.faults import INTERRUPT_AFTER_S_KEY, FaultBook, serve_with_fault
 
 __all__ = ["build_app"]
 
@@ -386,19 +387,32 @@ class _Execute:
         streaming = asyncio.create_task(self._stream(lines, send))
         left = asyncio.create_task(self._disconnected(receive))
         killed = asyncio.create_task(sandbox.killed.wait())
+        outside = asyncio.create_task(self._interrupt_after(context, scope))
         try:
             done, _ = await asyncio.wait(
                 {streaming, left, killed}, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            for task in (streaming, left, killed):
+            for task in (streaming, left, killed, outside):
                 task.cancel()
-            await asyncio.wait({streaming, left, killed})
+            await asyncio.wait({streaming, left, killed, outside})
             await lines.aclose()
         if streaming in done:
             streaming.result()
         elif killed in done:
             raise _DroppedConnection("sandbox killed mid-execute")
+
+    @staticmethod
+    async def _interrupt_after(context: EmulatedContext, scope: Scope) -> None:
+        """Interrupt the context's kernel from outside when an injected fault says to
+        (`Fault.interrupt_after_s`), as Jupyter's interrupt from another client would."""
+        after_s = scope.get(INTERRUPT_AFTER_S_KEY)
+        if after_s is None:
+            return
+        await asyncio.sleep(after_s)
+        if context.kernel is not None:
+            with contextlib.suppress(SandboxError):  # it died meanwhile
+                await context.kernel.interrupt()
 
     @staticmethod
     async def _disconnected(receive: Receive) -> None:
