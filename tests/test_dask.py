@@ -13,12 +13,14 @@ import copy
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import cloudpickle
 import dask
@@ -42,6 +44,7 @@ from prefect_sandbox.flows.dask import (
     SandboxDaskTaskRunner,
     dask_task_runner,
 )
+from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.sweep import asweep_notebook
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import SandboxHandle
@@ -537,3 +540,44 @@ async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_h
         # The sweep ends Cancelled; its branches, whose cells ended when their sandboxes
         # were killed, Failed.
         assert await branch_run_states(sweep_id) == ["CANCELLED", "FAILED", "FAILED"]
+
+
+@pytest.mark.timeout(400)
+async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
+    cluster: Client, workers: Workers, e2b_emulator: E2BEmulator, tmp_path: Path
+) -> None:
+    """SIGKILL of the Dask worker running a branch mid-cell: Dask would run the branch again
+    on another worker (its cells twice, its first flow run left Running with its sandbox
+    alive); the sweep's process, which outlives the worker, ends that run instead."""
+    test_id = uuid.uuid4().hex
+    _notebook(tmp_path / "nb.ipynb", "import time\nprint('sleeping', flush=True)\ntime.sleep(x)")
+    start = time.monotonic()
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(tmp_path / "nb.ipynb"),
+            grid=[{"x": 120}],
+            backend=_e2b_backend(e2b_emulator, test_id),
+            storage=str(tmp_path / "out"),
+            task_runner=f"dask:{workers.address}",
+        )
+    )
+    async with asyncio.timeout(120):
+        while not e2b_emulator.sandbox_ids({"test-id": test_id}):
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # into the cell
+    (running,) = [address for address, keys in cluster.processing().items() if keys]
+    os.kill(workers.pids[running], signal.SIGKILL)
+    with pytest.raises(SweepFailedError, match="Dask worker process running it died"):
+        await sweep
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    (branch,) = json.loads((sweep_dir / "sweep.json").read_text())["branches"]
+    assert branch["status"] == "crashed" and "not run again" in branch["error"]
+    summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Dask worker" in summary["error"]
+    assert summary["sandbox_id"] is not None and summary["sandbox_killed_at"] is not None
+    assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+    creates = [r for r in e2b_emulator.requests if r.operation == "create" and r.at >= start]
+    assert len(creates) == 1  # the branch did not run again
+    async with get_client() as client:
+        run = await client.read_flow_run(UUID(branch["flow_run_id"]))
+    assert run.state is not None and run.state.type == StateType.CRASHED
