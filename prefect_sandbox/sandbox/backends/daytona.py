@@ -115,6 +115,8 @@ KeyboardInterrupt left the code) or its own deadline killed the worker; the SDK 
 _SLOW_CONSUMER = "slow consumer"
 """A close 1008's reason when the daemon dropped a client that read its frames too slowly (256
 frames queued): the execution goes on without it."""
+_QUOTA = re.compile(r"Total \w+ limit exceeded\. Maximum allowed: [^\n]*")
+"""Daytona's refusal of a create past the organization's quota (CPU, memory, disk, GPU)."""
 _GONE_STATES = frozenset({"destroyed", "destroying", "error", "build_failed"})
 _STOPPED_STATES = frozenset({"stopped", "archived", "stopping", "archiving"})
 
@@ -298,12 +300,17 @@ def _status_of(exc: BaseException) -> int | None:
 
 
 def _retry_after_of(exc: BaseException) -> float | None:
-    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them."""
+    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them.
+
+    Daytona's API names the header after the throttler that refused the call
+    (``Retry-After-sandbox-create``, NestJS's throttler), so those count too.
+    """
     current: BaseException | None = exc
     while current is not None:
         headers = getattr(current, "headers", None) or {}
         for name, value in dict(headers).items():
-            if str(name).lower() == "retry-after":
+            lowered = str(name).lower()
+            if lowered == "retry-after" or lowered.startswith("retry-after-"):
                 try:
                     return max(float(value), 0.0)
                 except (TypeError, ValueError):
@@ -366,6 +373,15 @@ def translate_error(
     status = _status_of(exc)
     where = f" (sandbox {sandbox_id})" if sandbox_id else ""
     message = f"Daytona {operation} failed{where}: {exc}"
+    quota = _QUOTA.search(str(exc)) if status in (400, 403) else None
+    if quota is not None:
+        # Daytona's organization quota (403 from older APIs, 400 now), not the credentials.
+        return SandboxError(
+            f"Daytona refused a new sandbox{where}: the organization's quota is reached "
+            f"({quota[0]}); set the backend block's max_live_sandboxes under it, so that "
+            "runs wait for a slot",
+            sandbox_id=sandbox_id,
+        )
     if status in (401, 403) or isinstance(exc, sdk.DaytonaAuthenticationError):
         return SandboxAuthError(
             f"Daytona refused the credentials for {operation}{where}: {exc}",

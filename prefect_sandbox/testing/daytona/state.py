@@ -444,6 +444,8 @@ class World:
         self.toolbox_url = toolbox_url
         self.minute_s = minute_s
         self.sandboxes: dict[str, EmulatedSandbox] = {}
+        self.peak_live = 0
+        """The most sandboxes that existed at once so far."""
         self._clock: asyncio.Task[None] | None = None
 
     def start_clock(self) -> None:
@@ -486,6 +488,7 @@ class World:
         sandbox.home.mkdir(parents=True)
         (sandbox.root / "tmp").mkdir()
         self.sandboxes[sandbox_id] = sandbox
+        self.peak_live = max(self.peak_live, len(self.sandboxes))
         return sandbox
 
     def find(self, id_or_name: str) -> EmulatedSandbox | None:
