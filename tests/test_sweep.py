@@ -4,6 +4,7 @@ ephemeral API; the CLI as a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import inspect
 import json
@@ -20,11 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 import nbformat
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterName,
+    FlowRunFilterParentFlowRunId,
+)
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox._compat import block_document_id
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep import expand_grid, launchers, metrics_of, read_grid
 from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT, flow_run_logs, kernel_processes
@@ -819,3 +827,53 @@ async def test_a_sweep_cancelled_through_the_api_stops_its_branches_and_ends_can
         assert summary["sandbox_killed_at"] is not None
     assert await branch_run_states(sweep_id) == ["CANCELLED"] * 3
     assert list(work.iterdir()) == []
+
+
+async def test_subflow_branches_start_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A branch's flow run is made only when one of those starting before it holds its slot
+    (or ended): with a cap of 1 and 2 starting at once, one branch runs, two wait for the
+    slot, and the other three are not asked of the API yet."""
+    monkeypatch.setattr(launchers, "BRANCHES_STARTING", 2)
+    go = tmp_path / "go"
+    notebook = _notebook(
+        tmp_path / "nb.ipynb",
+        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n",
+    )
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(notebook),
+            grid={"x": list(range(6))},
+            backend=LocalKernelBackend(isolation="none"),
+            storage=str(tmp_path / "out"),
+            max_live_sandboxes=1,
+            metrics_artifact=None,
+        )
+    )
+
+    async def branch_runs() -> int:
+        """The sweep's branch flow runs made so far (its folder is named after its run)."""
+        folders = list((tmp_path / "out").glob("*"))
+        if not folders:
+            return 0
+        name = folders[0].name.rsplit("-", 1)[0]
+        async with get_client() as client:
+            (sweep_run,) = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+            )
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_run.id])
+                )
+            )
+        return len(children)
+
+    async with asyncio.timeout(120):
+        while await branch_runs() < 3:
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(2.0)  # time for more to be made, were they not held back
+    assert await branch_runs() == 3
+    go.touch()
+    result = await sweep
+    assert [branch.status for branch in result.branches] == ["completed"] * 6
