@@ -19,9 +19,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import nbformat
 import pytest
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterName,
@@ -877,3 +878,33 @@ async def test_subflow_branches_start_a_few_at_a_time(
     go.touch()
     result = await sweep
     assert [branch.status for branch in result.branches] == ["completed"] * 6
+
+
+async def test_a_branch_whose_flow_run_the_api_failed_to_make_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 that outlasts Prefect's client retries while a branch's flow run is made (SQLite
+    locked, at load): nothing ran, so the branch starts again rather than being lost."""
+    real = PrefectClient.create_flow_run
+    refused: list[str] = []
+
+    async def once_refused(self: PrefectClient, flow: Any, *args: Any, **kwargs: Any) -> Any:
+        if flow.name == "run-notebook" and not refused:
+            refused.append(flow.name)
+            request = httpx.Request("POST", "http://127.0.0.1/api/flow_runs/")
+            response = httpx.Response(503, request=request)
+            raise httpx.HTTPStatusError("503 from the API", request=request, response=response)
+        return await real(self, flow, *args, **kwargs)
+
+    monkeypatch.setattr(PrefectClient, "create_flow_run", once_refused)
+    monkeypatch.setattr(launchers, "retry_delay_s", lambda *args, **kwargs: 0.1)
+    notebook = _notebook(tmp_path / "nb.ipynb", "y = x * 2")
+    result = await asweep_notebook(
+        notebook=str(notebook),
+        grid={"x": [1, 2]},
+        backend=LocalKernelBackend(isolation="none"),
+        storage=str(tmp_path / "out"),
+        metrics_artifact=None,
+    )
+    assert refused == ["run-notebook"]
+    assert [branch.status for branch in result.branches] == ["completed"] * 2

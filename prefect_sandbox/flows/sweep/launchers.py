@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 from uuid import UUID
 
+import httpx
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -41,6 +42,7 @@ from prefect_sandbox.flows.sweep.deployment import (
 )
 from prefect_sandbox.flows.sweep.model import RUN_NOTEBOOK, Branch, BranchOptions, Mode
 from prefect_sandbox.results import PipelineResult
+from prefect_sandbox.sandbox.retries import retry_delay_s
 from prefect_sandbox.tasks.storage import resolve_storage
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BRANCHES_STARTING",
+    "BRANCH_START_ATTEMPTS",
     "CANCEL_WAIT_S",
     "BranchLauncher",
     "DaskLauncher",
@@ -66,6 +69,8 @@ records them."""
 DASK_POLL_S = 0.2
 """Seconds between two looks at whether a branch's Dask task has ended."""
 CANCELLED_WHY = "the sweep was cancelled"
+BRANCH_START_ATTEMPTS = 4
+"""Tries in all at making a subflow branch's flow run (`SubflowLauncher.launch`)."""
 BRANCHES_STARTING = 8
 """Subflow branches starting at once at most: from asking for their flow run to holding their
 slots (a branch waiting for a slot of a full cap counts)."""
@@ -181,11 +186,40 @@ class SubflowLauncher(BranchLauncher):
 
     mode = "subflow"
 
-    def __init__(self, options: BranchOptions) -> None:
+    def __init__(self, options: BranchOptions, sweep_id: UUID) -> None:
         super().__init__(options)
+        self.sweep_id = sweep_id
         self.starting = asyncio.Semaphore(BRANCHES_STARTING)
 
     async def launch(self, branch: Branch) -> None:
+        """Run ``branch``; when the API fails to make its flow run (a 5xx or 429 that
+        outlasted Prefect's client retries, before any flow run of the branch exists: nothing
+        ran), start it again after a back-off, `BRANCH_START_ATTEMPTS` times in all."""
+        for attempt in range(1, BRANCH_START_ATTEMPTS + 1):
+            try:
+                await self._start(branch)
+                return
+            except httpx.HTTPStatusError as exc:
+                code = exc.response.status_code
+                if (
+                    attempt == BRANCH_START_ATTEMPTS
+                    or not (code == 429 or code >= 500)
+                    or await _branch_runs(branch.name, self.sweep_id)
+                ):
+                    raise
+                delay_s = retry_delay_s(None, attempt, first_delay_s=2.0)
+                get_run_logger().warning(
+                    "Branch %s: its flow run could not be made (%s %s); starting it again "
+                    "in %.0f s",
+                    branch.name,
+                    code,
+                    exc.request.url.path,
+                    delay_s,
+                )
+                await asyncio.sleep(delay_s)
+
+    async def _start(self, branch: Branch) -> None:
+        """Run ``branch`` once it may start (see the class)."""
         await self.starting.acquire()
         started = False
 
