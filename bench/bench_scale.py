@@ -19,6 +19,13 @@ staging folders), a new Jupyter connection file.
     python bench/bench_scale.py [--runs 64] [--databases sqlite,postgres] [--sleep-s 5]
                                 [--client-retries N] [--server-db-timeout-s S]
 
+With ``--sweep-branches N`` it runs instead one sweep of N branches (subflows, one trivial cell
+each) on a server of its own (``--sweep-database``, PostgreSQL by default), every sandbox on the
+E2B emulator with E2B Pro's limits (``--creates-per-s 5 --quota 100``), the sweep capped at
+``--live`` (100); it reports wall time, the first sandbox's time, the 429s, the peak of live
+sandboxes and the Prefect API calls a second, and checks each branch's metric. Bench-only (not
+in ``./dev.sh bench``): 1,000 branches took 18 min on 2 cores.
+
 ``--client-retries`` sets ``PREFECT_CLIENT_MAX_RETRIES`` for this process's runs (Prefect's
 default: 5); ``--server-db-timeout-s`` sets the server's ``PREFECT_SERVER_DATABASE_TIMEOUT``
 (Prefect's default: 10 s; on SQLite it is how long a write waits for the lock). Prints a markdown
