@@ -89,6 +89,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from prefect_sandbox.sandbox.kernel_side import source
 from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
 from prefect_sandbox.sandbox.paths import resolve_inside
 
@@ -122,51 +123,12 @@ logger = logging.getLogger(__name__)
 
 # Kernels this process launched, so that it can reap them (no zombies) and read exit codes.
 _launched: dict[str, subprocess.Popen[bytes]] = {}
-# One guard per kernel: it kills the kernel's whole process group if this process dies.
+# One guard per kernel (kernel_side/kernel_guard.py): it kills the kernel's whole process group
+# if this process dies, and writes kernel.log up to KERNEL_LOG_BYTES.
 _guards: dict[str, subprocess.Popen[bytes]] = {}
 
 KERNEL_LOG_BYTES = 1 << 20
 """The most a sandbox's ``kernel.log`` (what its processes write to fds 1 and 2) holds."""
-
-# ipykernel's parent poller ends the kernel when its parent dies, but not the kernel's own
-# children; this guard, in a session of its own, kills the whole group. Exits once it is gone.
-# It also writes what the kernel's processes print (on its stdin, a pipe) to kernel.log, up to
-# KERNEL_LOG_BYTES in all, and drops the rest, so that no cell can fill the host's disk there.
-_GUARD_CODE = """
-import os, select, signal, sys
-parent, group, log = int(sys.argv[1]), int(sys.argv[2]), open(sys.argv[3], "ab")
-room = int(sys.argv[4]) - os.fstat(log.fileno()).st_size
-def keep(data):
-    global room
-    if room > 0:
-        log.write(data[:room])
-        if len(data) >= room:
-            log.write(b"\\n[prefect-sandbox: kernel.log is full; the rest is not kept]\\n")
-        log.flush()
-    room -= len(data)
-reading = True
-while True:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        break
-    if os.getppid() != parent:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
-    if select.select([0] if reading else [], [], [], 0.5)[0]:
-        data = os.read(0, 1 << 16)
-        reading = bool(data)  # at the end, all writers gone: watch the group alone
-        keep(data)
-os.set_blocking(0, False)
-try:
-    while reading and (data := os.read(0, 1 << 16)):
-        keep(data)
-except BlockingIOError:
-    pass
-"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -839,9 +801,21 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
         process = started.result()
         _launched[handle.sandbox_id] = process
         (runtime_dir / "kernel.pid").write_text(str(process.pid))
-        guard = [str(os.getpid()), str(process.pid), str(runtime_dir / "kernel.log")]
+        guard = {
+            "parent": os.getpid(),
+            "group": process.pid,
+            "log": str(runtime_dir / "kernel.log"),
+            "log_bytes": KERNEL_LOG_BYTES,
+        }
         _guards[handle.sandbox_id] = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, *guard, str(KERNEL_LOG_BYTES)],
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                source("kernel_guard"),
+                json.dumps(guard, ensure_ascii=False),
+            ],
             stdin=output,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
