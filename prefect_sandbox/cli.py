@@ -36,19 +36,17 @@ takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2
 ``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
 `DockerBackend` block's default settings (no network, read-only root, limits).
 
-``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-live-sandboxes N]
-[--deployment NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the
-``sweep-notebook`` flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of
-the grid (a list of parameter sets, or a mapping of name to a list of values: their cartesian
-product), each in its own sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds
-``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-live-sandboxes`` caps the
-sweep's sandboxes alive at once (not with ``--deployment``; the old spelling
-``--max-sandboxes`` still works); ``--deployment NAME`` runs the branches as
-runs of that ``run-notebook`` deployment on its workers (then the notebook and inputs are paths
-on the workers, ``--out`` must be reachable by them, and a backend must be a saved block). Exit
-status as ``run``: 1 when a branch did not complete (the last stderr line names each, and where
-its partial results are; the others ran to their end); 2 also for a bad grid file (it names the
-file and entry) or an unknown deployment.
+``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-live-sandboxes N] [--deployment
+NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the ``sweep-notebook``
+flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of the grid (a list of
+parameter sets, or a mapping of name to a list of values: their cartesian product), each in its own
+sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds ``sweep.json`` and each branch's
+``<branch-run-folder>/``. ``--max-live-sandboxes`` caps the sweep's sandboxes alive at once (not
+with ``--deployment``); ``--deployment NAME`` runs the branches as runs of that ``run-notebook``
+deployment on its workers (then the notebook and inputs are paths on the workers, ``--out`` must be
+reachable by them, and a backend must be a saved block). Exit status as ``run``: 1 when a branch did
+not complete (the last stderr line names each, and where its partial results are; the others ran to
+their end); 2 also for a bad grid file (it names the file and entry) or an unknown deployment.
 
 Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
 (`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
@@ -157,13 +155,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the sweep's sandboxes alive at once at most (default: the backend's cap)",
     )
     sweep.add_argument(
-        "--max-sandboxes",
-        type=int,
-        dest="max_live_sandboxes",
-        action=_RenamedFlag,
-        help=argparse.SUPPRESS,
-    )
-    sweep.add_argument(
         "--deployment",
         metavar="NAME",
         default=None,
@@ -222,22 +213,6 @@ def _add_deploy_command(
     deploy.add_argument(
         "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
     )
-
-
-class _RenamedFlag(argparse.Action):
-    """A flag's old spelling, hidden from ``--help``: it stores into the new flag's ``dest`` and
-    says on stderr which flag to use instead (the first of the new flag's spellings)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        print(f"prefect-sandbox: {option_string} is deprecated; use {new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:

@@ -20,7 +20,6 @@ from prefect.states import Cancelled
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
-from prefect_sandbox.deprecation import renamed_argument
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt, timed_out_reason
@@ -229,7 +228,6 @@ async def asweep_notebook(
     deployment: str | None = None,
     metrics_artifact: str | None = "metrics.json",
     task_runner: str | None = None,
-    max_sandboxes: int | None = None,
     stage_heading_level: int = 1,
 ) -> SweepResult:
     """Run a notebook once per parameter set, each run in its own sandbox, concurrently.
@@ -266,8 +264,6 @@ async def asweep_notebook(
             whose scheduler is at ADDRESS (its workers must read the notebook and inputs, and
             reach the storage and, beyond this machine, a Prefect server; see
             `prefect_sandbox.flows.dask`). Empty: branches are subflows in this process.
-        max_sandboxes: Deprecated: the old name of ``max_live_sandboxes`` (a
-            `DeprecationWarning`; giving both is a `ValueError`).
         stage_heading_level: The branches' stage heading level (see `arun_notebook`).
 
     Returns:
@@ -296,9 +292,6 @@ async def asweep_notebook(
             stored.
     """
     start = time.monotonic()
-    max_live_sandboxes = renamed_argument(
-        "max_sandboxes", max_sandboxes, "max_live_sandboxes", max_live_sandboxes
-    )
     plan = await _checked_parameters(
         notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_live_sandboxes,
         deployment, metrics_artifact, task_runner, stage_heading_level,
