@@ -235,7 +235,7 @@ async def asweep_notebook(
     Each branch is a ``run-notebook`` flow run (see `arun_notebook`) named
     ``<sweep-run-name>-<index>``, stored in its own folder with its own ``summary.json``; the
     sweep stores ``sweep.json`` (a `SweepResult`) beside them and a table artifact
-    ``sweep-summary``. The package's docstring has the three modes and the storage layout.
+    ``sweep-summary``. The modes and the storage layout: docs/how-to/sweeps.md.
 
     Args:
         notebook: Path of the .ipynb to run; in deployment mode, a path the workers can read.
@@ -271,15 +271,11 @@ async def asweep_notebook(
         metrics and error.
 
     Raises:
-        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
-            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`) or a
-            Dask cluster's address as ``task_runner``.
+        ParameterRefusedError: a deployment run's own parameters break a rule of
+            `prefect_sandbox.flows.policy`.
         ValueError: a parameter breaks a rule of `prefect_sandbox.options.SweepOptions`
-            (``cell_timeout_s``, ``max_live_sandboxes`` or ``task_runner`` is no valid value,
-            the ``dask`` extra is missing, ``max_live_sandboxes`` or ``task_runner`` is given with
-            ``deployment``, ``metrics_artifact`` or a pattern leaves the working directory:
-            `UnsafePathError`), the deployment is unknown or of another flow, or a block to
-            send to a deployment is not saved (before any branch starts).
+            (`UnsafePathError` for a path that climbs), the deployment is unknown or of another
+            flow, or a block to send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
         NotebookError: the notebook or ``stage_heading_level`` is invalid (subflow and Dask
             modes, before any branch starts).
