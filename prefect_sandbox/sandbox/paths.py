@@ -1,5 +1,6 @@
 """Keeping file paths inside a sandbox's working directory, and safe folder names for runs.
-Pure functions, no I/O but `resolve`."""
+Pure functions, no I/O but `resolve`. Manual: docs/concepts.md.
+"""
 
 from __future__ import annotations
 

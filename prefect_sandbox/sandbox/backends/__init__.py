@@ -10,6 +10,7 @@
 - `native_threads`: waits, at exit, for a vendor SDK's native threads (E2B's).
 
 No backend is imported here, so importing one never imports another's SDK.
+Manual: docs/backends/index.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """`DaytonaSandbox`: a Daytona sandbox driven through the daytona SDK's async client.
 
-Cells run in one stateful interpreter context of the sandbox (``code_interpreter.run_code``).
-Daytona's interpreter streams only stdout, stderr and errors, so a small runner is installed in
-the context at start (`prefect_sandbox.sandbox.kernel_side.daytona_runner`); it reports execution
-counts, results, ``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records
-on stdout, which this module turns back into nbformat outputs. Files move through the SDK's bulk
-file API; paths are checked against the working directory, symlinks resolved inside the sandbox
-first.
-
-Deadlines are ours: at a cell's deadline the interpreter process gets SIGINT (via
-``process.exec``), a second one after the grace period, and then the context is deleted and made
-again (state lost). Errors of the SDK and of its transport are mapped to our tree in one place,
-`translate_error`; calls that are safe to repeat are retried on 429 and 5xx, an execute never is.
-
-The SDK is imported lazily: ``pip install 'prefect-sandbox[daytona]'`` adds it.
+Cells run in one stateful interpreter context (``code_interpreter.run_code``); as Daytona's
+interpreter streams only stdout, stderr and errors, a runner installed in the context
+(kernel_side/daytona_runner.py) reports the rest as marker records that this module turns back
+into nbformat outputs. Files move through the SDK's bulk file API, paths checked against the
+working directory with symlinks resolved inside the sandbox (kernel_side/resolve_paths.py).
+Deadlines are ours: SIGINT to the interpreter (``process.exec``), a second after the grace, then
+the context is made again (state lost). Vendor errors map to our tree in `translate_error`;
+calls safe to repeat are retried on 429 and 5xx, an execute never is. The SDK is imported lazily
+(the ``daytona`` extra). Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations

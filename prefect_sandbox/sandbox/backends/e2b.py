@@ -1,53 +1,15 @@
 """`E2BSandbox`: an E2B cloud sandbox, driven through the ``e2b-code-interpreter`` SDK.
 
-Cells run in one code context (a Jupyter kernel inside the sandbox) made at creation, so state
-persists between cells, tasks and processes; the context's id travels in the handle. The SDK is
-imported only when used; without the extra, `BackendNotInstalledError` says what to install.
-
-Timeouts: the SDK's own ``run_code`` deadline fires at about twice the value asked (its
-transport adds two phases), so we keep our own. On the deadline we close the ``/execute``
-stream, which makes the code interpreter server interrupt the cell (E2B has no interrupt call).
-The server lets the context go before its interrupt reaches the kernel (e2b-dev/code-interpreter
-``template/server/messaging.py``), so a cell sent at once would be queued behind the running
-one and then aborted by ipykernel, and an aborted request's stream never ends. So a probe cell
-is sent ``interrupt_settle_s`` after the close; a probe that gets no answer within as long again
-is closed and sent again after twice the wait, until ``interrupt_grace_s`` has passed: only then
-(every probe unanswered: the kernel is still busy) is the context restarted, and the result
-says ``state_lost``. A probe that runs makes itself invisible (kernel_side/forget_cell.py), so the
-timed-out cell keeps its execution count (the probe's, less one) and the next cell follows it.
-
-First cells: the server puts ``import os; os.environ[...] = ...`` lines, from envd's ``/envs``,
-before the first execution on each connection to a kernel, made at creation and at every context
-restart (``messaging.py``). So after each of those we run a priming cell that takes them, and
-leaves no trace in the history or the execution count: the user's first cell is theirs, and is
-``In[1]``. A restarted kernel starts in Jupyter's root folder (``/home/user``), so the priming
-cell also goes back to the working directory.
-
-Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
-``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
-context listing and restart, the working directory's creation, and the kill, which the SDK
-does not retry on a 500) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK drops
-the response headers of those. An execute that may have reached the kernel is never replayed.
-A create whose set-up fails kills the sandbox it made (`kill_after_failed_setup`).
-
-Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
-quotes stripped), drops ``update_display_data``, ``clear_output`` and the reply's payloads
-(``exit()``'s ``ask_exit`` among them), and joins a traceback's lines without a separator. So
-each context's kernel gets display hooks, applied by the first priming cell and kept as an
-IPython startup file for restarts: they carry display ids, updates, ``clear_output``, metadata,
-the exact ``text/plain``, traceback lines and an ``exit()`` inside a bundle, under
-`DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages; a cell that
-called ``exit()`` raises `SandboxDiedError` itself (the kernel ends 0.1 s after its reply). The
-hooks also send the reply's status (the server stops at ``idle`` and may drop a reply's error,
-and takes an error a formatter showed for the cell's) and widgets' comm state (comms are
-dropped); a kernel hooked already (the startup file) is not hooked twice, which marked every
-update as a new display and ``exit()`` with an empty one; a thread's output is tagged with the
-running cell as ipykernel 7 does (the template's 6.x tags the finished cell the server forgot).
-
-Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
-and every ``lifetime_s / 2`` while one runs (and, through `keep_alive`, while an open session
-waits for its next call), so a long pipeline never expires mid-run, while a sandbox whose flow
-died expires ``lifetime_s`` later at most.
+Cells run in one code context made at creation; its id travels in the handle. The SDK is
+imported only when used. Hard-won facts, told in full in the manual: the SDK's ``run_code``
+deadline fires at about twice the value, so we keep our own; E2B has no interrupt call, and its
+server lets a context go before the interrupt lands, so after a timeout probes
+(kernel_side/forget_cell.py) are sent ``interrupt_settle_s`` apart, doubling, and only when none
+answers within ``interrupt_grace_s`` is the context restarted (``state_lost``); the server
+prepends env-var lines to the first execution on each connection, taken by a priming cell
+(kernel_side/e2b_priming.py) that leaves no trace; display hooks (kernel_side/e2b_display.py)
+carry what the server drops under `DISPLAY_CONTROL_MIME`; an execute is never replayed; the
+lifetime is renewed around and during each cell. Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ widgets' comm state in a bundle under the key given (E2B's ``DISPLAY_CONTROL_MIM
 host turns back into Jupyter messages. A kernel hooked already is not hooked twice (hooks over
 hooks would mark displays twice). Run by `run_code` (``main``, with ``{"key": mime}``), from the
 kernel's startup file and the first priming cell; the user's namespace is left as it was.
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ they set stay). At creation it writes the display hooks' code into the kernel's 
 folder (for later restarts) and runs it now, printing a failure to stderr after the prefix
 given; after a restart it goes back to the working directory (found by its path from Jupyter's
 root where it is not found as is: an emulator's folders are elsewhere). Run by `run_code`
-(``main``), followed by kernel_side/forget_cell.py.
+(``main``), followed by kernel_side/forget_cell.py. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Its input leaves the history (memory and database), and the execution counters go back one,
 so the next cell gets this one's number. Relative steps, since IPython 8 counts a cell up as it
 ends and IPython 9 as it starts. Run by `run_code` (``main``) as the cell's last statement.
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ send the cell's busy/idle status and reply as if it were the kernel. It may send
 outputs only, and it stops (no CPU, killed with the kernel) where its copy of the cell ends,
 instead of carrying on as a second kernel that nothing can reach. Part of a local kernel's
 startup file and of E2B's display hooks; run by `run_code` (``main``).
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

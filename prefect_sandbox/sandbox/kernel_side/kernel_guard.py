@@ -5,7 +5,7 @@ children; this guard, in a session of its own, kills the whole group, and exits 
 is gone. It also writes what the kernel's processes print (on its stdin, a pipe) to kernel.log,
 up to a byte budget in all, and drops the rest, so that no cell can fill the host's disk there.
 Run as ``python -I -S -c SOURCE JSON``; the JSON: ``{"parent": pid, "group": pgid, "log": path,
-"log_bytes": n}``.
+"log_bytes": n}``. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ entry but folders (links to folders included, never entered); identity is ``"DEV
 what the path leads to, links followed, or None for a dangling link (``RemoteFile.identity``).
 A name that is not UTF-8 travels as JSON's ``\\udcXX`` escape of `os.fsdecode`'s surrogate, and
 `json.loads` gives it back as such. Run by `run_code` (``main``) or as ``python -c SOURCE JSON``;
-the JSON: ``{"root": path}``.
+the JSON: ``{"root": path}``. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Prints ``[root, [[realpath, is_file], ...]]`` as JSON: the root's and each path's real path
 (symlinks resolved) and whether it is an existing regular file. Run as ``python -c SOURCE JSON``;
-the JSON: ``[root, path, ...]``.
+the JSON: ``[root, path, ...]``. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of p
 us as ONE 100 MB message, held whole in memory by jupyter_client. A write that fills the buffer
 past the limit waits for it to be sent, which bounds each message. Part of a local kernel's
 startup file; run by `run_code` (``main``, with ``{"limit": characters}``).
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ipykernel's iopub socket keeps zmq's default send high-water mark of 1,000 messa
 reader falls behind (a loaded machine, thousands of flushed writes) the kernel silently DROPS
 output past it. ipykernel has no setting for it, but it loads its config file before it makes
 its sockets, so the context it makes there sends without a limit instead. A local kernel's
-``ipython_kernel_config.py``; run by `run_code` (``main``).
+``ipython_kernel_config.py``; run by `run_code` (``main``). Manual: docs/development.md.
 """
 
 from __future__ import annotations

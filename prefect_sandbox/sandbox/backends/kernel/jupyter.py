@@ -10,6 +10,7 @@ folders works the same way).
 Kernels write the ``stream`` messages we read; `write_ipython_startup` installs a startup file
 that bounds their size (`STREAM_MESSAGE_CHARS`) and keeps a process forked by a cell from
 answering for the kernel, for a launcher to put in the kernel's ``IPYTHONDIR``.
+Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations

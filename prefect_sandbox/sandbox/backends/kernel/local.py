@@ -1,32 +1,16 @@
 """`LocalKernelSandbox`: an ipykernel on this machine, driven through jupyter_client.
 
-This module launches, watches and ends the kernel process; talking to the kernel (cells,
-handshake, late output) and the working directory's files are `JupyterKernelSandbox`'s.
-
-The kernel is launched with jupyter_client's launcher in a new process session, talks over IPC
-sockets (unique per kernel, so many kernels never clash on TCP ports), starts in the sandbox's
-working directory with no stdin and only an allow-list of the host's environment, and exits on
-its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``,
-or bwrap's ``--die-with-parent``; and a guard process for the kernel's children). By default
-it runs under bubblewrap (`kernel.isolation`).
-
-Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
-labels), so ``attach(handle)`` works from another thread or another process on this machine.
-The folder is private (mode 0700) and removed at kill; an isolated kernel sees of it only its
-connection file (``kernel.json``, read-only), its sockets' folder (``ipc/``) and its IPython
-folder. The host's own connection file (``connection.json``) names the sockets as links it
-pinned in ``sock/`` (`kernel.kernel_sockets`), so a cell that swaps
-its sockets never leads the host elsewhere.
-The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
-the size of each ``stream`` message (`write_ipython_startup`); a user's ``IPYTHONDIR`` in the
-configured env replaces it, and that bound with it. At a restart our files there are written
-anew without following any link the last kernel left. What the kernel's processes print to
-fds 1 and 2 goes to ``kernel.log``, at most `KERNEL_LOG_BYTES` of it.
-
-With ``warm_pool_size`` set, `LocalKernelSandbox.create` hands out a kernel that this process
-started ahead of time with the same settings (`kernel.warm_pool`):
-it was made exactly as a cold one, with only a kernel_info round trip and no code run, and
-carried the marker and ``prefect-sandbox-pool-owner`` labels until it got the caller's.
+This module launches, watches and ends the kernel process (by default under bubblewrap,
+`kernel.isolation`); the cells and the working directory's files are `JupyterKernelSandbox`'s.
+The kernel starts in a new session on IPC sockets unique to it (TCP ports clash when many start
+at once), with no stdin and an allow-list of the host's environment, and dies with the process
+that started it (ipykernel's parent poller, bwrap's ``--die-with-parent``, and a guard process,
+kernel_side/kernel_guard.py, for its children; it also caps ``kernel.log``). Everything needed
+to reach it again lives in its private runtime folder, so ``attach`` works from another process;
+the host reaches its sockets only through links it pinned (`kernel.kernel_sockets`), and
+rewrites its IPython folder's files at each restart without following links (a user's
+``IPYTHONDIR`` replaces that folder). A warm pool (`kernel.warm_pool`) hands out kernels made
+exactly as cold ones. Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations
