@@ -1,4 +1,7 @@
-"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect."""
+"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect.
+
+Manual: docs/reference/api.md.
+"""
 
 from __future__ import annotations
 

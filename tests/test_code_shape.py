@@ -2,7 +2,8 @@
 lines, docstring included; a flow's parameter list, which mirrors its options one per line,
 and its docstring, which documents each, do not count. The layout (issue 32): the core imports
 nothing above it, the remote backends nothing of the host-kernel ones, kernel-side code nothing
-of ours; and no product module holds kernel-side code in a string."""
+of ours; and no product module holds kernel-side code in a string. Prose (issue 32): no module
+docstring over `MAX_MODULE_DOCSTRING_LINES` lines."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from prefect_sandbox.sandbox.notebook import parse_python
 
 MAX_LINES = 80
+MAX_MODULE_DOCSTRING_LINES = 15
 PACKAGE = Path(__file__).resolve().parent.parent / "prefect_sandbox"
 
 Function = ast.FunctionDef | ast.AsyncFunctionDef
@@ -203,3 +205,33 @@ def test_one_function_answers_whether_a_deadline_passed() -> None:
         if "anyio.current_time()" in (text := path.read_text()) or "context.start_time" in text
     )
     assert readers == ["tasks/scopes.py"]
+
+
+def _module_docstring_lines(source: str) -> int:
+    """Lines of a module's docstring, its quotes included; 0 for none."""
+    body = parse_python(source).body
+    if not body or not isinstance(body[0], ast.Expr):
+        return 0
+    value = body[0].value
+    if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+        return 0
+    assert body[0].end_lineno is not None
+    return body[0].end_lineno - body[0].lineno + 1
+
+
+def test_no_module_docstring_is_over_the_line_limit() -> None:
+    # What a module holds, its invariant, its hard-won facts and its docs page, in a few lines;
+    # the manual (docs/) tells the rest (issue 32).
+    long = {
+        path.relative_to(PACKAGE).as_posix(): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := _module_docstring_lines(path.read_text())) > MAX_MODULE_DOCSTRING_LINES
+    }
+    assert long == {}
+
+
+def test_a_module_docstring_is_counted_from_its_opening_to_its_closing_quotes() -> None:
+    assert _module_docstring_lines('"""One line."""\nx = 1\n') == 1
+    assert _module_docstring_lines('"""Title.\n\nMore.\n"""\n') == 4
+    assert _module_docstring_lines('x = """not a docstring"""\n') == 0
+    assert _module_docstring_lines("") == 0

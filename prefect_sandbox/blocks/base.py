@@ -1,4 +1,7 @@
-"""The interface every sandbox backend block implements."""
+"""The interface every sandbox backend block implements.
+
+Manual: docs/backends/index.md.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`E2BCredentials` and `E2BBackend`: cells in E2B cloud sandboxes (the ``e2b`` extra)."""
+"""`E2BCredentials` and `E2BBackend`: cells in E2B cloud sandboxes (the ``e2b`` extra).
+
+Manual: docs/backends/e2b.md.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ set on its credentials is honoured): boto3's managed transfer streams files from
 above `MULTIPART_THRESHOLD_BYTES` with concurrent parts, and asks S3 for SHA-256 checksums. An
 object counts as stored only once its size and checksum, read back with ``HeadObject``, match
 the local file. s3transfer aborts a multipart upload that fails, so no half object is left.
+Manual: docs/how-to/s3.md.
 """
 
 from __future__ import annotations

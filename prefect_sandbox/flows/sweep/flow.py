@@ -1,5 +1,7 @@
 """The sweep flow, `asweep_notebook` / `sweep_notebook`: its parameters checked, its mode
-decided, its branches launched and collected, ``sweep.json`` and its table stored."""
+decided, its branches launched and collected, ``sweep.json`` and its table stored.
+Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 
