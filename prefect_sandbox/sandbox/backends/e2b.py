@@ -208,7 +208,7 @@ class E2BConfig(SandboxConfig):
             `prefect_sandbox.sandbox.retries`).
         interrupt_settle_s: seconds from closing a timed-out cell's stream to the probe that
             checks the kernel is idle; a probe unanswered that long again is closed and sent
-            again after twice the wait (see the module's docstring).
+            again after twice the wait (docs/backends/e2b.md, "How it runs cells").
     """
 
     client_factory: Callable[[], Any] | None = None
@@ -884,7 +884,7 @@ class E2BSandbox(Sandbox):
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
 
-        The new kernel is primed (see the module's docstring): back in the working directory,
+        The new kernel is primed (docs/backends/e2b.md): back in the working directory,
         the next cell is ``In[1]``, with nothing of the server's before it.
 
         Raises:
