@@ -1,70 +1,13 @@
-"""The ``prefect-sandbox`` command.
+"""The ``prefect-sandbox`` command: ``run`` (the ``run-notebook`` flow), ``sweep``
+(``sweep-notebook``) and ``deploy`` (a ``run-notebook`` deployment of one notebook).
 
-``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona|docker] [--backend-block NAME]
-[--docker-image IMAGE] [--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
-[--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
-[--cell-timeout SECONDS|-1]`` runs the ``run-notebook`` flow and writes
-``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
-the flow-run name's slug and 8 hex digits of its id):
-``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
-failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
-before any flow starts; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, which stop the run: its
-sandbox is killed, what it made is stored with ``summary.json``, the flow run ends Cancelled,
-and one line on stderr says where it stopped; 3 when the flow run was cancelled through the
-Prefect API or UI, which stops it the same way within ``PREFECT_SANDBOX_CANCEL_POLL_S``.
-``s3://`` inputs are read with the ``--out`` bucket's credentials, or else the standard AWS
-environment. ``-f FILE`` reads parameters from a JSON or YAML mapping (``-p`` wins over it);
-``--help-notebook`` prints the parameters cell's names, types (annotated, or of a literal
-default), defaults and comments, as papermill does, and runs nothing; an API that does not
-answer is one line on stderr and exit status 1.
-
-While ``run`` runs, each cell's end shows on stderr: a progress bar when stderr is a terminal,
-else one line per cell (``prefect-sandbox: [3/20] stage 'fit' cell 7 ok in 0.40 s``). Then
-stdout gets where the results are and a line per stage, on failure too (the failing cell named).
-``-q`` shows no progress and only the warnings of Prefect's console (a failing cell's traceback
-and the engine's are left out: the reason is the last stderr line) and prints only where the
-results of a completed run are. ``--json`` prints one JSON object on stdout and nothing else
-there (whatever the run's processes write to stdout goes to stderr): the run's ``summary.json``
-(a sweep's ``sweep.json``) with ``exit_status``; or, when none was written, ``status``
-(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``; stderr is then as
-``-q`` leaves it, unless ``-v``. A usage error (exit status 2) prints nothing on stdout.
-``-p NAME VALUE`` (papermill's form) is read as ``-p NAME=VALUE``.
-
-``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
-takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
-``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``; ``daytona`` from ``DAYTONA_API_KEY``,
-``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
-`DockerBackend` block's default settings (no network, read-only root, limits).
-
-``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-live-sandboxes N]
-[--deployment NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the
-``sweep-notebook`` flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of
-the grid (a list of parameter sets, or a mapping of name to a list of values: their cartesian
-product), each in its own sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds
-``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-live-sandboxes`` caps the
-sweep's sandboxes alive at once (not with ``--deployment``; the old spelling
-``--max-sandboxes`` still works); ``--deployment NAME`` runs the branches as
-runs of that ``run-notebook`` deployment on its workers (then the notebook and inputs are paths
-on the workers, ``--out`` must be reachable by them, and a backend must be a saved block). Exit
-status as ``run``: 1 when a branch did not complete (the last stderr line names each, and where
-its partial results are; the others ran to their end); 2 also for a bad grid file (it names the
-file and entry) or an unknown deployment.
-
-Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
-(`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
-``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
-``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
-is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
-
-``prefect-sandbox deploy NOTEBOOK --pool POOL [--name NAME] [--input PATH]... [--artifact
-GLOB]... [--out DIR|s3://bucket/prefix] [--cell-timeout SECONDS]`` creates the deployment
-``run-notebook/NAME`` (default: the notebook's file name) on the API at ``PREFECT_API_URL``, whose
-Run form has a typed field per notebook parameter and whose runs with a wrongly typed one the
-server refuses (`prefect_sandbox.flows.notebook_deployment`).
-
-``sweep --task-runner dask`` runs each branch as a task on a Dask `LocalCluster` of worker
-processes that the sweep starts; ``--task-runner dask:ADDRESS`` on the running cluster whose
-scheduler is at ADDRESS (the ``dask`` extra; see `prefect_sandbox.flows.dask`).
+Arguments are checked by `prefect_sandbox.options`' rules before Prefect is imported, so a bad
+flag, parameter, grid file or ``PREFECT_SANDBOX_*`` setting exits 2 before any flow starts, and
+``--help`` and ``--version`` import no Prefect. Exit status: 0 completed; 1 failed (the last
+stderr line says why); 2 bad usage; 3 cancelled through the API or UI; 130 and 143 on SIGINT
+and SIGTERM, which stop the run, kill its sandbox and store what it made. ``--json`` leaves
+stdout to one JSON object. Manual: docs/reference/cli.md, whose flag list is this parser's
+``--help``.
 """
 
 from __future__ import annotations
@@ -157,13 +100,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the sweep's sandboxes alive at once at most (default: the backend's cap)",
     )
     sweep.add_argument(
-        "--max-sandboxes",
-        type=int,
-        dest="max_live_sandboxes",
-        action=_RenamedFlag,
-        help=argparse.SUPPRESS,
-    )
-    sweep.add_argument(
         "--deployment",
         metavar="NAME",
         default=None,
@@ -222,22 +158,6 @@ def _add_deploy_command(
     deploy.add_argument(
         "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
     )
-
-
-class _RenamedFlag(argparse.Action):
-    """A flag's old spelling, hidden from ``--help``: it stores into the new flag's ``dest`` and
-    says on stderr which flag to use instead (the first of the new flag's spellings)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        print(f"prefect-sandbox: {option_string} is deprecated; use {new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ a `CellDone` under `CELL_DONE_ATTRIBUTE`). `CellProgress` is a logging handler t
 records into a progress bar (rich's, drawn on Prefect's own console so that its log lines
 print above it) when stderr is a terminal, or into one plain line per cell when it is not
 (`progress_mode`); Prefect's console handler then leaves those records out, so each cell shows
-once. Every record still reaches the Prefect API.
+once. Every record still reaches the Prefect API. Manual: docs/reference/cli.md.
 """
 
 from __future__ import annotations

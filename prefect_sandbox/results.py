@@ -1,19 +1,15 @@
-"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect."""
+"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect.
+
+Manual: docs/reference/api.md.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import BaseModel, Field
 
-from prefect_sandbox.deprecation import renamed_attribute
 from prefect_sandbox.sandbox.base import CellError, CellResult
 
 __all__ = [
@@ -63,28 +59,15 @@ class StoredArtifact(BaseModel):
 
     Attributes:
         path: POSIX path relative to the sandbox's working directory (or the notebook's name).
-        size_bytes: its size in bytes. Read also from ``bytes``, its old name (an older
-            ``summary.json``); its JSON keeps ``bytes`` beside it for one release, and the
-            attribute ``bytes`` reads it with a `DeprecationWarning`.
+        size_bytes: its size in bytes.
         sha256: hex SHA-256 of its content.
         location: where it was stored (a local path, or an ``s3://`` URI).
     """
 
     path: str
-    size_bytes: int = Field(validation_alias=AliasChoices("size_bytes", "bytes"))
+    size_bytes: int
     sha256: str
     location: str
-
-    bytes = renamed_attribute("StoredArtifact.bytes", "size_bytes")
-
-    @model_serializer(mode="wrap")
-    def _with_old_key(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """Also write ``size_bytes`` as ``bytes``, its old key, for readers of ``summary.json``
-        written before the rename (one release)."""
-        data = handler(self)
-        if isinstance(data, dict) and "size_bytes" in data:
-            data["bytes"] = data["size_bytes"]
-        return data
 
 
 class StageSummary(BaseModel):

@@ -3,7 +3,6 @@ Prefect API (a temporary server, or none reachable), real kernels."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -352,27 +351,6 @@ def test_a_broken_rule_on_the_options_is_exit_2_before_prefect_is_imported(
         assert (done.stdout, done.stderr) == ("2 []\n", f"prefect-sandbox: {message}\n")
 
 
-def test_the_old_flag_max_sandboxes_is_a_hidden_alias_of_max_live_sandboxes(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from prefect_sandbox import cli
-
-    parser = cli._parser()
-    old = parser.parse_args(["sweep", "nb.ipynb", "--grid", "g.json", "--max-sandboxes", "3"])
-    new = parser.parse_args(["sweep", "nb.ipynb", "--grid", "g.json", "--max-live-sandboxes", "3"])
-    assert old == new and new.max_live_sandboxes == 3
-    assert capsys.readouterr().err == (
-        "prefect-sandbox: --max-sandboxes is deprecated; use --max-live-sandboxes\n"
-    )
-    (sweep,) = (
-        action.choices["sweep"]
-        for action in parser._actions
-        if isinstance(action, argparse._SubParsersAction)
-    )
-    assert "--max-live-sandboxes N" in sweep.format_help()
-    assert "--max-sandboxes" not in sweep.format_help()
-
-
 def test_help_and_version_import_neither_prefect_nor_prefect_aws(tmp_path: Path) -> None:
     """The CLI's answers that run nothing stay fast: Prefect costs seconds to import."""
     code = (
@@ -452,7 +430,6 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
     for path, artifact in files.items():
         data = (run_dir / path).read_bytes()
         assert artifact["size_bytes"] == len(data)
-        assert artifact["bytes"] == len(data)  # its old key, kept for one release
         assert artifact["sha256"] == hashlib.sha256(data).hexdigest()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {k: v for k, v in result.items() if k != "exit_status"}

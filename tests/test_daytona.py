@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
-from prefect_sandbox.sandbox.backends._daytona_runner import transform_magics
 from prefect_sandbox.sandbox.backends.daytona import (
     DaytonaSandboxConfig,
     MarkerSplitter,
@@ -42,6 +41,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.kernel_side.daytona_runner import transform_magics
 from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.sandbox.retries import retry_delay_s
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault

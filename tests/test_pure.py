@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import json
 import math
 import pickle
 import re
@@ -1197,27 +1196,3 @@ def test_parse_python_survives_threads_building_asts_at_once() -> None:
         thread.join()
     assert failures == []
     assert sizes == [300] * 600
-
-
-def test_a_stored_files_size_is_size_bytes_and_its_old_name_bytes_still_works() -> None:
-    from prefect_sandbox.results import StoredArtifact
-
-    fields = {"path": "a.csv", "sha256": "ab" * 32, "location": "/out/a.csv"}
-    new = StoredArtifact(size_bytes=12, **fields)
-    # An older summary.json has "bytes": it reads back as the same artifact.
-    old = StoredArtifact.model_validate({"bytes": 12, **fields})
-    assert old == new and old.size_bytes == 12
-    # Its JSON has both keys for one release; the old attribute warns.
-    assert json.loads(new.model_dump_json()) == {"size_bytes": 12, "bytes": 12, **fields}
-    assert StoredArtifact.model_validate_json(new.model_dump_json()) == new
-    with pytest.warns(DeprecationWarning, match=r"StoredArtifact\.bytes is deprecated.*size_bytes"):
-        assert new.bytes == 12
-
-
-def test_a_stores_folder_is_output_dir_and_its_old_name_location_warns(tmp_path: Path) -> None:
-    from prefect_sandbox.tasks.storage import LocalFolderStore
-
-    store = LocalFolderStore(tmp_path / "run")
-    assert store.output_dir == str((tmp_path / "run").resolve())
-    with pytest.warns(DeprecationWarning, match=r"ArtifactStore\.location is deprecated"):
-        assert store.location == store.output_dir

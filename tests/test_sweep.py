@@ -404,24 +404,6 @@ async def test_a_bad_grid_or_notebook_is_refused_before_any_branch(tmp_path: Pat
     assert not (tmp_path / "out").exists()
 
 
-async def test_the_old_name_max_sandboxes_still_caps_a_sweep_with_a_warning(
-    tmp_path: Path,
-) -> None:
-    source = _notebook(tmp_path / "nb.ipynb", "pass")
-    out = str(tmp_path / "out")
-    # The old name's value reaches the same check as the new name's.
-    with (
-        pytest.warns(DeprecationWarning, match="max_sandboxes is deprecated.*max_live_sandboxes"),
-        pytest.raises(ValueError, match="max_live_sandboxes must be 1 or more; got 0"),
-    ):
-        await asweep_notebook(notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=out)
-    with pytest.raises(ValueError, match="give max_live_sandboxes only"):
-        await asweep_notebook(
-            notebook=str(source), grid=[{}], max_sandboxes=1, max_live_sandboxes=1, storage=out
-        )
-    assert not (tmp_path / "out").exists()
-
-
 def test_cli_sweep_exits_1_naming_the_failed_branch_and_2_on_a_bad_grid(tmp_path: Path) -> None:
     _notebook(tmp_path / "nb.ipynb", _METRICS)
     (tmp_path / "grid.yaml").write_text("x: [1, 2]\n")

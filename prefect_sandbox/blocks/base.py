@@ -1,4 +1,7 @@
-"""The interface every sandbox backend block implements."""
+"""The interface every sandbox backend block implements.
+
+Manual: docs/backends/index.md.
+"""
 
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def docs_page(path: str) -> str | None:
 class SandboxBackend(Block, ABC):
     """Settings of one kind of sandbox, and the factory for its sandboxes.
 
-    Subclasses are the blocks users save: `LocalKernelBackend`, `E2BBackend`, `DaytonaBackend`.
+    Subclasses are the blocks users save: `LocalKernelBackend`, `DockerBackend`, `E2BBackend`,
+    `DaytonaBackend`.
     Each names its `Sandbox` class and turns its fields into that class's config; the factories
     here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
     Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
@@ -104,9 +108,9 @@ class SandboxBackend(Block, ABC):
         title="Max live sandboxes",
         description=(
             "Cap on this backend's sandboxes alive at once, across every flow run using this "
-            "Prefect API (the global concurrency limit prefect-sandbox:<backend>, set to this "
-            "value on each run); a run waits for a free slot before it makes its sandbox. "
-            "Empty for no cap."
+            "Prefect API (the global concurrency limit prefect-sandbox:<backend>, created with "
+            "this value on first use, never rewritten by a run); a run waits for a free slot "
+            "before it makes its sandbox. Empty for no cap."
         ),
     )
 

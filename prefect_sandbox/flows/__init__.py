@@ -4,7 +4,7 @@ the sandboxes whose flow run is over.
 
 The flows and the session are imported from their module on first use (module
 ``__getattr__``, PEP 562), so a caller pays only for the flows it uses (the CLI's ``run`` does
-not import the sweep).
+not import the sweep). Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ flow-run record, so they find sandboxes by the flow-run id label, not by a live 
 backend found the way the run found it (`run_backend`): in the run's own process, from the
 parameters it was given; elsewhere, from the API's copy, where Prefect masks an inline block's
 secrets, so these come from the environment as the CLI takes them (``E2B_API_KEY``...,
-``DAYTONA_*``).
+``DAYTONA_*``). Manual: docs/how-to/reaper.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ current flow run, which holds what the run has made so far (stage results, downl
 files) and how it ended (`RunOutcome`). Its one lifecycle, `PipelineRun.running`, owns the
 staging folder, the live-sandbox slot, the sandbox, every way out (an error, a cancellation, a
 lost lease, a passed ``timeout_seconds``) and ``summary.json``; the callers hold only their
-stages or steps, and end the run from its outcome."""
+stages or steps, and end the run from its outcome. Manual: docs/concepts.md.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ capped: at most `ROWS_SHOWN` stages and stored files and `FIGURES_SHOWN` figures
 list ending with a line saying how many more there are in ``summary.json``, and each text cut
 at `CELL_CHARS` characters. So its text stays under about 1 MB whatever a run made (10,000
 stored files: about 15 kB), plus the ``data:`` URIs of the figures the caller chose to embed.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ With no ``PREFECT_API_URL``, the first flow call starts a temporary API server
 Prefect's setting ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (default 20 s), read from
 the current settings context at that moment. On a busy 2-core machine the server takes longer,
 so the flows would fail with "Timed out while attempting to connect to ephemeral Prefect API
-server" before any sandbox starts.
+server" before any sandbox starts. Manual: docs/troubleshooting.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Notebooks in and out: stages from a notebook, injected parameters, the executed notebook.
 
 Pure functions over nbformat nodes; only `read_notebook` and `ExecutedNotebook.write` touch disk.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

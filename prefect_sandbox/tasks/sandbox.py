@@ -5,6 +5,7 @@ Every task here (and `store_artifacts`) has ``retries=0``, whatever Prefect's gl
 ``PREFECT_TASKS_DEFAULT_RETRIES`` says: cells are not idempotent, and a stage retried on the same
 kernel would run its side effects again. Transient backend and S3 errors are retried inside, by
 the backends; a retry that makes sense is a flow retry, whose attempt gets a fresh sandbox.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """The faults both emulators inject, and the record of the requests they receive.
 
 One vocabulary for the E2B and Daytona emulators. A `Fault` names the call it hits (each
-emulator lists its names in ``OPERATIONS``; the calls both vendors have share a name: ``create``,
-``delete``, ``list``, ``upload``, ``download``, ``list_files``, ``create_context``,
-``delete_context``, ``run_code``) and what goes wrong:
-
-- an HTTP status instead of an answer (429 or 5xx), with or without ``Retry-After``;
-- the same status after the call was served (a 504 for a sandbox that was made all the same);
-- a slow answer (``delay_s``);
-- a dropped connection (``drop``): the call is served, its answer never arrives;
-- a WebSocket closed with a given code before the code runs (``close_code``);
-- an interrupt from outside the client, some seconds into a code execution
-  (``interrupt_after_s``): the server answers as it does to one.
-
-Expiry is not a fault but an emulator call (``expire``), as a vendor's clock would do it.
-
+emulator lists its names in ``OPERATIONS``; calls both vendors have share a name) and what goes
+wrong: an HTTP status instead of an answer (with or without ``Retry-After``), or after the call
+was served; a slow answer (``delay_s``); a dropped connection (``drop``); a WebSocket closed
+before the code runs (``close_code``); an interrupt from outside the client some seconds into a
+code execution (``interrupt_after_s``). Expiry is not a fault but an emulator call (``expire``);
+rate limits and quotas are the emulators' ``limits`` option (`prefect_sandbox.testing.limits`).
 `FaultBook` holds the faults waiting to hit and the `RequestRecord` of every request;
-`serve_with_fault` plays one fault on one ASGI request, for both emulators.
+`serve_with_fault` plays one fault on one ASGI request, for both emulators. Manual:
+docs/development.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Rate limits and quotas the emulators enforce, as E2B and Daytona publish and answer them.
 
-`Limits` is the option both emulators take: calls per period for any operation (the
-emulator's ``OPERATIONS`` names) and a quota of live sandboxes. Each vendor counts and answers
-in its own way, learnt from its server's code:
-
-- E2B's API (``e2b-dev/infra``, ``middleware/ratelimit``) limits each team's calls of a route
-  with a GCRA (``redis_rate``, burst = rate): a call past it is answered 429,
-  ``{"code": 429, "message": "Rate limit exceeded"}``, ``Retry-After`` in whole seconds (1 at
-  least) and ``RateLimit-Limit``, ``-Remaining``, ``-Reset``. Its quota of live sandboxes is
-  a 429 with no ``Retry-After``: "you have reached the maximum number of concurrent E2B
-  sandboxes (N)..." (`E2B_QUOTA_MESSAGE`).
-- Daytona's API (``apps/api``, NestJS's throttler, named ``sandbox-create``,
-  ``sandbox-lifecycle`` and ``authenticated``) counts calls in a fixed window and, once past
-  the limit, blocks for a whole period: 429, ``ThrottlerException: Too Many Requests``, the
-  wait in ``Retry-After-<throttler>`` (``Retry-After`` itself only for a throttler named
-  ``default``). Its quota is on CPUs (1 a sandbox here): 400, "Total CPU limit exceeded.
-  Maximum allowed: N." (`DAYTONA_QUOTA_MESSAGE`).
-
-E2B Pro's published limits are 5 creates a second and 100 live sandboxes (`E2B_PRO`).
+`Limits` is the option both emulators take: calls per period for any operation (an emulator's
+``OPERATIONS`` name) and a quota of live sandboxes; `E2B_PRO` is E2B Pro's (5 creates a second,
+100 live). Each vendor counts and answers in its own way, learnt from its server's code: E2B's
+API (``infra``'s ratelimit middleware) with a GCRA per route (`Gcra`), a 429 with
+``Retry-After`` in whole seconds, and its quota a 429 with no ``Retry-After``
+(`E2B_QUOTA_MESSAGE`); Daytona's (NestJS's throttler) with a fixed window that then blocks a
+whole period (`FixedWindow`), a 429 with ``Retry-After-<throttler>``, and its CPU quota a 400
+(`DAYTONA_QUOTA_MESSAGE`). Manual: docs/how-to/cap.md ("The vendor's own limits").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How a sweep runs its branches: one `BranchLauncher` per mode (subflow, Dask, deployment),
 and the one path that stops a branch's flow run still running, whatever its mode
 (`stop_branch_run`), taken by a launcher cancelled mid-branch and by the sweep's cancellation
-and crash hook (`cancel_branches`)."""
+and crash hook (`cancel_branches`). Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

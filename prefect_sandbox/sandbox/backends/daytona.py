@@ -1,19 +1,14 @@
 """`DaytonaSandbox`: a Daytona sandbox driven through the daytona SDK's async client.
 
-Cells run in one stateful interpreter context of the sandbox (``code_interpreter.run_code``).
-Daytona's interpreter streams only stdout, stderr and errors, so a small runner is installed in
-the context at start (`prefect_sandbox.sandbox.backends._daytona_runner`); it reports execution
-counts, results, ``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records
-on stdout, which this module turns back into nbformat outputs. Files move through the SDK's bulk
-file API; paths are checked against the working directory, symlinks resolved inside the sandbox
-first.
-
-Deadlines are ours: at a cell's deadline the interpreter process gets SIGINT (via
-``process.exec``), a second one after the grace period, and then the context is deleted and made
-again (state lost). Errors of the SDK and of its transport are mapped to our tree in one place,
-`translate_error`; calls that are safe to repeat are retried on 429 and 5xx, an execute never is.
-
-The SDK is imported lazily: ``pip install 'prefect-sandbox[daytona]'`` adds it.
+Cells run in one stateful interpreter context (``code_interpreter.run_code``); as Daytona's
+interpreter streams only stdout, stderr and errors, a runner installed in the context
+(kernel_side/daytona_runner.py) reports the rest as marker records that this module turns back
+into nbformat outputs. Files move through the SDK's bulk file API, paths checked against the
+working directory with symlinks resolved inside the sandbox (kernel_side/resolve_paths.py).
+Deadlines are ours: SIGINT to the interpreter (``process.exec``), a second after the grace, then
+the context is made again (state lost). Vendor errors map to our tree in `translate_error`;
+calls safe to repeat are retried on 429 and 5xx, an execute never is. The SDK is imported lazily
+(the ``daytona`` extra). Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib.resources
 import json
 import logging
 import math
@@ -44,12 +38,6 @@ from prefect_sandbox.sandbox.backends import (
     translated,
     translated_async,
 )
-from prefect_sandbox.sandbox.backends._daytona_runner import (
-    MARKER_END,
-    MARKER_START,
-    NAMESPACE_KEY,
-    RUNNER_FILENAME,
-)
 from prefect_sandbox.sandbox.base import (
     SECOND_INTERRUPT_S,
     CellError,
@@ -70,6 +58,13 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
+from prefect_sandbox.sandbox.kernel_side import python_str, source
+from prefect_sandbox.sandbox.kernel_side.daytona_runner import (
+    MARKER_END,
+    MARKER_START,
+    NAMESPACE_KEY,
+    RUNNER_FILENAME,
+)
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,
@@ -77,7 +72,6 @@ from prefect_sandbox.sandbox.paths import (
     checked_upload_source,
     is_inside,
     listed_files,
-    listing_code,
 )
 from prefect_sandbox.sandbox.retries import async_retrying
 
@@ -126,13 +120,6 @@ T = TypeVar("T")
 
 _LOST_RECORD = MARKER_START + json.dumps({"kind": "lost"}) + MARKER_END
 
-# Resolves paths inside the sandbox: prints [root, [[realpath, is_file], ...]] as JSON.
-_RESOLVE_SCRIPT = """
-import json, os, sys
-real = [os.path.realpath(path) for path in sys.argv[1:]]
-print(json.dumps([real[0], [[path, os.path.isfile(path)] for path in real[1:]]]))
-"""
-
 
 def import_sdk() -> types.ModuleType:
     """Import the daytona SDK.
@@ -143,18 +130,11 @@ def import_sdk() -> types.ModuleType:
     return import_extra("daytona", extra="daytona", backend="Daytona")
 
 
-def _runner_source() -> str:
-    return (
-        importlib.resources.files("prefect_sandbox.sandbox.backends")
-        .joinpath("_daytona_runner.py")
-        .read_text(encoding="utf-8")
-    )
-
-
 def _bootstrap_code() -> str:
     return (
         f"{NAMESPACE_KEY} = __import__('types').ModuleType('_prefect_sandbox_runner')\n"
-        f"exec(compile({_runner_source()!r}, {RUNNER_FILENAME!r}, 'exec'), "
+        f"exec(compile({python_str(source('daytona_runner'))}, {python_str(RUNNER_FILENAME)}, "
+        "'exec'), "
         f"{NAMESPACE_KEY}.__dict__)\n"
         f"{NAMESPACE_KEY} = {NAMESPACE_KEY}.install(globals())\n"
     )
@@ -164,10 +144,10 @@ def _cell_code(source: str) -> str:
     """The code sent for a cell: run it through the runner, or say the runner is gone."""
     encoded = base64.b64encode(source.encode("utf-8")).decode("ascii")
     return (
-        f"if {NAMESPACE_KEY!r} in globals():\n"
-        f"    {NAMESPACE_KEY}.run({encoded!r})\n"
+        f"if {python_str(NAMESPACE_KEY)} in globals():\n"
+        f"    {NAMESPACE_KEY}.run({python_str(encoded)})\n"
         f"else:\n"
-        f"    print({_LOST_RECORD!r}, end='', flush=True)\n"
+        f"    print({python_str(_LOST_RECORD)}, end='', flush=True)\n"
     )
 
 
@@ -817,12 +797,12 @@ class DaytonaSandbox(Sandbox):
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """List files matching a pattern (see `Sandbox.list_files` and `matching_files`).
 
-        Listed by code in the sandbox (`listing_code`), so that a name that is not UTF-8 comes
-        too (with surrogate escapes). Symlinks are listed as found, even ones that point
+        Listed by code in the sandbox (kernel_side/listing.py), so that a name that is not UTF-8
+        comes too (with surrogate escapes). Symlinks are listed as found, even ones that point
         outside; `download` refuses those.
         """
         checked_relative_path(pattern)
-        return listed_files(await self._python(listing_code(self._workdir)), pattern)
+        return listed_files(await self._python("listing", {"root": self._workdir}), pattern)
 
     async def interrupt(self) -> None:
         """Send SIGINT to the interpreter process, as Jupyter's stop button does.
@@ -1007,9 +987,11 @@ class DaytonaSandbox(Sandbox):
             sandbox_id=self._handle.sandbox_id,
         )
 
-    async def _python(self, script: str, *args: str) -> str:
-        """Run a short Python script in the sandbox and return what it printed."""
-        command = shlex.join(["python3", "-I", "-c", script, *args])
+    async def _python(self, script: str, args: object) -> str:
+        """Run the script kernel_side/``script``.py in the sandbox with ``args`` as its JSON
+        argument, and return what it printed."""
+        argument = json.dumps(args, ensure_ascii=False)
+        command = shlex.join(["python3", "-I", "-c", source(script), argument])
 
         async def run() -> str:
             response = await self._remote.process.exec(command, timeout=_EXEC_TIMEOUT_S)
@@ -1035,7 +1017,7 @@ class DaytonaSandbox(Sandbox):
         Raises:
             UnsafePathError: one leaves the working directory.
         """
-        output = await self._python(_RESOLVE_SCRIPT, self._workdir, *paths.values())
+        output = await self._python("resolve_paths", [self._workdir, *paths.values()])
         root, rows = json.loads(output)
         checked = []
         for given, (real, is_file) in zip(paths, rows, strict=True):

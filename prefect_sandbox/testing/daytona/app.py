@@ -4,7 +4,7 @@ Wire formats follow what the daytona SDK 0.226.1 sends and expects: the control 
 ``/api`` (create answers 200 with the full sandbox), the toolbox under
 ``/toolbox/{sandbox_id}`` (the sandboxes' ``toolboxProxyUrl``), the interpreter WebSocket with
 its frames and close codes, and the bulk file transfer's multipart bodies. An outer gate checks
-the API key, records sandbox activity and injects faults.
+the API key, records sandbox activity and injects faults. Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`DaytonaEmulator`: the Daytona emulator's server, on uvicorn in a thread of its own."""
+"""`DaytonaEmulator`: the Daytona emulator's server, on uvicorn in a thread of its own.
+
+Manual: docs/backends/daytona.md.
+"""
 
 from __future__ import annotations
 

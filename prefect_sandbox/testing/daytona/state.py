@@ -5,7 +5,7 @@ runs: a plain Python worker process (`prefect_sandbox.testing.daytona.worker`, n
 kernel) started in the context's folder, fed one JSON command a line on its stdin, whose JSON
 chunks on stdout are read as the daemon reads them (a line of 1 MiB or more stops the reading
 for good; a line that is not JSON is dropped). Everything here runs on the emulator's event loop;
-nothing here knows HTTP.
+nothing here knows HTTP. Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations

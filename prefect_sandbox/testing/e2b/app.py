@@ -6,6 +6,7 @@ control plane checks ``X-API-KEY``; envd's files and ``/execute`` check the sand
 from envd and the code interpreter and 404 from the control plane. envd's Connect-RPC
 filesystem calls are served by the server stubs the SDK ships. An outer gate records each
 request and plays injected faults (`prefect_sandbox.testing.faults`).
+Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations

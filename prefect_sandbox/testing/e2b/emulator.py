@@ -1,4 +1,7 @@
-"""`E2BEmulator`: the E2B emulator's server, on uvicorn in a thread of its own."""
+"""`E2BEmulator`: the E2B emulator's server, on uvicorn in a thread of its own.
+
+Manual: docs/backends/e2b.md.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ first execution on each connection. Jupyter's restarter is played too: a kernel 
 found within ``dead_kernel_poll_s``, its running executions end with ``ContextRestarting`` and it
 is started again, at home (Jupyter's root folder), as is a kernel a context restart brings back.
 Everything here runs on the emulator's event loop; nothing here knows HTTP.
+Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations
