@@ -172,6 +172,17 @@ class PrefectSandboxSettings(BaseSettings):
             "many set-ups in all; 1: none again."
         ),
     )
+    create_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "Seconds a run keeps asking for its sandbox while the service refuses creates "
+            "with 429 (its rate limit on creates, or E2B's quota of live sandboxes reached): "
+            "each try waits the Retry-After the service names, else 1 s doubling up to 30 s. "
+            "No sandbox was made, so these tries are not set-ups; the refusal that outlasts "
+            "this fails the run."
+        ),
+    )
     transfer_retry_budget_s: float = Field(
         default=120.0,
         gt=0,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -58,6 +58,7 @@ __all__ = [
     "also_holding",
     "live_sandbox_limit_name",
     "live_sandbox_slot",
+    "on_slot",
     "run_limits",
     "sweep_limit",
     "sweep_limit_name",
@@ -95,6 +96,9 @@ class LiveLimit:
 
 
 _ALSO_HELD: ContextVar[LiveLimit | None] = ContextVar("prefect_sandbox_also_held", default=None)
+_ON_SLOT: ContextVar[Callable[[], None] | None] = ContextVar(
+    "prefect_sandbox_on_slot", default=None
+)
 
 
 def live_sandbox_limit_name(backend: SandboxBackend) -> str:
@@ -130,6 +134,18 @@ def also_holding(limit: LiveLimit | None) -> Iterator[None]:
     finally:
         if token is not None:
             _ALSO_HELD.reset(token)
+
+
+@contextlib.contextmanager
+def on_slot(callback: Callable[[], None]) -> Iterator[None]:
+    """Within (this task and the runs it starts, a subflow's included): ``callback`` is called
+    once a run holds its slots (`live_sandbox_slot`), just before its sandbox is asked for; at
+    once when it has no limit to hold."""
+    token = _ON_SLOT.set(callback)
+    try:
+        yield
+    finally:
+        _ON_SLOT.reset(token)
 
 
 @asynccontextmanager
@@ -267,6 +283,7 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
     """
     slot = HeldSlot()
     if not limits:
+        _slot_taken()
         yield slot
         return
     names = [limit.name for limit in limits]
@@ -282,6 +299,7 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
     body = asyncio.current_task()
     assert body is not None, "must run in an asyncio task"
     keeper = asyncio.create_task(_keep_lease(lease_id, asked_at, names, slot, body))
+    _slot_taken()
     try:
         yield slot
     except asyncio.CancelledError:
@@ -294,6 +312,13 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
             await _release(lease_id, names)
     if slot.lost is not None:
         raise SlotError(slot.lost)
+
+
+def _slot_taken() -> None:
+    """Tell whoever asked (`on_slot`) that this run holds its slots."""
+    callback = _ON_SLOT.get()
+    if callback is not None:
+        callback()
 
 
 async def _acquire(names: list[str], holder_id: UUID) -> tuple[UUID, float]:

@@ -29,7 +29,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, create_refused
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
@@ -115,8 +115,11 @@ SetUp = Callable[[SandboxHandle], Awaitable[None]]
 def set_up_again(error: BaseException) -> bool:
     """Whether a set-up that failed with ``error`` is worth a fresh sandbox: the service was
     busy or unreachable, or the sandbox or its kernel ended during it; not a refused key, bad
-    settings or a missing input, which a fresh sandbox meets again."""
-    return isinstance(error, SandboxUnavailableError | SandboxDiedError | SandboxNotFoundError)
+    settings or a missing input, which a fresh sandbox meets again, nor a create still refused
+    with 429 once the backend waited ``PREFECT_SANDBOX_CREATE_WAIT_S`` (`create_refused`)."""
+    return isinstance(
+        error, SandboxUnavailableError | SandboxDiedError | SandboxNotFoundError
+    ) and not create_refused(error)
 
 
 def _after_set_ups(error: SandboxError, set_ups: int) -> SandboxError:

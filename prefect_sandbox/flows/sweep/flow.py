@@ -153,7 +153,7 @@ def _launcher(plan: _Plan, options: BranchOptions, sweep_id: UUID) -> BranchLaun
         return DaskLauncher(options, plan.runner, sweep_id)
     if plan.deployment is not None:
         return DeploymentLauncher(options, plan.deployment)
-    return SubflowLauncher(options)
+    return SubflowLauncher(options, sweep_id)
 
 
 def _branches(plan: _Plan, flow_run: FlowRun) -> list[Branch]:

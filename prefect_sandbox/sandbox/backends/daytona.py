@@ -40,6 +40,7 @@ from prefect_sandbox.sandbox.backends import (
 )
 from prefect_sandbox.sandbox.base import (
     SECOND_INTERRUPT_S,
+    CellError,
     CellReply,
     KernelInfo,
     RemoteFile,
@@ -85,7 +86,7 @@ __all__ = [
     "DaytonaSandbox",
     "DaytonaSandboxConfig",
     "MarkerSplitter",
-    "close_code_of",
+    "close_of",
     "import_sdk",
     "record_content",
     "translate_error",
@@ -100,7 +101,16 @@ WORKDIR_NAME = "work"
 _SERVER_TIMEOUT_MARGIN_S = 10
 _EXEC_TIMEOUT_S = 60
 _BOOTSTRAP_TIMEOUT_S = 120
-_CLOSE_CODE = re.compile(r"\(close code (\d+)\)")
+_CLOSE = re.compile(r"(?:Failed to run code: )?(?P<reason>.*?)\s*\(close code (?P<code>\d+)\)\s*$")
+_TIMEOUT_CLOSE = 4008
+"""The daemon's close once its worker reported the execution ``interrupted`` (a
+KeyboardInterrupt left the code) or its own deadline killed the worker; the SDK raises
+`DaytonaTimeoutError` ("Execution timed out") for either."""
+_SLOW_CONSUMER = "slow consumer"
+"""A close 1008's reason when the daemon dropped a client that read its frames too slowly (256
+frames queued): the execution goes on without it."""
+_QUOTA = re.compile(r"Total \w+ limit exceeded\. Maximum allowed: [^\n]*")
+"""Daytona's refusal of a create past the organization's quota (CPU, memory, disk, GPU)."""
 _GONE_STATES = frozenset({"destroyed", "destroying", "error", "build_failed"})
 _STOPPED_STATES = frozenset({"stopped", "archived", "stopping", "archiving"})
 
@@ -239,10 +249,21 @@ def record_content(record: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | No
     return None
 
 
-def close_code_of(exc: BaseException) -> int | None:
-    """The WebSocket close code an SDK connection error names (``"... (close code 1001)"``)."""
-    match = _CLOSE_CODE.search(str(exc))
-    return int(match.group(1)) if match else None
+def close_of(exc: BaseException) -> tuple[int, str] | None:
+    """The WebSocket close code and reason an SDK connection error names.
+
+    The SDK raises ``DaytonaConnectionError("Failed to run code: <reason> (close code N)")``
+    for every close but 1000 and 4008. Daytona's daemon closes with 1001 ``"worker process
+    ended"`` (the interpreter process exited) or ``"context shutdown"`` (the context was
+    deleted), 1008 ``"context not found: ID"``, ``"context is not active"`` or
+    ``"slow consumer"``, 1002 (a request it could not read) and 1011 (no default context).
+
+    Returns:
+        ``(code, reason)``; the reason is the SDK's ``"WebSocket connection closed
+        unexpectedly"`` when the close frame gave none. None when ``exc`` names no close.
+    """
+    match = _CLOSE.search(str(exc))
+    return (int(match["code"]), match["reason"]) if match else None
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -259,12 +280,17 @@ def _status_of(exc: BaseException) -> int | None:
 
 
 def _retry_after_of(exc: BaseException) -> float | None:
-    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them."""
+    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them.
+
+    Daytona's API names the header after the throttler that refused the call
+    (``Retry-After-sandbox-create``, NestJS's throttler), so those count too.
+    """
     current: BaseException | None = exc
     while current is not None:
         headers = getattr(current, "headers", None) or {}
         for name, value in dict(headers).items():
-            if str(name).lower() == "retry-after":
+            lowered = str(name).lower()
+            if lowered == "retry-after" or lowered.startswith("retry-after-"):
                 try:
                     return max(float(value), 0.0)
                 except (TypeError, ValueError):
@@ -327,6 +353,15 @@ def translate_error(
     status = _status_of(exc)
     where = f" (sandbox {sandbox_id})" if sandbox_id else ""
     message = f"Daytona {operation} failed{where}: {exc}"
+    quota = _QUOTA.search(str(exc)) if status in (400, 403) else None
+    if quota is not None:
+        # Daytona's organization quota (403 from older APIs, 400 now), not the credentials.
+        return SandboxError(
+            f"Daytona refused a new sandbox{where}: the organization's quota is reached "
+            f"({quota[0]}); set the backend block's max_live_sandboxes under it, so that "
+            "runs wait for a slot",
+            sandbox_id=sandbox_id,
+        )
     if status in (401, 403) or isinstance(exc, sdk.DaytonaAuthenticationError):
         return SandboxAuthError(
             f"Daytona refused the credentials for {operation}{where}: {exc}",
@@ -910,11 +945,22 @@ class DaytonaSandbox(Sandbox):
         gone = await self._check_gone()
         if gone is not None:
             return gone
-        if close_code_of(exc) in (1001, 1008):
-            # 1001: the interpreter process ended; 1008: its context is gone.
-            self._ended = "its interpreter process ended"
-            return self._died(self._ended)
-        return error
+        close = close_of(exc)
+        if close is None or close[0] not in (1001, 1008):
+            return error
+        code, reason = close
+        if reason == _SLOW_CONSUMER:
+            # The daemon dropped this client, not the execution: the cell may run on.
+            return SandboxUnavailableError(
+                f"Daytona dropped the cell's output stream (close {code} {reason!r}: its "
+                "output came faster than it was read); the cell may still run, so it is not "
+                "run again",
+                operation=operation,
+                sandbox_id=self._handle.sandbox_id,
+            )
+        # 1001: the interpreter process ended, or its context was deleted; 1008: it is gone.
+        self._ended = f"Daytona closed the execution with {code} {reason!r}"
+        return self._died(self._ended)
 
     async def _check_gone(self) -> SandboxError | None:
         """`SandboxNotFoundError` if the sandbox is gone, `SandboxDiedError` if it stopped."""
@@ -1099,11 +1145,14 @@ class _DaytonaCell(RunningCell):
         self._sandbox = sandbox
         self._run = _CellRun(outputs)
         self._interrupted = False
+        self._timeout_s = timeout_s
         server_timeout_s = 0
         if timeout_s is not None:
             server_timeout_s = _SERVER_TIMEOUT_MARGIN_S + math.ceil(
                 timeout_s + sandbox._config.interrupt_grace_s + SECOND_INTERRUPT_S
             )
+        self._server_timeout_s = server_timeout_s
+        self._sent_at = time.monotonic()
         self._execution: asyncio.Task[Any] = asyncio.create_task(
             sandbox._remote.code_interpreter.run_code(
                 _cell_code(code),
@@ -1137,22 +1186,29 @@ class _DaytonaCell(RunningCell):
         self._run.finish()
         if state_lost:
             return CellReply()
-        timed_out = False
+        closed_4008 = False
         async with translated_async(partial(sandbox._run_failure, in_cell=True)):
             try:
                 self._execution.result()
             except Exception as exc:
                 sdk = import_sdk()
-                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                closed_4008 = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
                     exc, sdk.DaytonaConnectionError
                 )
-                if not timed_out:
+                if not closed_4008:
                     raise
-        if timed_out and not self._interrupted:
-            # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
-            # may have killed the interpreter, or an interrupt escaped the runner.
-            await sandbox.restart()
-            return CellReply(execution_count=self._run.count, state_lost=True)
+        if closed_4008 and not self._interrupted:
+            after_s = time.monotonic() - self._sent_at
+            if 0 < self._server_timeout_s <= after_s:
+                # The daemon's own deadline (our backstop) ended the cell and may have killed
+                # the interpreter.
+                await sandbox.restart()
+                return CellReply(execution_count=self._run.count, state_lost=True)
+            return CellReply(
+                execution_count=self._run.count,
+                raised=True,
+                error=self._interrupted_from_outside(after_s),
+            )
         if self._run.pid is not None:
             sandbox._worker_pid = self._run.pid
         if self._run.lost:
@@ -1163,3 +1219,18 @@ class _DaytonaCell(RunningCell):
             sandbox._ended = "the cell called exit()"
             raise sandbox._died(sandbox._ended, exit_code=self._run.exit_code)
         return CellReply(execution_count=self._run.count, raised=self._run.raised)
+
+    def _interrupted_from_outside(self, after_s: float) -> CellError:
+        """The error of a cell that Daytona closed with 4008 before any deadline and without
+        our interrupt: its interpreter reported the execution ``interrupted``, a SIGINT (or
+        the SIGTERM of a context being deleted) from outside this run reached it. The SDK
+        calls every 4008 "Execution timed out"; this one was not."""
+        deadline = "no timeout" if self._timeout_s is None else f"its {self._timeout_s} s timeout"
+        return CellError(
+            ename="KeyboardInterrupt",
+            evalue=(
+                f"the interpreter was interrupted from outside the run {after_s:.1f} s into "
+                f"the cell, well before {deadline}: Daytona ended the execution with close "
+                f"code {_TIMEOUT_CLOSE} (the interpreter reported it interrupted)"
+            ),
+        )
