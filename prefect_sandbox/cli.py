@@ -360,8 +360,12 @@ def _add_run_command(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
+    SIGINT and SIGTERM end ``run`` and ``sweep`` at any moment: before the flow run begins at
+    once (``128 + N``), during it as `SignalStop` says; with ``argv`` None (the command itself)
+    also after it, at once.
+
     Args:
-        argv: the arguments after the program name; None for ``sys.argv[1:]``.
+        argv: the arguments after the program name; None for ``sys.argv[1:]``, as the command.
 
     Returns:
         The exit status: 0 success, 1 failed pipeline (or sweep branch), 2 bad usage, 130 / 143
@@ -378,8 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _deploy(args)
     if args.json and not args.verbose:
         args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
+    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOP_SIGNALS}
     try:
         return _run_command(args)
     except _Interrupted as exc:
@@ -387,10 +390,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefect-sandbox: interrupted by {name} before the flow run began", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        # Prefect's exit (its log and event workers draining) may follow: a signal then ends
-        # the process at once, with the status a shell expects.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, _exit_at_once)
+        # As the command (argv None), Prefect's exit may follow (its log and event workers
+        # draining): a signal then ends the process at once, with the status a shell expects.
+        # Called as a function, the caller's handlers come back.
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, _exit_at_once if argv is None else previous[signum])
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Interrupted(BaseException):

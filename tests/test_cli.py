@@ -659,3 +659,16 @@ def test_a_run_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     assert "prefect-sandbox: [" not in shown  # no plain progress lines
     assert " ok in " not in shown  # nor Prefect's own record of each cell's end
     assert "Stored 1 file(s) and summary.json in " in shown
+
+
+def test_main_called_as_a_function_gives_the_callers_signal_handlers_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import signal
+
+    from prefect_sandbox.cli import main
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    assert main(["run", "missing.ipynb"]) == 2
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+    assert "is not a file" in capsys.readouterr().err
