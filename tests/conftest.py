@@ -96,10 +96,11 @@ def _no_local_server_outlives_the_suite(tmp_path_factory: pytest.TempPathFactory
     is stopped, and the session fails naming it (a test must stop what it started)."""
     yield
     left = local_servers_under(tmp_path_factory.getbasetemp())
+    named = [" ".join(process.info["cmdline"]) for process in left]
     for process in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-    assert not left, f"local Prefect servers left running: {[p.cmdline() for p in left]}"
+    assert not left, f"local Prefect servers left running: {named}"
 
 
 @pytest.fixture(scope="session")
