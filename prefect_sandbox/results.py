@@ -39,7 +39,9 @@ class StageResult(BaseModel):
             cancelled during a cell (the cells after it did not run).
         cells: the cells that ran, in order, the failing one included.
         duration_s: seconds the stage took.
-        failed_cell_index: 0-based notebook index of the failing cell.
+        failed_cell_index: the failing cell's number: its 0-based index in the notebook as
+            written (markdown cells counted, a parameters cell injected by the run not); None
+            when that injected cell failed.
         error: the failing cell's exception.
         late_outputs: output printed by background threads of earlier cells (this stage's or
             an earlier one's) after those cells ended, by the cell's ``CellResult.msg_id``.
@@ -71,13 +73,29 @@ class StoredArtifact(BaseModel):
 
 
 class StageSummary(BaseModel):
-    """A stage's line in ``summary.json``."""
+    """A stage's line in ``summary.json``.
+
+    Attributes:
+        name: the stage's name.
+        status: ``"ok"``, ``"failed"``, ``"cancelled"``, or ``"not_run"`` (an earlier stage
+            failed or the run stopped before it).
+        cell_count: its code cells.
+        duration_s: seconds it ran.
+        failed_cell_index: the failing cell's number, as `StageResult.failed_cell_index`.
+        failed_line: the 1-based line of that cell's code its error points at; None when the
+            traceback names none.
+        failed_code: that line's code, stripped (at most 200 characters).
+        ename: the error's class name.
+        evalue: the error's message.
+    """
 
     name: str
     status: Literal["ok", "failed", "cancelled", "not_run"]
     cell_count: int
     duration_s: float
     failed_cell_index: int | None = None
+    failed_line: int | None = None
+    failed_code: str | None = None
     ename: str | None = None
     evalue: str | None = None
 

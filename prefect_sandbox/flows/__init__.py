@@ -20,7 +20,7 @@ from prefect_sandbox.flows.errors import (
     SessionFailedError,
     SweepFailedError,
 )
-from prefect_sandbox.flows.startup import allow_ephemeral_startup
+from prefect_sandbox.flows.startup import allow_ephemeral_startup, use_local_server_if_asked
 from prefect_sandbox.lazy import lazy_names
 
 if TYPE_CHECKING:
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     )
     from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
-# Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`).
+# Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`),
+# or, where asked, instead of it (see `use_local_server_if_asked`).
 allow_ephemeral_startup()
+use_local_server_if_asked()
 
 _MODULES = {
     "pipeline": ["amodeling_pipeline", "arun_notebook", "modeling_pipeline", "run_notebook"],

@@ -51,6 +51,7 @@ from prefect_sandbox.sandbox.notebook import (
     INLINE_FIGURES_DIR,
     ExecutedNotebook,
     StageSpec,
+    failing_line,
     inline_figures,
 )
 from prefect_sandbox.sandbox.outputs import cap_text
@@ -183,6 +184,7 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
                 )
             )
             continue
+        where = _failing_line(stage, result)
         summaries.append(
             StageSummary(
                 name=stage.name,
@@ -190,11 +192,21 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
                 cell_count=len(stage.cells),
                 duration_s=round(result.duration_s, 6),
                 failed_cell_index=result.failed_cell_index,
+                failed_line=where[0] if where else None,
+                failed_code=where[1] if where else None,
                 ename=result.error.ename if result.error else None,
                 evalue=result.error.evalue if result.error else None,
             )
         )
     return summaries
+
+
+def _failing_line(stage: StageSpec, result: StageResult) -> tuple[int, str] | None:
+    """The line number and code in the failing cell that its error points at, if any."""
+    if result.error is None or result.status != "failed":
+        return None
+    cell = next((c for c in stage.cells if c.number == result.failed_cell_index), None)
+    return failing_line(cell.source, result.error.traceback) if cell else None
 
 
 def _write_notebook_files(
