@@ -214,16 +214,17 @@ async def test_stages_on_two_worker_processes_share_one_local_sandbox(
     backend = LocalKernelBackend(interrupt_grace_s=2.0)
     result = await _run_staged(backend, workers, tmp_path)
     handle: SandboxHandle = result["handle"]
-    # Killed from the second worker: its files are gone and no kernel of it is left running
-    # (its guard, whose command line names the kernel's log, waits for the next launch below).
+    # Killed from the second worker: its files are gone and no kernel of it is left running.
+    # The kernel (or its bwrap) is the process given its connection file; its guard, whose
+    # command line names the kernel's log (and whose source mentions ipykernel), waits for the
+    # next launch below.
     assert not Path(handle.connection["runtime_dir"]).exists()
     assert not Path(handle.workdir).exists()
+    connection_file = str(Path(handle.connection["runtime_dir"]) / "kernel.json")
     assert [
         child
         for child in psutil.Process().children(recursive=True)
-        if child.status() != psutil.STATUS_ZOMBIE
-        and handle.connection["runtime_dir"] in (command := " ".join(child.cmdline()))
-        and "ipykernel" in command
+        if child.status() != psutil.STATUS_ZOMBIE and connection_file in child.cmdline()
     ] == []
     with pytest.raises(SandboxNotFoundError):
         await backend.attach(handle)
