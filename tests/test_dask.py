@@ -117,7 +117,9 @@ def cluster() -> Iterator[Client]:
 def workers(cluster: Client) -> Iterator[Workers]:
     """The module's cluster, idle: a test that ends with tasks still on a single-thread worker
     (one timed out, or a branch Dask cannot stop) has its workers restarted, or every later
-    test's tasks would queue behind them."""
+    test's tasks would queue behind them. A worker an earlier test killed is back first (its
+    nanny restarts it under a new address)."""
+    cluster.wait_for_workers(2, timeout=WORKER_START_S)
     yield Workers(cluster.scheduler.address, cluster.run(os.getpid))
     if any(cluster.processing().values()):
         # Where the left tasks stand, for the report of the test that left them.
@@ -576,8 +578,12 @@ async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
         while not sandboxes():
             await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)  # into the cell
-    (running,) = [address for address, keys in cluster.processing().items() if keys]
-    os.kill(workers.pids[running], signal.SIGKILL)
+    async with asyncio.timeout(60):
+        while (
+            len(running := [address for address, keys in cluster.processing().items() if keys]) != 1
+        ):
+            await asyncio.sleep(0.1)
+    os.kill(workers.pids[running[0]], signal.SIGKILL)
     with pytest.raises(SweepFailedError, match="Dask worker process running it died"):
         await sweep
     (sweep_dir,) = (tmp_path / "out").iterdir()
