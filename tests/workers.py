@@ -1,5 +1,5 @@
 """What each pytest-xdist worker has of its own, so that workers running at once cannot meet
-(docs/contributing.md, "Running the tests").
+(docs/development.md, "Running the tests").
 
 `isolate_worker` runs in a worker (``PYTEST_XDIST_WORKER`` set) before Prefect is imported:
 

@@ -12,6 +12,7 @@ workers) share it, and the last to leave stops one that any of them started.
 
 Run ``python -m prefect_sandbox.testing.docker`` to build the image and print its tag.
 Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to its index.
+Manual: docs/backends/docker.md.
 """
 
 from __future__ import annotations
