@@ -132,6 +132,11 @@ async def raw_execute(client: Any, code: str) -> dict[str, Any]:
             return reply
 
 
+RAW_KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:"]
+"""The raw kernels keep their history in memory, as ours and nbclient's do, so that (a)
+compares client-side work only (an on-disk history costs ~1 ms a cell in the kernel)."""
+
+
 async def start_raw_kernel(transport: str, ipc_dir: Path) -> tuple[Any, Any]:
     """Start a python3 kernel with jupyter_client's AsyncKernelManager; returns (km, kc)."""
     from jupyter_client.manager import AsyncKernelManager
@@ -141,7 +146,7 @@ async def start_raw_kernel(transport: str, ipc_dir: Path) -> tuple[Any, Any]:
         # The default ipc path is relative to the cwd; keep the sockets in a temp dir.
         kwargs.update(transport="ipc", ip=str(ipc_dir / "k"))
     km = AsyncKernelManager(**kwargs)
-    await km.start_kernel()
+    await km.start_kernel(extra_arguments=RAW_KERNEL_ARGS)
     kc = km.client()
     kc.start_channels()
     await kc.wait_for_ready(timeout=60)

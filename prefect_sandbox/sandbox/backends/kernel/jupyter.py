@@ -124,7 +124,12 @@ del _prefect_sandbox_bound_stream_messages
 # reader falls behind (a loaded machine, thousands of flushed writes) the kernel silently DROPS
 # output past it. ipykernel has no setting for it, but it loads this config file before it
 # makes its sockets, so the context it makes there sends without a limit instead.
+# The history is kept in memory, as nbclient and papermill keep theirs: IPython's SQLite file
+# costs a commit per cell (~1 ms of a 4 ms trivial cell here), and a sandbox's history is
+# never read after it ends.
 _KERNEL_CONFIG_CODE = """
+get_config().HistoryManager.hist_file = ":memory:"
+
 import zmq
 
 
