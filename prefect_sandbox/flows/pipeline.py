@@ -37,7 +37,6 @@ from typing import Any, cast
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_progress_artifact
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed
 from prefect_aws import S3Bucket
@@ -52,6 +51,7 @@ from prefect_sandbox.flows.pipeline_run import (
     RESERVED_NAMES,
     SUMMARY_NAME,
     PipelineRun,
+    ProgressArtifact,
     new_run,
     own_names_kept,
     warnings_note,
@@ -131,9 +131,7 @@ async def _run_pipeline(
     parameters: dict[str, Any] | None = None,
 ) -> PipelineResult:
     run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
-    run.progress_id = await acreate_progress_artifact(
-        progress=0.0, description=f"0 of {len(stages)} stage(s) done"
-    )
+    run.progress = ProgressArtifact(len(stages))
     async with run.running(
         flow_run,
         inputs=inputs,
