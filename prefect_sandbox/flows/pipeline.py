@@ -3,9 +3,10 @@
 
 Each makes one sandbox for the flow run, uploads the inputs, runs the stages in order, downloads
 the artifacts, stores them with the executed notebook and ``summary.json``, and kills the sandbox.
-The sandbox's lifetime is an async context manager, so it is killed whatever happens, before
-what was made is stored. A failed stage stops the pipeline; what came before is still stored
-and the flow run ends Failed with a `PipelineFailedError` naming the stage, cell and exception.
+The sandbox's lifetime is an async context manager, so it is killed whatever happens, while
+what was made is stored (``summary.json`` waits for both). A failed stage stops the pipeline;
+what came before is still stored and the flow run ends Failed with a `PipelineFailedError`
+naming the stage, cell and exception.
 A sandbox that could not be made (its create killed what it started) fails the run the same
 way, ``summary.json`` stored; a kill that fails after its retries is a warning naming the
 sandbox, and the run keeps the status its cells gave it.

@@ -386,8 +386,10 @@ class PipelineRun:
         made and set up within the run's live-sandbox slot (`_sandbox`), the block, the
         ``artifacts`` downloaded, the sandbox killed, what was made stored, then ``summary.json``
         stored and posted as the artifact ``summary`` (key, description) names, shielded from a
-        passed deadline. Within, the task is cancelled on the API's Cancelling
-        (`cancelled_from_api`) or a SIGINT inherited as ignored (`sigint_honoured`).
+        passed deadline. What was made is stored while the sandbox is killed, once the block
+        is left and the artifacts downloaded; ``summary.json`` waits for both. Within, the task
+        is cancelled on the API's Cancelling (`cancelled_from_api`) or a SIGINT inherited as
+        ignored (`sigint_honoured`).
 
         Every way out is recorded in `outcome` and none leaves here: what the block raised
         (`RunOutcome.raised`), a cancellation (taken as handled: `take_cancellation`), a
@@ -406,8 +408,12 @@ class PipelineRun:
                     sigint_honoured(),
                     cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
                 ):
+                    storing: asyncio.Task[None] | None = None
                     try:
-                        await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
+                        if inputs:
+                            await asyncio.to_thread(
+                                plan_inputs, inputs, input_credentials(self.store)
+                            )
                         async with self._sandbox(flow_run, staging, inputs) as handle:
                             yielded = True
                             try:
@@ -417,10 +423,13 @@ class PipelineRun:
                             except BaseException as exc:
                                 self._record(exc)
                             await self._collect_artifacts(handle, staging, artifacts)
+                            # All is made and fetched: it is stored while the sandbox is killed.
+                            storing = asyncio.create_task(self._store_made(outputs))
                     except (asyncio.CancelledError, SandboxError) as exc:
                         self._record(exc)  # while the sandbox was made or killed, or no slot
                     finally:
-                        await self._store_made(outputs)
+                        with shielded():
+                            await (storing or self._store_made(outputs))
             except asyncio.CancelledError as exc:
                 self._record(exc)  # while the files were stored
             if not yielded:
