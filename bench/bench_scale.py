@@ -19,6 +19,13 @@ staging folders), a new Jupyter connection file.
     python bench/bench_scale.py [--runs 64] [--databases sqlite,postgres] [--sleep-s 5]
                                 [--client-retries N] [--server-db-timeout-s S]
 
+With ``--sweep-branches N`` it runs instead one sweep of N branches (subflows, one trivial cell
+each) on a server of its own (``--sweep-database``, PostgreSQL by default), every sandbox on the
+E2B emulator with E2B Pro's limits (``--creates-per-s 5 --quota 100``), the sweep capped at
+``--live`` (100); it reports wall time, the first sandbox's time, the 429s, the peak of live
+sandboxes and the Prefect API calls a second, and checks each branch's metric. Bench-only (not
+in ``./dev.sh bench``): 1,000 branches took 18 min on 2 cores.
+
 ``--client-retries`` sets ``PREFECT_CLIENT_MAX_RETRIES`` for this process's runs (Prefect's
 default: 5); ``--server-db-timeout-s`` sets the server's ``PREFECT_SERVER_DATABASE_TIMEOUT``
 (Prefect's default: 10 s; on SQLite it is how long a write waits for the lock). Prints a markdown
@@ -199,8 +206,210 @@ def build_rows(results: list[dict[str, Any]], runs: int) -> list[dict[str, str]]
     return rows
 
 
+# -- a sweep against the E2B emulator with E2B's limits --------------------------------------
+
+SWEEP_CELL = "import json\njson.dump({'x2': x * 2}, open('metrics.json', 'w'))"
+"""Each branch's one cell: trivial, and a metric that shows the branch ran with its own x."""
+
+
+class ApiCalls:
+    """Counts this process's Prefect API calls by answer (its client's ``send``, patched),
+    retries included: in subflow mode every flow run of the sweep is in this process."""
+
+    def __init__(self) -> None:
+        self.by_status: collections.Counter[str] = collections.Counter()
+
+    def __enter__(self) -> ApiCalls:
+        from prefect.client.base import PrefectHttpxAsyncClient
+
+        self._real = real = PrefectHttpxAsyncClient.send
+        calls = self.by_status
+
+        async def send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                response = await real(client, request, *args, **kwargs)
+            except Exception as exc:  # the client raises for some answers (423, 404...)
+                response = getattr(exc, "response", None)
+                code = getattr(response, "status_code", None)
+                calls[str(code) if code else type(exc).__name__] += 1
+                raise
+            calls[str(response.status_code)] += 1
+            return response
+
+        PrefectHttpxAsyncClient.send = send  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from prefect.client.base import PrefectHttpxAsyncClient
+
+        PrefectHttpxAsyncClient.send = self._real  # type: ignore[method-assign]
+
+
+def sweep_notebook_file(folder: Path) -> Path:
+    """A notebook of a parameters cell (``x = 0``) and `SWEEP_CELL`."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(SWEEP_CELL),
+    ]
+    path = folder / "sweep.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+async def run_sweep(args: argparse.Namespace, emulator: Any, storage: Path) -> dict[str, Any]:
+    """The sweep of ``args.branches`` branches at most ``args.live`` alive at once; its wall
+    time, when its first sandbox came, what the branches ended as and what was verified."""
+    from prefect_sandbox import E2BBackend, E2BCredentials
+    from prefect_sandbox.flows import asweep_notebook
+
+    credentials = E2BCredentials(
+        api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
+    )
+    first: list[float] = []
+
+    async def watch_first(start: float) -> None:
+        while not emulator.requests or not emulator.sandbox_ids():
+            await asyncio.sleep(0.1)
+        first.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    watcher = asyncio.create_task(watch_first(start))
+    sweep_error = None
+    try:
+        await asweep_notebook(
+            notebook=str(sweep_notebook_file(storage.parent)),
+            grid={"x": list(range(args.branches))},
+            backend=E2BBackend(credentials=credentials, lifetime_s=900),
+            storage=str(storage),
+            max_live_sandboxes=args.live,
+            cell_timeout_s=300,
+        )
+    except Exception as exc:  # a failed branch: sweep.json says which
+        sweep_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+    wall_s = time.perf_counter() - start
+    watcher.cancel()
+    (stored,) = storage.glob("*/sweep.json")
+    branches = json.loads(stored.read_text())["branches"]
+    statuses = collections.Counter(branch["status"] for branch in branches)
+    verified = sum(
+        1
+        for branch in branches
+        if branch["status"] == "completed"
+        and branch["metrics"].get("x2") == 2 * branch["parameters"]["x"]
+    )
+    errors = collections.Counter(
+        (branch["error"] or "")[:200] for branch in branches if branch["status"] != "completed"
+    )
+    return {
+        "wall_s": round(wall_s, 1),
+        "first_sandbox_s": round(first[0], 1) if first else None,
+        "branch_statuses": dict(statuses),
+        "verified": verified,
+        "errors": dict(errors.most_common(5)),
+        "sweep_error": sweep_error,
+    }
+
+
+def one_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """A server on ``args.sweep_database``, the E2B emulator with the limits asked for, the
+    sweep, and everything stopped."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_sandbox.flows.sweep import launchers
+    from prefect_sandbox.testing.e2b import E2BEmulator
+    from prefect_sandbox.testing.limits import Limits, RateLimit
+    from prefect_sandbox.testing.prefect_server import PostgresCluster, PrefectServer
+
+    if args.branches_starting:
+        launchers.BRANCHES_STARTING = args.branches_starting
+    database = args.sweep_database
+    home = Path(tempfile.mkdtemp(prefix=f"bench-sweep-{database}-"))
+    cluster = PostgresCluster().start() if database == "postgres" else None
+    limits = Limits(
+        rates={"create": RateLimit(args.creates_per_s, 1.0)}, max_live_sandboxes=args.quota
+    )
+    load_before = os.getloadavg()
+    try:
+        with (
+            PrefectServer(home, cluster.url if cluster else None) as server,
+            temporary_settings({PREFECT_API_URL: server.url}),
+            E2BEmulator(limits=limits) as emulator,
+            ApiCalls() as calls,
+        ):
+            outcome = asyncio.run(run_sweep(args, emulator, home / "storage"))
+            refused = dict(emulator.limits.refused)
+            peak = emulator.peak_live_sandboxes
+            creates = sum(1 for r in emulator.requests if r.operation == "create")
+            left = emulator.sandbox_ids()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    total_calls = sum(calls.by_status.values())
+    return {
+        "database": database,
+        "branches": args.branches,
+        "branches_starting": launchers.BRANCHES_STARTING,
+        "live_cap": args.live,
+        "limits": {"creates_per_s": args.creates_per_s, "quota": args.quota},
+        **outcome,
+        "create_requests": creates,
+        "refused_by_limits": refused,
+        "peak_live_sandboxes": peak,
+        "sandboxes_left": len(left),
+        "api_calls": total_calls,
+        "api_calls_per_s": round(total_calls / outcome["wall_s"], 1),
+        "api_answers": dict(calls.by_status),
+        "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+    }
+
+
+def sweep_rows(r: dict[str, Any]) -> list[dict[str, str]]:
+    """The sweep's row: the target is every branch verified, the peak at the cap, none left."""
+    completed = r["branch_statuses"].get("completed", 0)
+    passed = r["verified"] == r["branches"] and r["peak_live_sandboxes"] <= r["live_cap"]
+    return [
+        {
+            "benchmark": f"{r['branches']}-branch sweep, E2B emulator "
+            f"({r['limits']['creates_per_s']} creates/s, {r['limits']['quota']} live), "
+            f"{r['database']}",
+            "ours": f"{completed}/{r['branches']} completed ({r['verified']} verified) in "
+            f"{r['wall_s']:.0f} s, first sandbox at {r['first_sandbox_s']} s; "
+            f"{sum(r['refused_by_limits'].values())} 429s; peak {r['peak_live_sandboxes']} "
+            f"live (cap {r['live_cap']}); {r['api_calls']} API calls "
+            f"({r['api_calls_per_s']}/s); left: {r['sandboxes_left']}",
+            "anchors": "-",
+            "ratio": "-",
+            "target": f"{r['branches']}/{r['branches']}, peak <= {r['live_cap']}",
+            "result": "pass" if passed and not r["sandboxes_left"] else "FAIL",
+        }
+    ]
+
+
+def sweep_main(args: argparse.Namespace) -> int:
+    """Run the sweep once; print and save its row."""
+    result = one_sweep(args)
+    rows = sweep_rows(result)
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git": git_state(),
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "table_markdown": markdown_table(rows),
+        "raw": {"sweep": result, "leftovers": {"ipykernel_pids": [], "paths": []}},
+    }
+    print(json.dumps(result, indent=2))
+    name = f"scale-sweep-{args.branches}-{args.sweep_database}.json"
+    return publish(RESULTS_DIR / name, report, f"a {args.branches}-branch sweep")
+
+
 def main() -> int:
-    """Run the pipelines once per database; print and save the table."""
+    """Run the pipelines once per database (or the sweep, with ``--sweep-branches``); print
+    and save the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=64, help="pipelines at once (default 64)")
     parser.add_argument("--databases", default="sqlite,postgres", help="default sqlite,postgres")
@@ -213,10 +422,27 @@ def main() -> int:
         type=float,
         help="the server's PREFECT_SERVER_DATABASE_TIMEOUT (default: Prefect's, 10 s)",
     )
+    parser.add_argument(
+        "--sweep-branches",
+        dest="branches",
+        type=int,
+        help="run the simulated sweep of this many branches instead (e.g. 1000)",
+    )
+    parser.add_argument("--sweep-database", default="postgres", help="default postgres")
+    parser.add_argument("--live", type=int, default=100, help="the sweep's cap (default 100)")
+    parser.add_argument("--creates-per-s", type=int, default=5, help="E2B Pro's: 5")
+    parser.add_argument("--quota", type=int, default=100, help="E2B Pro's live quota: 100")
+    parser.add_argument(
+        "--branches-starting",
+        type=int,
+        help="subflow branches starting at once (default: the launcher's BRANCHES_STARTING)",
+    )
     args = parser.parse_args()
     # Must be set before prefect is imported, which reads its settings once.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if args.branches:
+        return sweep_main(args)
     results = [one_database(d, args) for d in args.databases.split(",")]
     rows = build_rows(results, args.runs)
     report = {

@@ -7,6 +7,7 @@ its Prefect-free parts (`prefect_sandbox.options`, the CLI's ``--help``), does n
 Prefect, which costs seconds. Where Prefect is imported already, as when it loads this package
 as a collection (the ``prefect.collections`` entry point: its server, workers and block lookups
 by slug), the blocks are imported at once, so Prefect's block registry knows them.
+Manual: docs/index.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """The private or internal APIs of Prefect and prefect-aws that this package reaches.
 
 Each is reached here only, so that a release that moves one breaks one function, named in one
-place; CPython's are in `prefect_sandbox.sandbox._compat`, the core's own. Every import is
-inside its function: importing this module imports no Prefect.
+place; CPython's are in `prefect_sandbox.sandbox._compat`. Every import is inside its function:
+importing this module imports no Prefect. Manual: docs/development.md.
 
-- ``Block._block_document_id`` and ``Block._block_document_name``: a saved block's id and
-  name (Prefect 3 has no public accessor).
+- ``Block._block_document_id`` / ``_block_document_name``: a saved block's id and name
+  (Prefect 3 has no public accessor).
 - ``S3Bucket._join_bucket_folder``: prefect-aws's rule for a key under the block's folder.
-- ``_sync=True``: prefect-aws's ``S3Bucket`` methods dispatch on the run context (a coroutine
-  inside a flow run); Prefect's ``async_dispatch`` takes ``_sync`` to force the blocking call,
-  for code that runs in a thread.
+- ``_sync=True``: forces the blocking call of prefect-aws's ``S3Bucket`` methods, which
+  dispatch on the run context (``async_dispatch``), for code that runs in a thread.
 - ``prefect.server.api.server.SubprocessASGIServer``: the temporary API server Prefect starts
   when no ``PREFECT_API_URL`` is set; one instance per process.
 - ``prefect.context.GLOBAL_SETTINGS_CONTEXT``: the settings every later flow call reads.

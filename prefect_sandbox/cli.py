@@ -1,70 +1,13 @@
-"""The ``prefect-sandbox`` command.
+"""The ``prefect-sandbox`` command: ``run`` (the ``run-notebook`` flow), ``sweep``
+(``sweep-notebook``) and ``deploy`` (a ``run-notebook`` deployment of one notebook).
 
-``prefect-sandbox run NOTEBOOK [--backend local|e2b|daytona|docker] [--backend-block NAME]
-[--docker-image IMAGE] [--input PATH|s3://bucket/key|s3://bucket/prefix/]... [--artifact GLOB]...
-[--out DIR|s3://bucket/prefix] [--aws-credentials NAME] [-p NAME=VALUE]...
-[--cell-timeout SECONDS|-1]`` runs the ``run-notebook`` flow and writes
-``DIR/<run-folder>/`` (or S3 keys ``prefix/run-notebook/<run-folder>/``; ``<run-folder>`` is
-the flow-run name's slug and 8 hex digits of its id):
-``executed.ipynb``, the artifacts and ``summary.json``. Exit status 0 on success; 1 on a
-failed pipeline, with a one-line reason as the last line on stderr; 2 on bad usage, found
-before any flow starts; 130 on SIGINT (Ctrl-C) and 143 on SIGTERM, which stop the run: its
-sandbox is killed, what it made is stored with ``summary.json``, the flow run ends Cancelled,
-and one line on stderr says where it stopped; 3 when the flow run was cancelled through the
-Prefect API or UI, which stops it the same way within ``PREFECT_SANDBOX_CANCEL_POLL_S``.
-``s3://`` inputs are read with the ``--out`` bucket's credentials, or else the standard AWS
-environment. ``-f FILE`` reads parameters from a JSON or YAML mapping (``-p`` wins over it);
-``--help-notebook`` prints the parameters cell's names, types (annotated, or of a literal
-default), defaults and comments, as papermill does, and runs nothing; an API that does not
-answer is one line on stderr and exit status 1.
-
-While ``run`` runs, each cell's end shows on stderr: a progress bar when stderr is a terminal,
-else one line per cell (``prefect-sandbox: [3/20] stage 'fit' cell 7 ok in 0.40 s``). Then
-stdout gets where the results are and a line per stage, on failure too (the failing cell named).
-``-q`` shows no progress and only the warnings of Prefect's console (a failing cell's traceback
-and the engine's are left out: the reason is the last stderr line) and prints only where the
-results of a completed run are. ``--json`` prints one JSON object on stdout and nothing else
-there (whatever the run's processes write to stdout goes to stderr): the run's ``summary.json``
-(a sweep's ``sweep.json``) with ``exit_status``; or, when none was written, ``status``
-(``failed`` or ``cancelled``), ``error``, ``output_dir`` and ``exit_status``; stderr is then as
-``-q`` leaves it, unless ``-v``. A usage error (exit status 2) prints nothing on stdout.
-``-p NAME VALUE`` (papermill's form) is read as ``-p NAME=VALUE``.
-
-``--backend-block NAME`` loads a saved backend block of the chosen kind. Without it, ``e2b``
-takes its credentials from the SDK's variables: ``E2B_API_KEY`` (required), ``E2B_API_URL``,
-``E2B_SANDBOX_URL`` and ``E2B_DOMAIN``; ``daytona`` from ``DAYTONA_API_KEY``,
-``DAYTONA_API_URL`` and ``DAYTONA_TARGET``; ``docker`` runs ``--docker-image IMAGE`` with the
-`DockerBackend` block's default settings (no network, read-only root, limits).
-
-``prefect-sandbox sweep NOTEBOOK --grid FILE.json|FILE.yaml [--max-live-sandboxes N]
-[--deployment NAME] [--metrics-artifact PATH]`` and the options of ``run`` but ``-p`` runs the
-``sweep-notebook`` flow (`prefect_sandbox.flows.sweep`): the notebook once per parameter set of
-the grid (a list of parameter sets, or a mapping of name to a list of values: their cartesian
-product), each in its own sandbox and folder, concurrently; ``DIR/<sweep-run-folder>/`` holds
-``sweep.json`` and each branch's ``<branch-run-folder>/``. ``--max-live-sandboxes`` caps the
-sweep's sandboxes alive at once (not with ``--deployment``; the old spelling
-``--max-sandboxes`` still works); ``--deployment NAME`` runs the branches as
-runs of that ``run-notebook`` deployment on its workers (then the notebook and inputs are paths
-on the workers, ``--out`` must be reachable by them, and a backend must be a saved block). Exit
-status as ``run``: 1 when a branch did not complete (the last stderr line names each, and where
-its partial results are; the others ran to their end); 2 also for a bad grid file (it names the
-file and entry) or an unknown deployment.
-
-Options left out take their defaults from the ``PREFECT_SANDBOX_*`` variables
-(`prefect_sandbox.settings.PrefectSandboxSettings`): no ``--backend`` uses the block
-``PREFECT_SANDBOX_BACKEND_BLOCK`` names (else a local kernel), no ``--out`` uses
-``PREFECT_SANDBOX_STORAGE``, no ``--cell-timeout`` the backend block's timeout, whose default
-is ``PREFECT_SANDBOX_CELL_TIMEOUT_S``. A variable holding a bad value is a usage error.
-
-``prefect-sandbox deploy NOTEBOOK --pool POOL [--name NAME] [--input PATH]... [--artifact
-GLOB]... [--out DIR|s3://bucket/prefix] [--cell-timeout SECONDS]`` creates the deployment
-``run-notebook/NAME`` (default: the notebook's file name) on the API at ``PREFECT_API_URL``, whose
-Run form has a typed field per notebook parameter and whose runs with a wrongly typed one the
-server refuses (`prefect_sandbox.flows.notebook_deployment`).
-
-``sweep --task-runner dask`` runs each branch as a task on a Dask `LocalCluster` of worker
-processes that the sweep starts; ``--task-runner dask:ADDRESS`` on the running cluster whose
-scheduler is at ADDRESS (the ``dask`` extra; see `prefect_sandbox.flows.dask`).
+Arguments are checked by `prefect_sandbox.options`' rules before Prefect is imported, so a bad
+flag, parameter, grid file or ``PREFECT_SANDBOX_*`` setting exits 2 before any flow starts, and
+``--help`` and ``--version`` import no Prefect. Exit status: 0 completed; 1 failed (the last
+stderr line says why); 2 bad usage; 3 cancelled through the API or UI; 130 and 143 on SIGINT
+and SIGTERM, which stop the run, kill its sandbox and store what it made. ``--json`` leaves
+stdout to one JSON object. Manual: docs/reference/cli.md, whose flag list is this parser's
+``--help``.
 """
 
 from __future__ import annotations
@@ -90,6 +33,7 @@ if TYPE_CHECKING:
 
     from prefect_sandbox.blocks import BackendBlock
     from prefect_sandbox.flows.stopping import SignalStop
+    from prefect_sandbox.local_server import ServerState
     from prefect_sandbox.options import RunOptions
     from prefect_sandbox.results import PipelineResult, SweepResult
 
@@ -157,13 +101,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the sweep's sandboxes alive at once at most (default: the backend's cap)",
     )
     sweep.add_argument(
-        "--max-sandboxes",
-        type=int,
-        dest="max_live_sandboxes",
-        action=_RenamedFlag,
-        help=argparse.SUPPRESS,
-    )
-    sweep.add_argument(
         "--deployment",
         metavar="NAME",
         default=None,
@@ -186,7 +123,24 @@ def _parser() -> argparse.ArgumentParser:
         "(default: metrics.json; '' for none)",
     )
     _add_deploy_command(commands)
+    _add_server_command(commands)
     return parser
+
+
+def _add_server_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Add ``server status|start|stop``: the local Prefect server kept for the user."""
+    server = commands.add_parser(
+        "server",
+        help="the local Prefect server kept for runs with no PREFECT_API_URL: status, start, stop",
+    )
+    server.add_argument(
+        "action",
+        choices=["status", "start", "stop"],
+        help="status: whether it runs, where, since when, its memory; start: start it now (or "
+        "find it) and wait until it answers; stop: stop it",
+    )
 
 
 def _add_deploy_command(
@@ -222,22 +176,6 @@ def _add_deploy_command(
     deploy.add_argument(
         "--cell-timeout", type=float, default=None, metavar="SECONDS", help="per-cell timeout"
     )
-
-
-class _RenamedFlag(argparse.Action):
-    """A flag's old spelling, hidden from ``--help``: it stores into the new flag's ``dest`` and
-    says on stderr which flag to use instead (the first of the new flag's spellings)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        print(f"prefect-sandbox: {option_string} is deprecated; use {new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:
@@ -342,8 +280,12 @@ def _add_run_command(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
+    SIGINT and SIGTERM end ``run`` and ``sweep`` at any moment: before the flow run begins at
+    once (``128 + N``), during it as `SignalStop` says; with ``argv`` None (the command itself)
+    also after it, at once.
+
     Args:
-        argv: the arguments after the program name; None for ``sys.argv[1:]``.
+        argv: the arguments after the program name; None for ``sys.argv[1:]``, as the command.
 
     Returns:
         The exit status: 0 success, 1 failed pipeline (or sweep branch), 2 bad usage, 130 / 143
@@ -352,12 +294,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         same way).
     """
     args = _parser().parse_args(_joined_parameters(sys.argv[1:] if argv is None else argv))
+    if args.command == "server":
+        return _server_command(args.action)
     if getattr(args, "help_notebook", False):
         return _help_notebook(args.notebook, args.stage_heading_level)
     if args.command == "deploy":
         return _deploy(args)
     if args.json and not args.verbose:
         args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
+    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOP_SIGNALS}
+    try:
+        return _run_command(args)
+    except _Interrupted as exc:
+        name = signal.Signals(exc.signum).name
+        print(f"prefect-sandbox: interrupted by {name} before the flow run began", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        # As the command (argv None), Prefect's exit may follow (its log and event workers
+        # draining): a signal then ends the process at once, with the status a shell expects.
+        # Called as a function, the caller's handlers come back.
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, _exit_at_once if argv is None else previous[signum])
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM before the flow run began (a BaseException, as KeyboardInterrupt:
+    no ``except Exception`` on the way takes it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted(signum)
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """``run`` or ``sweep``: check the arguments, run the flow, print how it ended.
+
+    Returns:
+        The exit status (see `main`).
+    """
     # Imported here: importing Prefect costs seconds, and --help should not pay it.
     from pydantic import ValidationError
 
@@ -376,47 +363,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         _options(args)
     except ValidationError as exc:
         return _usage_error(one_line(exc, CLI_FLAGS))
-    parameters: dict[str, Any] = {}
-    grid: list[dict[str, Any]] = []
+    try:
+        flags = dict(parse_parameter(item) for item in getattr(args, "parameter", []))
+        if not _on_workers(args):
+            split_stages(read_notebook(Path(args.notebook)), args.stage_heading_level)
+    except NotebookError as exc:
+        return _usage_error(str(exc))
+    # Before Prefect is imported (seconds): a local server that must start overlaps it.
+    args.local_server = _early_local_server(settings.local_server, args.quiet)
     from prefect_sandbox.flows.errors import GridError
 
+    parameters: dict[str, Any] = {}
+    grid: list[dict[str, Any]] = []
     try:
-        if args.command == "run":
-            if args.parameters_file is not None:
-                from prefect_sandbox.flows.sweep import read_parameters_file
+        if args.command == "run" and args.parameters_file is not None:
+            from prefect_sandbox.flows.sweep import read_parameters_file
 
-                parameters = read_parameters_file(args.parameters_file)
-            parameters.update(parse_parameter(item) for item in args.parameter)
-        else:
+            parameters = read_parameters_file(args.parameters_file)
+        elif args.command == "sweep":
             from prefect_sandbox.flows.sweep import read_grid
 
             grid = read_grid(args.grid)
     except (NotebookError, GridError) as exc:
         return _usage_error(str(exc))
-    if not _on_workers(args):
-        try:
-            split_stages(read_notebook(Path(args.notebook)), args.stage_heading_level)
-        except NotebookError as exc:
-            return _usage_error(str(exc))
+    parameters.update(flags)  # -p wins over -f
     # Registered before the flow starts Prefect's temporary API server, whose own exit handler
     # logs its shutdown: handlers run last-in first-out, so our reason still comes last.
     atexit.register(_print_reason)
     if args.quiet:
         _quiet_prefect_console(logging.WARNING)
     from prefect_sandbox.flows.stopping import SignalStop
-    from prefect_sandbox.progress import quiet_run_errors
 
     stop = SignalStop(on_signal=_quiet_prefect_console)
-    with _stdout_to_stderr(args.json), stop as stopper:
-        quiet = quiet_run_errors() if args.quiet else contextlib.nullcontext()
-        with quiet:
-            outcome = _run_flow(args, parameters, grid, stopper)
+    with _stdout_to_stderr(args.json), stop as stopper, _console_filter(args):
+        outcome = _run_flow(args, parameters, grid, stopper)
     if outcome.usage_problem is not None:
         return _usage_error(outcome.usage_problem)
+    if outcome.where is not None and not args.quiet:
+        _say_last(outcome.where)
     if outcome.error is not None:
         _say_last(outcome.error)
     _print_outcome(args, outcome)
     return outcome.exit_status
+
+
+def _verbose(args: argparse.Namespace) -> bool:
+    """``-v``, or Prefect's log level at DEBUG: show Prefect's engine tracebacks too."""
+    return bool(args.verbose) or logging.getLogger("prefect").getEffectiveLevel() <= logging.DEBUG
+
+
+def _console_filter(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """What Prefect's console leaves out during the run: with ``-q`` every error record of the
+    run (`quiet_run_errors`); else, unless verbose (`_verbose`), the engine's tracebacks and
+    everything after the run began to fail (`engine_tracebacks_hidden`)."""
+    from prefect_sandbox.progress import engine_tracebacks_hidden, quiet_run_errors
+
+    if args.quiet:
+        return quiet_run_errors()
+    if _verbose(args):
+        return contextlib.nullcontext()
+    return engine_tracebacks_hidden()
 
 
 def _joined_parameters(argv: Sequence[str]) -> list[str]:
@@ -447,6 +453,7 @@ class _Outcome:
         error: the one line that stderr ends with; None on success.
         output_dir: where the results are, when known.
         usage_problem: a usage error found as the flow started (exit status 2, no output).
+        where: for a failed cell, the line before ``error``: the cell and its line of code.
     """
 
     exit_status: int
@@ -454,6 +461,7 @@ class _Outcome:
     error: str | None = None
     output_dir: str | None = None
     usage_problem: str | None = None
+    where: str | None = None
 
 
 def _call_flow(
@@ -521,7 +529,7 @@ def _run_flow(
     from prefect_sandbox.sandbox.errors import SandboxError
 
     # The flows' import gave the temporary server its start-up allowance.
-    problem = _api_problem()
+    problem = _api_problem(args)
     if problem:
         return _Outcome(1, error=problem)
     try:
@@ -548,6 +556,7 @@ def _run_flow(
             result=exc.result,
             error=f"pipeline failed: {exc} (partial results in {exc.output_dir})",
             output_dir=exc.output_dir,
+            where=_failing_code(args.notebook, exc.result),
         )
     except SweepFailedError as exc:
         return _Outcome(1, error=f"sweep failed: {exc}", output_dir=exc.output_dir)
@@ -558,18 +567,35 @@ def _run_flow(
     return _Outcome(0, result=result, output_dir=result.output_dir)
 
 
+def _failing_code(notebook: str, result: PipelineResult | None) -> str | None:
+    """``cell 3 of NOTEBOOK (counting from 0), line 4: c = f(0)``: the failing cell by its
+    number and the line of its code its error points at (`StageSummary`); None when no
+    stage says both."""
+    from prefect_sandbox.sandbox.notebook import cell_label
+
+    stages = result.stages if result else []
+    failed = next((s for s in stages if s.failed_line is not None), None)
+    if failed is None:
+        return None
+    where = f"{cell_label(failed.failed_cell_index)} of {notebook}"
+    if failed.failed_cell_index is not None:
+        where += " (counting from 0)"
+    return f"{strip_ansi(where)}, line {failed.failed_line}: {strip_ansi(failed.failed_code or '')}"
+
+
 def _cell_plan(
     notebook: str, parameters: dict[str, Any], heading_level: int
-) -> list[tuple[str, int]] | None:
+) -> list[tuple[str, int | None]] | None:
     """The code cells a run of ``notebook`` runs, in order, its injected parameters cell
-    included, each as its stage's name and its index; None when that cannot be told here."""
+    included, each as its stage's name and its number (`CellSpec.number`); None when that
+    cannot be told here."""
     from prefect_sandbox.sandbox.errors import NotebookError
     from prefect_sandbox.sandbox.notebook import inject_parameters, read_notebook, split_stages
 
     try:
         source = inject_parameters(read_notebook(Path(notebook)), parameters)
         stages = split_stages(source, heading_level)
-        return [(stage.name, cell.index) for stage in stages for cell in stage.cells]
+        return [(stage.name, cell.number) for stage in stages for cell in stage.cells]
     except NotebookError:
         return None
 
@@ -607,7 +633,8 @@ def _print_outcome(args: argparse.Namespace, outcome: _Outcome) -> None:
 
     if isinstance(outcome.result, SweepResult):
         _print_sweep(outcome.result)
-    elif isinstance(outcome.result, PipelineResult):
+    elif isinstance(outcome.result, PipelineResult) and (outcome.exit_status == 0 or args.verbose):
+        # A failure's own lines (stderr) say where its files are; -v adds the stage table.
         _print_stages(outcome.result)
 
 
@@ -738,7 +765,7 @@ def _deploy(args: argparse.Namespace) -> int:
     from prefect_sandbox.flows.notebook_deployment import default_deployment_name, deploy_notebook
 
     name = args.name or default_deployment_name(args.notebook)
-    problem = _api_problem()
+    problem = _api_problem(args)
     if problem:
         print(f"prefect-sandbox: {problem}", file=sys.stderr)
         return 1
@@ -782,14 +809,22 @@ def _print_sweep(result: SweepResult) -> None:
         print(f"  {line}".rstrip())
 
 
-def _api_problem() -> str | None:
-    """Start the temporary API server when no API URL is set (`_start_temporary_server`),
-    else check that the API at ``PREFECT_API_URL`` answers: what is wrong, in one line, or
-    None when the API is ready."""
+def _api_problem(args: argparse.Namespace) -> str | None:
+    """Get the run an API: the one at ``PREFECT_API_URL`` when set (checked that it answers);
+    else the local server kept for the user (`_local_server_problem`), or Prefect's temporary
+    one with ``PREFECT_SANDBOX_LOCAL_SERVER=never`` (`_start_temporary_server`).
+
+    Returns:
+        What is wrong, in one line; None when the API is ready.
+    """
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
+    from prefect_sandbox.settings import PrefectSandboxSettings
+
     url = PREFECT_API_URL.value()
+    if not url and PrefectSandboxSettings().local_server != "never":
+        return _local_server_problem(args)
     if not url:
         try:
             _start_temporary_server()
@@ -803,6 +838,95 @@ def _api_problem() -> str | None:
         return None
     reason = str(failure).splitlines()[0] if str(failure) else type(failure).__name__
     return f"the Prefect API at PREFECT_API_URL={url} does not answer: {reason}"
+
+
+def _early_local_server(mode: str, quiet: bool) -> ServerState | None:
+    """Find or start the local server now, before Prefect is imported, when the run will need
+    it: no ``PREFECT_API_URL`` where the environment, the working directory's files or the
+    active profile would set one (`configured_api_url`), and ``mode``
+    (``PREFECT_SANDBOX_LOCAL_SERVER``) not ``never``. Prefect's own settings decide later
+    (`_api_problem`); a server started for nothing stops once idle.
+
+    Returns:
+        The server's state (not waited for); None when none is wanted or it could not start.
+    """
+    from prefect_sandbox.local_server import LocalServer, configured_api_url
+
+    if mode == "never" or configured_api_url():
+        return None
+    server = LocalServer()
+    try:
+        state, started = server.find_or_start()
+    except OSError:
+        return None  # `_local_server_problem` tries again and says why
+    if started and not quiet:
+        _say_now(
+            f"starting the local Prefect server at {state.url.removesuffix('/api')} (kept for "
+            "later runs; `prefect-sandbox server stop` stops it; log: "
+            f"{server.log_path})"
+        )
+    return state
+
+
+def _local_server_problem(args: argparse.Namespace) -> str | None:
+    """Wait for the local server (found or started by `_early_local_server`, else now), saying
+    how it goes unless ``-q``, and point this process and its children at it.
+
+    Returns:
+        Why it is not ready, in one line naming the fix; None when it is.
+    """
+    import time
+
+    from prefect_sandbox.flows.startup import point_prefect_at
+    from prefect_sandbox.local_server import LocalServer, LocalServerError
+
+    server = LocalServer()
+    began = time.monotonic()
+    say = None if args.quiet else (lambda line: _say_now(f"the local Prefect server is {line}"))
+    try:
+        state = args.local_server or server.find_or_start()[0]
+        server.wait_until_ready(state, say)
+    except (LocalServerError, OSError) as exc:
+        return f"the local Prefect server did not start: {exc}"
+    waited_s = time.monotonic() - began
+    if waited_s > 1 and say is not None:
+        say(f"ready at {state.url.removesuffix('/api')} (waited {waited_s:.0f} s)")
+    point_prefect_at(state.url)
+    return None
+
+
+def _say_now(line: str) -> None:
+    print(f"prefect-sandbox: {line}", file=sys.stderr, flush=True)
+
+
+def _server_command(action: str) -> int:
+    """``server status|start|stop``: the local Prefect server of this ``PREFECT_HOME``.
+
+    Returns:
+        0; 1 for ``status`` when none runs, or ``start`` when it did not start.
+    """
+    from prefect_sandbox.local_server import LocalServer, LocalServerError, describe
+
+    server = LocalServer()
+    if action == "stop":
+        stopped = server.stop()
+        if stopped is None:
+            print(f"No local Prefect server was running (PREFECT_HOME={server.home}).")
+        else:
+            print(f"Stopped the local Prefect server (pid {stopped.pid}, {stopped.url}).")
+        return 0
+    if action == "start":
+        try:
+            state, _ = server.find_or_start()
+            server.wait_until_ready(state, lambda line: _say_now(f"the server is {line}"))
+        except (LocalServerError, OSError) as exc:
+            print(
+                f"prefect-sandbox: the local Prefect server did not start: {exc}", file=sys.stderr
+            )
+            return 1
+    lines = describe(server)
+    print("\n".join(lines))
+    return 0 if server.running() is not None else 1
 
 
 def _start_temporary_server() -> None:

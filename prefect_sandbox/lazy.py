@@ -1,5 +1,6 @@
 """Names of a package imported from its modules on first use (module ``__getattr__``,
-PEP 562), so that a caller pays only for the modules it uses."""
+PEP 562), so that a caller pays only for the modules it uses. Manual: docs/development.md.
+"""
 
 from __future__ import annotations
 

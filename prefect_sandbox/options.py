@@ -1,19 +1,14 @@
 """The arguments of a run and of a sweep, with every rule on them, in one place and without
 Prefect.
 
-`RunOptions` (the ``run-notebook`` flow, ``prefect-sandbox run``) and `SweepOptions`
-(``sweep-notebook``, ``prefect-sandbox sweep``) are pydantic models. The CLI builds them from
-its arguments before it imports Prefect, and the flows from their parameters (`check_options`),
-so both refuse a value with the same message. A message names the option at fault as its
-caller spells it: the flows' parameter names (``cell_timeout_s``) by default, the CLI's flags
-(``--cell-timeout``, `CLI_FLAGS`) when validated with the context `CLI`
-(``RunOptions.model_validate(data, context=CLI)``); `one_line` gives a `ValidationError` as
-that one line.
-
-Rules that look at this machine (the notebook is a file, a local input exists, ``--out`` is a
-folder, a backend's SDK is installed, ``E2B_API_KEY`` is set) are checked under `CLI` only, and
-not for paths a sweep's deployment reads on its workers: a flow finds a missing file as it reads
-it, and stores what the run made with the reason.
+`RunOptions` (``run-notebook``, ``prefect-sandbox run``) and `SweepOptions` (``sweep-notebook``,
+``prefect-sandbox sweep``) are pydantic models that the CLI builds before it imports Prefect and
+the flows build from their parameters (`check_options`), so both refuse a value with the same
+message, naming the option as its caller spells it: the flows' parameter names by default, the
+CLI's flags (`CLI_FLAGS`) under the context `CLI`; `one_line` gives a `ValidationError` as that
+line. Rules that look at this machine (a file exists, an SDK is installed, ``E2B_API_KEY`` is
+set) apply under `CLI` only, and not to paths a deployment's workers read: a flow finds a
+missing file as it reads it and stores what the run made. Manual: docs/reference/cli.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a `CellDone` under `CELL_DONE_ATTRIBUTE`). `CellProgress` is a logging handler t
 records into a progress bar (rich's, drawn on Prefect's own console so that its log lines
 print above it) when stderr is a terminal, or into one plain line per cell when it is not
 (`progress_mode`); Prefect's console handler then leaves those records out, so each cell shows
-once. Every record still reaches the Prefect API.
+once. Every record still reaches the Prefect API. Manual: docs/reference/cli.md.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal, TextIO
 
+from prefect_sandbox.sandbox.notebook import cell_label
 from prefect_sandbox.sandbox.outputs import strip_ansi
 from prefect_sandbox.tasks.sandbox import CELL_DONE_ATTRIBUTE, CellDone
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CellProgress",
     "ProgressMode",
+    "engine_tracebacks_hidden",
     "prefect_console_handlers",
     "progress_mode",
     "quiet_run_errors",
@@ -38,6 +40,8 @@ ProgressMode = Literal["bar", "lines"]
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 """The loggers of flow runs and task runs (Prefect's run loggers)."""
+STAGE_TASK_NAME = "run-stage"
+"""The task whose failure fails the run: a stage's cell failed, or its sandbox went."""
 
 
 def progress_mode(quiet: bool, stream: TextIO) -> ProgressMode | None:
@@ -100,6 +104,44 @@ def quiet_run_errors() -> Iterator[None]:
             handler.removeFilter(_not_run_error)
 
 
+class _EngineTracebacksHidden(logging.Filter):
+    """Leaves out Prefect's error records that carry a traceback (the engine's "Task run
+    failed with exception", "Encountered exception during execution"), and, once the run is
+    failing (such a record from a run-stage task or from the flow run), every later record of
+    flow and task runs: a failure then ends with the CLI's own lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name not in RUN_LOGGERS:
+            return True
+        if self.failing:
+            return False
+        if record.levelno < logging.ERROR or not record.exc_info:
+            return True
+        task = getattr(record, "task_name", None)
+        self.failing = record.name == "prefect.flow_runs" or task == STAGE_TASK_NAME
+        return False
+
+
+@contextmanager
+def engine_tracebacks_hidden() -> Iterator[None]:
+    """Within, Prefect's console shows no engine tracebacks, and nothing of the run's after
+    it began to fail (`_EngineTracebacksHidden`): a failing cell's traceback is followed only
+    by the CLI's lines. Everything still reaches the API; ``-v`` keeps it all."""
+    handlers = prefect_console_handlers()
+    hidden = _EngineTracebacksHidden()
+    for handler in handlers:
+        handler.addFilter(hidden)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hidden)
+
+
 class CellProgress(logging.Handler):
     """Shows each cell-done record as progress: a bar's step, or a line on ``stream``.
 
@@ -110,12 +152,12 @@ class CellProgress(logging.Handler):
         mode: ``"bar"`` (rich's progress bar on Prefect's console, or a console of its own on
             ``stream``) or ``"lines"``.
         plan: the run's code cells in running order (injected parameters included), each as
-            its stage's name and its index in the notebook; None when unknown.
+            its stage's name and its number (`CellSpec.number`); None when unknown.
         stream: where lines go, and the bar when Prefect has no console handler.
     """
 
     def __init__(
-        self, mode: ProgressMode, plan: list[tuple[str, int]] | None, stream: TextIO
+        self, mode: ProgressMode, plan: list[tuple[str, int | None]] | None, stream: TextIO
     ) -> None:
         super().__init__()
         self.mode = mode
@@ -173,8 +215,8 @@ class CellProgress(logging.Handler):
         or without a plan."""
         if self.plan is None or self.done >= len(self.plan):
             return None
-        stage, index = self.plan[self.done]
-        return f"{strip_ansi(stage)} cell {index} running"
+        stage, number = self.plan[self.done]
+        return f"{strip_ansi(stage)} {cell_label(number)} running"
 
     @property
     def description(self) -> str | None:
@@ -202,13 +244,13 @@ class CellProgress(logging.Handler):
         # A stage's name is the notebook's: no terminal controls reach the console.
         stage = strip_ansi(done.stage)
         if self._bar is not None and self._task is not None:
-            self._ended = f"{stage} cell {done.cell_index} {done.status}"
+            self._ended = f"{stage} {cell_label(done.cell_index)} {done.status}"
             description = self._running() or self._ended
             self._bar.update(self._task, completed=self.done, description=description)
             return
         total = "?" if self.total is None else str(self.total)
         self._stream.write(
-            f"prefect-sandbox: [{self.done}/{total}] stage {stage!r} cell {done.cell_index} "
+            f"prefect-sandbox: [{self.done}/{total}] stage {stage!r} {cell_label(done.cell_index)} "
             f"{done.status} in {done.duration_s:.2f} s\n"
         )
         self._stream.flush()
@@ -216,7 +258,7 @@ class CellProgress(logging.Handler):
 
 @contextmanager
 def shown_progress(
-    mode: ProgressMode | None, plan: list[tuple[str, int]] | None, stream: TextIO
+    mode: ProgressMode | None, plan: list[tuple[str, int | None]] | None, stream: TextIO
 ) -> Iterator[None]:
     """Within, cells that end show as progress on the console (`CellProgress`, with the run's
     ``plan``), and Prefect's console leaves their records out; nothing when ``mode`` is None."""

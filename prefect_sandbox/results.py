@@ -1,19 +1,15 @@
-"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect."""
+"""What tasks and flows return: plain pydantic models, JSON-able, free of Prefect.
+
+Manual: docs/reference/api.md.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import BaseModel, Field
 
-from prefect_sandbox.deprecation import renamed_attribute
 from prefect_sandbox.sandbox.base import CellError, CellResult
 
 __all__ = [
@@ -43,7 +39,9 @@ class StageResult(BaseModel):
             cancelled during a cell (the cells after it did not run).
         cells: the cells that ran, in order, the failing one included.
         duration_s: seconds the stage took.
-        failed_cell_index: 0-based notebook index of the failing cell.
+        failed_cell_index: the failing cell's number: its 0-based index in the notebook as
+            written (markdown cells counted, a parameters cell injected by the run not); None
+            when that injected cell failed.
         error: the failing cell's exception.
         late_outputs: output printed by background threads of earlier cells (this stage's or
             an earlier one's) after those cells ended, by the cell's ``CellResult.msg_id``.
@@ -63,38 +61,41 @@ class StoredArtifact(BaseModel):
 
     Attributes:
         path: POSIX path relative to the sandbox's working directory (or the notebook's name).
-        size_bytes: its size in bytes. Read also from ``bytes``, its old name (an older
-            ``summary.json``); its JSON keeps ``bytes`` beside it for one release, and the
-            attribute ``bytes`` reads it with a `DeprecationWarning`.
+        size_bytes: its size in bytes.
         sha256: hex SHA-256 of its content.
         location: where it was stored (a local path, or an ``s3://`` URI).
     """
 
     path: str
-    size_bytes: int = Field(validation_alias=AliasChoices("size_bytes", "bytes"))
+    size_bytes: int
     sha256: str
     location: str
 
-    bytes = renamed_attribute("StoredArtifact.bytes", "size_bytes")
-
-    @model_serializer(mode="wrap")
-    def _with_old_key(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """Also write ``size_bytes`` as ``bytes``, its old key, for readers of ``summary.json``
-        written before the rename (one release)."""
-        data = handler(self)
-        if isinstance(data, dict) and "size_bytes" in data:
-            data["bytes"] = data["size_bytes"]
-        return data
-
 
 class StageSummary(BaseModel):
-    """A stage's line in ``summary.json``."""
+    """A stage's line in ``summary.json``.
+
+    Attributes:
+        name: the stage's name.
+        status: ``"ok"``, ``"failed"``, ``"cancelled"``, or ``"not_run"`` (an earlier stage
+            failed or the run stopped before it).
+        cell_count: its code cells.
+        duration_s: seconds it ran.
+        failed_cell_index: the failing cell's number, as `StageResult.failed_cell_index`.
+        failed_line: the 1-based line of that cell's code its error points at; None when the
+            traceback names none.
+        failed_code: that line's code, stripped (at most 200 characters).
+        ename: the error's class name.
+        evalue: the error's message.
+    """
 
     name: str
     status: Literal["ok", "failed", "cancelled", "not_run"]
     cell_count: int
     duration_s: float
     failed_cell_index: int | None = None
+    failed_line: int | None = None
+    failed_code: str | None = None
     ename: str | None = None
     evalue: str | None = None
 

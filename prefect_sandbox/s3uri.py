@@ -4,6 +4,7 @@ Pure functions, without Prefect or boto3, so the CLI can check a URI before impo
 S3 keys keep every character as given (spaces, ``?``, ``#``, any script: S3 and the AWS CLI
 take them verbatim, so this is no RFC 3986 URL with a query or fragment); only ``.`` and ``..``
 segments are refused, as S3 would keep them in the key rather than resolve them.
+Manual: docs/how-to/s3.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ a run counts, whatever was imported earlier. docs/reference/settings.md lists ev
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -29,6 +29,7 @@ from prefect_sandbox.sandbox.paths import (
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",
     "DEFAULT_EPHEMERAL_STARTUP_TIMEOUT_S",
+    "DEFAULT_LOCAL_SERVER_IDLE_STOP_S",
     "DEFAULT_STORAGE",
     "PrefectSandboxSettings",
 ]
@@ -38,6 +39,8 @@ DEFAULT_CELL_TIMEOUT_S = 600.0
 DEFAULT_EPHEMERAL_STARTUP_TIMEOUT_S = 90
 """Seconds Prefect's temporary API server may take to start: it takes 6-11 s on an idle 2-core
 machine and over 20 s (Prefect's default) on a busy one."""
+DEFAULT_LOCAL_SERVER_IDLE_STOP_S = 1800.0
+"""Seconds the local Prefect server kept for the user stays up unused (30 minutes)."""
 DEFAULT_STORAGE = "prefect-sandbox-output"
 """The folder flows and the CLI store files under when neither they nor the environment say."""
 
@@ -126,6 +129,7 @@ class PrefectSandboxSettings(BaseSettings):
         "max_live_sandboxes",
         "max_artifact_bytes",
         "max_total_artifact_bytes",
+        "local_server_idle_stop_s",
         mode="before",
     )
     @classmethod
@@ -172,6 +176,17 @@ class PrefectSandboxSettings(BaseSettings):
             "many set-ups in all; 1: none again."
         ),
     )
+    create_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "Seconds a run keeps asking for its sandbox while the service refuses creates "
+            "with 429 (its rate limit on creates, or E2B's quota of live sandboxes reached): "
+            "each try waits the Retry-After the service names, else 1 s doubling up to 30 s. "
+            "No sandbox was made, so these tries are not set-ups; the refusal that outlasts "
+            "this fails the run."
+        ),
+    )
     transfer_retry_budget_s: float = Field(
         default=120.0,
         gt=0,
@@ -199,6 +214,25 @@ class PrefectSandboxSettings(BaseSettings):
             "may take to start, for the CLI and for flows called from Python; read when "
             "prefect_sandbox.flows is imported. Prefect's own "
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS wins when set."
+        ),
+    )
+    local_server: Literal["cli", "always", "never"] = Field(
+        default="cli",
+        description=(
+            "Which runs with no PREFECT_API_URL use the local Prefect server kept for the user "
+            "(started on first use, found again by later runs, stopped after "
+            "PREFECT_SANDBOX_LOCAL_SERVER_IDLE_STOP_S idle): cli, the prefect-sandbox command's; "
+            "always, flows called from Python too (read when prefect_sandbox.flows is "
+            "imported); never, none (each run starts Prefect's temporary server)."
+        ),
+    )
+    local_server_idle_stop_s: float | None = Field(
+        default=DEFAULT_LOCAL_SERVER_IDLE_STOP_S,
+        gt=0,
+        description=(
+            "Seconds the local Prefect server stays up with no request and no run starting, "
+            "before it stops itself; read by the run that starts it. none: it stays until "
+            "`prefect-sandbox server stop`."
         ),
     )
     input_roots: Annotated[list[str], NoDecode] = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import copyreg
 import functools
 import json
@@ -22,6 +23,10 @@ import pytest
 
 # jupyter_core warns about its coming path change unless told which to use.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
+# The suite's runs use servers of its own (Prefect's test harness, `PrefectServer`): a CLI or
+# script run here never starts the local server kept for the user, which would outlive the
+# suite. Tests of that server ask for it in their subprocesses' environment.
+os.environ["PREFECT_SANDBOX_LOCAL_SERVER"] = "never"
 
 from prefect_sandbox.sandbox.notebook import retry_ast_race
 from prefect_sandbox.testing.daytona import DaytonaEmulator
@@ -67,6 +72,35 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+def local_servers_under(folder: Path) -> list[psutil.Process]:
+    """Live local Prefect server processes (`prefect_sandbox.local_server.serve`) whose
+    ``PREFECT_HOME`` is under ``folder``."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        command = process.info["cmdline"] or []
+        if "prefect_sandbox.local_server.serve" not in command:
+            continue
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        home = command[command.index("--folder") + 1] if "--folder" in command else ""
+        if Path(home).is_relative_to(folder):
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_local_server_outlives_the_suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the session, no local server started under its temporary folders runs: any left
+    is stopped, and the session fails naming it (a test must stop what it started)."""
+    yield
+    left = local_servers_under(tmp_path_factory.getbasetemp())
+    named = [" ".join(process.info["cmdline"]) for process in left]
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    assert not left, f"local Prefect servers left running: {named}"
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ Prefect API (a temporary server, or none reachable), real kernels."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -38,7 +37,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         name: value
         for name, value in os.environ.items()
         if name not in ("PREFECT_API_URL", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
-        and not name.startswith("PREFECT_SANDBOX_")
+        and (not name.startswith("PREFECT_SANDBOX_") or name == "PREFECT_SANDBOX_LOCAL_SERVER")
     }
     return {**env, "PREFECT_HOME": str(tmp_path / "prefect-home"), **extra}
 
@@ -352,27 +351,6 @@ def test_a_broken_rule_on_the_options_is_exit_2_before_prefect_is_imported(
         assert (done.stdout, done.stderr) == ("2 []\n", f"prefect-sandbox: {message}\n")
 
 
-def test_the_old_flag_max_sandboxes_is_a_hidden_alias_of_max_live_sandboxes(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from prefect_sandbox import cli
-
-    parser = cli._parser()
-    old = parser.parse_args(["sweep", "nb.ipynb", "--grid", "g.json", "--max-sandboxes", "3"])
-    new = parser.parse_args(["sweep", "nb.ipynb", "--grid", "g.json", "--max-live-sandboxes", "3"])
-    assert old == new and new.max_live_sandboxes == 3
-    assert capsys.readouterr().err == (
-        "prefect-sandbox: --max-sandboxes is deprecated; use --max-live-sandboxes\n"
-    )
-    (sweep,) = (
-        action.choices["sweep"]
-        for action in parser._actions
-        if isinstance(action, argparse._SubParsersAction)
-    )
-    assert "--max-live-sandboxes N" in sweep.format_help()
-    assert "--max-sandboxes" not in sweep.format_help()
-
-
 def test_help_and_version_import_neither_prefect_nor_prefect_aws(tmp_path: Path) -> None:
     """The CLI's answers that run nothing stay fast: Prefect costs seconds to import."""
     code = (
@@ -452,7 +430,6 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
     for path, artifact in files.items():
         data = (run_dir / path).read_bytes()
         assert artifact["size_bytes"] == len(data)
-        assert artifact["bytes"] == len(data)  # its old key, kept for one release
         assert artifact["sha256"] == hashlib.sha256(data).hexdigest()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == {k: v for k, v in result.items() if k != "exit_status"}
@@ -462,7 +439,9 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
     assert [line.split("]")[0] for line in progress] == [
         f"prefect-sandbox: [{n}/4" for n in (1, 2, 3, 4)
     ]
-    assert progress[2].startswith("prefect-sandbox: [3/4] stage 'setup' cell 2 ok in ")
+    # The injected parameters cell shifts no cell's number: cell 1 is cell 1 of m.ipynb.
+    assert progress[1].startswith("prefect-sandbox: [2/4] stage 'setup' injected parameters cell")
+    assert progress[2].startswith("prefect-sandbox: [3/4] stage 'setup' cell 1 ok in ")
     assert " ok in " not in "".join(set(done.stderr.splitlines()) - set(progress))
 
 
@@ -493,17 +472,48 @@ def test_json_shows_a_failed_run_with_its_stages_files_and_metrics(tmp_path: Pat
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_a_failed_run_prints_its_stage_table_and_a_quiet_one_only_its_reason(
+def test_a_failing_cell_ends_in_three_lines_and_v_adds_the_engines_tracebacks(
     tmp_path: Path,
 ) -> None:
+    """After the cell's own traceback: its progress line, the cell (numbered as in m.ipynb,
+    which -p's injected cell does not shift) with its line of code, and the reason with where
+    the files are. No engine traceback, no stage table; -v shows both, -q the reason alone."""
+    import json
+
     _metrics_notebook(tmp_path / "m.ipynb", fail=True)
-    done = _api_cli("run", "m.ipynb", "--out", "out", cwd=tmp_path)
+    args = ("run", "m.ipynb", "-p", "alpha", "0.5", "--out", "out")
+    done = _api_cli(*args, cwd=tmp_path)
     assert done.returncode == 1
-    lines = done.stdout.splitlines()
-    assert lines[0].startswith("Stored 1 file(s) and summary.json in ")
-    assert lines[1].split()[:4] == ["setup", "failed", "3", "cell(s)"]
-    assert lines[1].endswith("  cell 2: ValueError")
-    quiet = _api_cli("run", "m.ipynb", "-q", "--out", "out", cwd=tmp_path)
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    cell_end = max(n for n, line in enumerate(lines) if line.startswith("[setup cell 2] "))
+    assert lines[cell_end] == "[setup cell 2] ValueError: bad fit"
+    after = lines[cell_end + 1 :]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert after[0].startswith("prefect-sandbox: [4/4] stage 'setup' cell 2 error in ")
+    assert after[1:] == [
+        "prefect-sandbox: cell 2 of m.ipynb (counting from 0), line 1: raise ValueError('bad fit')",
+        "prefect-sandbox: pipeline failed: stage 'setup', cell 2: ValueError: bad fit "
+        f"(partial results in {run_dir.resolve()})",
+    ]
+    assert not any(line.startswith("Traceback") for line in lines)
+    (stage,) = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert (stage["failed_cell_index"], stage["failed_line"], stage["failed_code"]) == (
+        2,
+        1,
+        "raise ValueError('bad fit')",
+    )
+
+    verbose = _api_cli(*args, "-v", cwd=tmp_path)
+    assert verbose.returncode == 1
+    table = verbose.stdout.splitlines()
+    assert table[0].startswith("Stored 1 file(s) and summary.json in ")
+    assert table[1].split()[:4] == ["setup", "failed", "4", "cell(s)"]
+    assert table[1].endswith("  cell 2: ValueError")
+    assert "Traceback (most recent call last):" in verbose.stderr.splitlines()
+    assert "task_engine.py" in verbose.stderr
+
+    quiet = _api_cli(*args, "-q", cwd=tmp_path)
     assert quiet.returncode == 1
     assert quiet.stdout == ""
     (reason,) = [line for line in quiet.stderr.splitlines() if line.strip()]
@@ -626,3 +636,16 @@ def test_a_run_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     assert "prefect-sandbox: [" not in shown  # no plain progress lines
     assert " ok in " not in shown  # nor Prefect's own record of each cell's end
     assert "Stored 1 file(s) and summary.json in " in shown
+
+
+def test_main_called_as_a_function_gives_the_callers_signal_handlers_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import signal
+
+    from prefect_sandbox.cli import main
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    assert main(["run", "missing.ipynb"]) == 2
+    assert {signum: signal.getsignal(signum) for signum in before} == before
+    assert "is not a file" in capsys.readouterr().err

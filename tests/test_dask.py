@@ -13,12 +13,14 @@ import copy
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import cloudpickle
 import dask
@@ -28,20 +30,27 @@ from distributed import Client, LocalCluster
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
 from prefect.client.schemas.objects import StateType
 from prefect.context import FlowRunContext, serialize_context
 from prefect.exceptions import CancelledRun
 from prefect.runtime import flow_run
 
 import prefect_sandbox.tasks
-from prefect_sandbox import E2BBackend, E2BCredentials, LocalKernelBackend
+from prefect_sandbox import (
+    DaytonaBackend,
+    DaytonaCredentials,
+    E2BBackend,
+    E2BCredentials,
+    LocalKernelBackend,
+)
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows.dask import (
     BRANCHES_PER_WORKER,
     SandboxDaskTaskRunner,
     dask_task_runner,
 )
+from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.sweep import asweep_notebook
 from prefect_sandbox.results import StageResult
 from prefect_sandbox.sandbox.base import SandboxHandle
@@ -55,6 +64,7 @@ from prefect_sandbox.tasks.sandbox import (
     run_stage,
     upload_inputs,
 )
+from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import (
     ROOT,
@@ -204,16 +214,17 @@ async def test_stages_on_two_worker_processes_share_one_local_sandbox(
     backend = LocalKernelBackend(interrupt_grace_s=2.0)
     result = await _run_staged(backend, workers, tmp_path)
     handle: SandboxHandle = result["handle"]
-    # Killed from the second worker: its files are gone and no kernel of it is left running
-    # (its guard, whose command line names the kernel's log, waits for the next launch below).
+    # Killed from the second worker: its files are gone and no kernel of it is left running.
+    # The kernel (or its bwrap) is the process given its connection file; its guard, whose
+    # command line names the kernel's log (and whose source mentions ipykernel), waits for the
+    # next launch below.
     assert not Path(handle.connection["runtime_dir"]).exists()
     assert not Path(handle.workdir).exists()
+    connection_file = str(Path(handle.connection["runtime_dir"]) / "kernel.json")
     assert [
         child
         for child in psutil.Process().children(recursive=True)
-        if child.status() != psutil.STATUS_ZOMBIE
-        and handle.connection["runtime_dir"] in (command := " ".join(child.cmdline()))
-        and "ipykernel" in command
+        if child.status() != psutil.STATUS_ZOMBIE and connection_file in child.cmdline()
     ] == []
     with pytest.raises(SandboxNotFoundError):
         await backend.attach(handle)
@@ -537,3 +548,82 @@ async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_h
         # The sweep ends Cancelled; its branches, whose cells ended when their sandboxes
         # were killed, Failed.
         assert await branch_run_states(sweep_id) == ["CANCELLED", "FAILED", "FAILED"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("vendor", ["e2b", "daytona", "local"])
+async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
+    cluster: Client, workers: Workers, tmp_path: Path, vendor: str, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL of the Dask worker running a branch mid-cell: Dask would run the branch again
+    on another worker (its cells twice, its first flow run left Running with its sandbox
+    alive); the sweep's process, which outlives the worker, ends that run instead. A remote
+    sandbox outlives the worker and is killed; a local kernel dies with it."""
+    test_id = uuid.uuid4().hex
+    sandboxes, creates, backend = _vendor_under_test(vendor, test_id, tmp_path, request)
+    _notebook(tmp_path / "nb.ipynb", "import time\nprint('sleeping', flush=True)\ntime.sleep(x)")
+    before = creates() or 0
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(tmp_path / "nb.ipynb"),
+            grid=[{"x": 120}],
+            backend=backend,
+            storage=str(tmp_path / "out"),
+            task_runner=f"dask:{workers.address}",
+        )
+    )
+    async with asyncio.timeout(120):
+        while not sandboxes():
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # into the cell
+    (running,) = [address for address, keys in cluster.processing().items() if keys]
+    os.kill(workers.pids[running], signal.SIGKILL)
+    with pytest.raises(SweepFailedError, match="Dask worker process running it died"):
+        await sweep
+    (sweep_dir,) = (tmp_path / "out").iterdir()
+    (branch,) = json.loads((sweep_dir / "sweep.json").read_text())["branches"]
+    assert branch["status"] == "crashed" and "not run again" in branch["error"]
+    summary = json.loads((Path(branch["output_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Dask worker" in summary["error"]
+    if vendor != "local":  # the remote sandbox outlived the worker, and was killed
+        assert summary["sandbox_id"] is not None and summary["sandbox_killed_at"] is not None
+    assert sandboxes() == []
+    assert creates() in (before + 1, None)  # the branch did not run again
+    async with get_client() as client:
+        run = await client.read_flow_run(UUID(branch["flow_run_id"]))
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run.name]))
+        )
+    assert run.state is not None and run.state.type == StateType.CRASHED
+    assert [other.id for other in runs] == [run.id]
+
+
+def _vendor_under_test(
+    vendor: str, test_id: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[Callable[[], list[str]], Callable[[], int | None], SandboxBackend]:
+    """How to list one test's live sandboxes, count the creates asked for (None: a local
+    kernel, made by no request), and its backend."""
+    if vendor == "e2b":
+        e2b: E2BEmulator = request.getfixturevalue("e2b_emulator")
+        return (
+            lambda: e2b.sandbox_ids({"test-id": test_id}),
+            lambda: sum(1 for r in e2b.requests if r.operation == "create"),
+            _e2b_backend(e2b, test_id),
+        )
+    if vendor == "daytona":
+        daytona: DaytonaEmulator = request.getfixturevalue("daytona_env")
+        credentials = DaytonaCredentials(
+            api_key=daytona.api_key, api_url=daytona.api_url, target=daytona.target
+        )
+        return (
+            lambda: daytona.sandbox_ids({"test-id": test_id}),
+            lambda: sum(1 for r in daytona.requests if r.operation == "create"),
+            DaytonaBackend(credentials=credentials, labels={"test-id": test_id}),
+        )
+    work = tmp_path / "work"
+    work.mkdir()
+    return (
+        lambda: [path.name for path in work.iterdir()],
+        lambda: None,
+        LocalKernelBackend(workdir_root=str(work)),
+    )

@@ -20,14 +20,13 @@ from typing import Any
 import pytest
 
 from prefect_sandbox import DaytonaBackend, DaytonaCredentials
-from prefect_sandbox.sandbox.backends._daytona_runner import transform_magics
 from prefect_sandbox.sandbox.backends.daytona import (
     DaytonaSandboxConfig,
     MarkerSplitter,
     _bootstrap_code,
     _call,
     _cell_code,
-    close_code_of,
+    close_of,
     import_sdk,
     record_content,
     translate_error,
@@ -42,6 +41,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxNotFoundError,
     SandboxUnavailableError,
 )
+from prefect_sandbox.sandbox.kernel_side.daytona_runner import transform_magics
 from prefect_sandbox.sandbox.outputs import error_content
 from prefect_sandbox.sandbox.retries import retry_delay_s
 from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
@@ -98,11 +98,13 @@ def test_records_become_nbformat_message_contents() -> None:
     }
 
 
-def test_close_codes_are_read_from_sdk_errors() -> None:
+def test_close_codes_and_reasons_are_read_from_sdk_errors() -> None:
     sdk = import_sdk()
     error = sdk.DaytonaConnectionError("Failed to run code: worker process ended (close code 1001)")
-    assert close_code_of(error) == 1001
-    assert close_code_of(sdk.DaytonaConnectionError("reset by peer")) is None
+    assert close_of(error) == (1001, "worker process ended")
+    error = sdk.DaytonaConnectionError("Failed to run code: context not found: c (close code 1008)")
+    assert close_of(error) == (1008, "context not found: c")
+    assert close_of(sdk.DaytonaConnectionError("reset by peer")) is None
 
 
 def _daytona_error(cls_name: str, status: int | None, headers: dict[str, str] | None = None) -> Any:
@@ -334,16 +336,21 @@ async def box(backend: DaytonaBackend) -> AsyncIterator[Sandbox]:
         await sandbox.kill()
 
 
-async def test_an_execution_closed_as_timed_out_gets_a_fresh_interpreter(
+async def test_a_4008_before_any_deadline_is_an_interrupt_from_outside_not_a_timeout(
     emulator: DaytonaEmulator, box: Sandbox
 ) -> None:
+    # Daytona closes with 4008 whenever its interpreter says "interrupted" (the SDK raises
+    # "Execution timed out"): here as the execution starts, the code never run.
     await box.run_cell("x = 1")
     emulator.inject(Fault("run_code", close_code=4008))
-    result = await box.run_cell("x = 2", timeout_s=30)
-    assert (result.status, result.state_lost, result.interrupted) == ("timeout", True, False)
-    assert result.error is not None and result.error.ename == "CellTimeoutError"
-    after = await box.run_cell("print('x' in globals())")
-    assert stream_text(after.outputs) == "False\n"
+    result = await box.run_cell("x = 2", timeout_s=600)
+    assert (result.status, result.state_lost, result.interrupted) == ("error", False, False)
+    assert result.error is not None and result.error.ename == "KeyboardInterrupt"
+    assert "interrupted from outside the run" in result.error.evalue
+    assert "close code 4008" in result.error.evalue and "600" in result.error.evalue
+    assert "timed out" not in result.error.evalue
+    after = await box.run_cell("print(x)")  # the interpreter lives on, state kept
+    assert stream_text(after.outputs) == "1\n"
 
 
 async def test_a_slow_api_is_waited_for(

@@ -183,6 +183,19 @@ async def test_a_dropped_execute_is_reported_and_never_replayed(
     assert stream_text(after.outputs) == "1\n"
 
 
+async def test_an_interrupt_from_outside_mid_cell_ends_it_with_keyboard_interrupt(
+    vendor: Vendor, box: Sandbox
+) -> None:
+    # Another process's SIGINT (Daytona) or another client's interrupt (E2B): no timeout.
+    await box.run_cell("x = 1")
+    vendor.emulator.inject(Fault("run_code", interrupt_after_s=1.0))
+    result = await box.run_cell("import time\ntime.sleep(60)", timeout_s=600)
+    assert (result.status, result.state_lost, result.interrupted) == ("error", False, False)
+    assert result.error is not None and result.error.ename == "KeyboardInterrupt"
+    assert 1.0 <= result.duration_s < 30
+    assert stream_text((await box.run_cell("print(x)")).outputs) == "1\n"
+
+
 async def test_an_execute_answered_500_is_unavailable_and_not_retried(
     vendor: Vendor, box: Sandbox
 ) -> None:

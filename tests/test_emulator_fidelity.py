@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import time
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from daytona import AsyncDaytona, AsyncSandbox, DaytonaConfig, DaytonaError
+from daytona import AsyncDaytona, AsyncSandbox, DaytonaConfig, DaytonaError, DaytonaTimeoutError
 from e2b_code_interpreter import AsyncSandbox as E2BAsyncSandbox
 from e2b_code_interpreter import SandboxException
 
-from prefect_sandbox.testing.daytona import DaytonaEmulator
+from prefect_sandbox.testing.daytona import DaytonaEmulator, Fault
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import kernel_processes
 
@@ -86,6 +87,25 @@ async def test_daytona_interrupt_and_exit_as_the_worker_reports_them(
     with pytest.raises(DaytonaError, match="timed out"):
         await run("import time\ntime.sleep(30)", timeout=1)
     assert (await run("print(x + 1)")).stdout == "2\n"
+
+
+async def test_daytona_closes_4008_for_an_interrupt_from_outside_long_before_the_timeout(
+    daytona_env: DaytonaEmulator, daytona_sandbox: AsyncSandbox
+) -> None:
+    # The daemon closes with 4008 whenever its worker says "interrupted", whoever sent the
+    # SIGINT; the SDK calls that a timeout. The worker lives on, state kept.
+    run = daytona_sandbox.code_interpreter.run_code
+    await run("x = 1")
+    daytona_env.inject(Fault("run_code", interrupt_after_s=1.0))
+    start = time.monotonic()
+    with pytest.raises(DaytonaTimeoutError, match="timed out"):
+        await run("import time\ntime.sleep(30)", timeout=600)
+    assert 1.0 <= time.monotonic() - start < 20
+    assert (await run("print(x)")).stdout == "1\n"
+    # Code that catches it ends as it likes: closed 1000, no error.
+    daytona_env.inject(Fault("run_code", interrupt_after_s=1.0))
+    caught = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('caught')"
+    assert (await run(caught)).stdout == "caught\n"
 
 
 async def test_daytona_run_code_sets_envs_for_that_execution_only(

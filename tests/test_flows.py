@@ -169,10 +169,11 @@ async def test_failing_stage_stores_partial_notebook_and_artifacts(tmp_path: Pat
             storage=str(tmp_path / "out"),
         )
     error = info.value
-    # The injected parameters cell sits at index 2, so the failing cell is index 5.
-    assert (error.stage, error.cell_index) == ("fit", 5)
+    # The injected parameters cell sits at index 2 of the executed notebook, so the failing
+    # cell is its index 5 there; it is named by its index in the notebook as written: 4.
+    assert (error.stage, error.cell_index) == ("fit", 4)
     assert "RuntimeError: no convergence after 12 rows" in str(error)
-    assert "'fit'" in str(error) and "cell 5" in str(error)
+    assert "'fit'" in str(error) and "cell 4" in str(error)
     out = Path(error.output_dir or "")
     assert (out / "early.txt").read_text() == "made before"
     cells = _cells(out / "executed.ipynb")
@@ -189,8 +190,13 @@ async def test_failing_stage_stores_partial_notebook_and_artifacts(tmp_path: Pat
         ("fit", "failed"),
         ("report", "not_run"),
     ]
-    assert summary["stages"][1]["failed_cell_index"] == 5
-    assert summary["stages"][1]["ename"] == "RuntimeError"
+    failed = summary["stages"][1]
+    assert (failed["failed_cell_index"], failed["failed_line"], failed["failed_code"]) == (
+        4,
+        2,
+        "raise RuntimeError(f'no convergence after {rows} rows')",
+    )
+    assert failed["ename"] == "RuntimeError"
     stored = {a["path"]: a for a in summary["artifacts"]}
     assert set(stored) == {"early.txt", "executed.ipynb"}
     assert stored["early.txt"]["sha256"] == hashlib.sha256(b"made before").hexdigest()
@@ -577,7 +583,7 @@ def test_cli_failure_exits_1_with_a_one_line_reason(tmp_path: Path) -> None:
     done = _cli("run", str(source), "-p", "rows=3", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
+    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 4: RuntimeError")
     assert str(tmp_path / "out") in last
     missing = _cli("run", "missing.ipynb", cwd=tmp_path)
     assert missing.returncode == 2
@@ -636,6 +642,7 @@ def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path
     source = _staged_notebook(tmp_path / "staged.ipynb")
     env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SANDBOX_LOCAL_SERVER"] = "never"  # Prefect's temporary server, not the kept one
     done = subprocess.run(
         [sys.executable, "-m", "prefect_sandbox.cli", "run", str(source), "-p", "rows=3"],
         env=env,
@@ -647,7 +654,7 @@ def test_cli_failure_reason_is_last_even_with_prefects_temporary_server(tmp_path
     assert done.returncode == 1
     assert "Stopping temporary server" in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 5: RuntimeError")
+    assert last.startswith("prefect-sandbox: pipeline failed: stage 'fit', cell 4: RuntimeError")
 
 
 async def test_timeout_in_a_task_on_the_thread_pool_runner(tmp_path: Path) -> None:

@@ -189,6 +189,7 @@ def test_signal_with_the_temporary_server_leaves_no_server_and_a_cancelled_run(
         )
     env.update(
         PREFECT_HOME=str(home),
+        PREFECT_SANDBOX_LOCAL_SERVER="never",  # Prefect's temporary server, not the kept one
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PYTHONPATH=os.pathsep.join([str(slow_start), str(ROOT)]),
     )

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import nbformat
@@ -21,6 +21,7 @@ from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.responses import GlobalConcurrencyLimitResponse
 from prefect.exceptions import CancelledRun, ObjectNotFound
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_sandbox import (
     DaytonaBackend,
@@ -38,6 +39,9 @@ from prefect_sandbox.flows import (
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_limit_name
 from prefect_sandbox.results import PipelineResult
 from tests.conftest import max_alive_at_once, run_past_a_flow_timeout
+
+if TYPE_CHECKING:
+    from tests.test_deployments import PrefectStack
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -431,3 +435,67 @@ async def test_a_session_whose_lease_is_lost_fails_with_its_summary(
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "failed" and summary["sandbox_killed_at"] is not None
     assert (await _read_limit()).active_slots == 0
+
+
+@pytest.mark.timeout(400)
+async def test_renewals_failing_until_the_lease_lapses_never_let_two_sandboxes_live(
+    server: PrefectStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real ``prefect server`` (its repossessor frees lapsed leases): every renewal of the
+    first run's lease fails, and so does its release. It stops its own sandbox before the lease
+    lapses; the second run, waiting for the slot, gets it only from the repossessor, after."""
+    monkeypatch.setattr(limits, "LEASE_DURATION_S", 60.0)  # the server's least
+    monkeypatch.setattr(limits, "RENEW_EVERY_S", 2.0)
+    monkeypatch.setattr(limits, "RETRY_FIRST_DELAY_S", 0.01)
+    first_over = asyncio.Event()
+    for method, code in (
+        ("renew_concurrency_lease", 503),
+        ("release_concurrency_slots_with_lease", 500),
+    ):
+        real = getattr(PrefectClient, method)
+
+        async def failing(
+            self: PrefectClient, *args: Any, _real: Any = real, _code: int = code, **kwargs: Any
+        ) -> Any:
+            if not first_over.is_set():
+                raise _api_error(_code)
+            return await _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(PrefectClient, method, failing)
+    work, go, out = tmp_path / "work", tmp_path / "go", tmp_path / "out"
+    work.mkdir()
+    backend = LocalKernelBackend(max_live_sandboxes=1, workdir_root=str(work), isolation="none")
+    cell = _waiting_cell(go)
+
+    async def run(name: str) -> dict[str, Any]:
+        try:
+            result = await amodeling_pipeline(
+                stages={name: [cell]}, backend=backend, storage=str(out / name)
+            )
+            return _summary(result)
+        except PipelineFailedError as exc:
+            return json.loads((Path(exc.output_dir or "") / "summary.json").read_text())
+
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        try:
+            first = asyncio.create_task(run("first"))
+            async with asyncio.timeout(60):
+                while not list(work.rglob("started.marker")):
+                    await asyncio.sleep(0.05)
+            second = asyncio.create_task(run("second"))
+            first_summary = await first  # its lease taken as lost 15 s before it lapses
+            first_over.set()
+            go.touch()
+            # The lease lapses; the repossessor (every 15 s) frees the slot for the second.
+            second_summary = await asyncio.wait_for(second, 150)
+        finally:
+            async with get_client() as client:
+                with contextlib.suppress(ObjectNotFound):
+                    await client.delete_global_concurrency_limit_by_name(LIMIT)
+    assert first_summary["status"] == "failed"
+    assert f"the lease on its slot of {LIMIT} was lost" in first_summary["error"]
+    assert second_summary["status"] == "completed"
+    assert max_alive_at_once([first_summary, second_summary]) == 1
+    killed = datetime.fromisoformat(first_summary["sandbox_killed_at"])
+    created = datetime.fromisoformat(second_summary["sandbox_created_at"])
+    assert (created - killed).total_seconds() > 5  # freed by the lease's lapse, not the run

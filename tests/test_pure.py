@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import json
 import math
 import pickle
 import re
@@ -28,6 +27,7 @@ from prefect_sandbox.sandbox.errors import (
 )
 from prefect_sandbox.sandbox.labels import flow_run_labels
 from prefect_sandbox.sandbox.notebook import (
+    failing_line,
     inject_parameters,
     notebook_from_stages,
     parse_parameter,
@@ -1199,25 +1199,43 @@ def test_parse_python_survives_threads_building_asts_at_once() -> None:
     assert sizes == [300] * 600
 
 
-def test_a_stored_files_size_is_size_bytes_and_its_old_name_bytes_still_works() -> None:
-    from prefect_sandbox.results import StoredArtifact
+# As ipykernel 6 on IPython 8+ sends them (the error message's ``traceback``), colours included.
+_RUNTIME_TRACEBACK = [
+    "\x1b[31m---------------------------------------------------------------------------\x1b[39m",
+    "\x1b[31mZeroDivisionError\x1b[39m                         Traceback (most recent call last)",
+    "\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[4]\x1b[39m\x1b[32m, line 4\x1b[39m\n"
+    "\x1b[32m      1\x1b[39m \x1b[38;5;28;01mdef\x1b[39;00m f(x):\n"
+    "\x1b[32m----> 4\x1b[39m c = f(\x1b[32m0\x1b[39m)\n",
+    "\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[4]\x1b[39m\x1b[32m, line 2\x1b[39m, in f(x)\n"
+    "\x1b[32m----> 2\x1b[39m     \x1b[38;5;28;01mreturn\x1b[39;00m 1 / x\n",
+    "\x1b[31mZeroDivisionError\x1b[39m: division by zero",
+]
+_SYNTAX_TRACEBACK = [
+    "  \x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[1]\x1b[39m\x1b[32m, line 2\x1b[39m\n"
+    "\x1b[31m    \x1b[39m\x1b[31mx = (\x1b[39m\n         ^\n"
+    "\x1b[31mSyntaxError\x1b[39m\x1b[31m:\x1b[39m incomplete input\n"
+]
 
-    fields = {"path": "a.csv", "sha256": "ab" * 32, "location": "/out/a.csv"}
-    new = StoredArtifact(size_bytes=12, **fields)
-    # An older summary.json has "bytes": it reads back as the same artifact.
-    old = StoredArtifact.model_validate({"bytes": 12, **fields})
-    assert old == new and old.size_bytes == 12
-    # Its JSON has both keys for one release; the old attribute warns.
-    assert json.loads(new.model_dump_json()) == {"size_bytes": 12, "bytes": 12, **fields}
-    assert StoredArtifact.model_validate_json(new.model_dump_json()) == new
-    with pytest.warns(DeprecationWarning, match=r"StoredArtifact\.bytes is deprecated.*size_bytes"):
-        assert new.bytes == 12
+
+def test_the_failing_line_is_the_cells_own_frame_in_ipythons_traceback() -> None:
+    source = "def f(x):\n    return 1 / x\n\nc = f(0)\nprint(c)"
+    # The cell's own (outermost) frame, not the function's it called.
+    assert failing_line(source, _RUNTIME_TRACEBACK) == (4, "c = f(0)")
+    assert failing_line("y = 1\nx = (", _SYNTAX_TRACEBACK) == (2, "x = (")
+    assert failing_line("x = 1", ["KeyboardInterrupt"]) is None
+    assert failing_line("x = 1", _SYNTAX_TRACEBACK) is None  # line 2 of a one-line cell
+    assert failing_line("  " + "a" * 500, ["Cell In[1], line 1"]) == (1, "a" * 200)
 
 
-def test_a_stores_folder_is_output_dir_and_its_old_name_location_warns(tmp_path: Path) -> None:
-    from prefect_sandbox.tasks.storage import LocalFolderStore
-
-    store = LocalFolderStore(tmp_path / "run")
-    assert store.output_dir == str((tmp_path / "run").resolve())
-    with pytest.warns(DeprecationWarning, match=r"ArtifactStore\.location is deprecated"):
-        assert store.location == store.output_dir
+def test_a_cells_number_is_its_index_in_the_notebook_as_written_whatever_was_injected() -> None:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# Load"),
+        nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("b = a"),
+    ]
+    before = [(c.index, c.number, c.label) for s in split_stages(notebook) for c in s.cells]
+    assert before == [(1, 1, "cell 1"), (2, 2, "cell 2")]
+    injected = inject_parameters(notebook, {"a": 5})
+    after = [(c.index, c.number, c.label) for s in split_stages(injected) for c in s.cells]
+    assert after == [(1, 1, "cell 1"), (2, None, "injected parameters cell"), (3, 2, "cell 2")]

@@ -4,6 +4,7 @@ ephemeral API; the CLI as a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import inspect
 import json
@@ -18,13 +19,21 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import nbformat
 import pytest
+from prefect.client.orchestration import PrefectClient, get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterName,
+    FlowRunFilterParentFlowRunId,
+)
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from prefect_sandbox import LocalKernelBackend
 from prefect_sandbox._compat import block_document_id
 from prefect_sandbox.flows import GridError, SweepFailedError, asweep_notebook, sweep_notebook
-from prefect_sandbox.flows.sweep import expand_grid, metrics_of, read_grid
+from prefect_sandbox.flows.sweep import expand_grid, launchers, metrics_of, read_grid
 from prefect_sandbox.flows.sweep.deployment import block_reference
 from prefect_sandbox.testing.s3 import MotoServer
 from tests.conftest import ROOT, flow_run_logs, kernel_processes
@@ -391,24 +400,6 @@ async def test_a_bad_grid_or_notebook_is_refused_before_any_branch(tmp_path: Pat
             grid=[{"x": 1}],
             max_live_sandboxes=0,
             storage=str(tmp_path / "out"),
-        )
-    assert not (tmp_path / "out").exists()
-
-
-async def test_the_old_name_max_sandboxes_still_caps_a_sweep_with_a_warning(
-    tmp_path: Path,
-) -> None:
-    source = _notebook(tmp_path / "nb.ipynb", "pass")
-    out = str(tmp_path / "out")
-    # The old name's value reaches the same check as the new name's.
-    with (
-        pytest.warns(DeprecationWarning, match="max_sandboxes is deprecated.*max_live_sandboxes"),
-        pytest.raises(ValueError, match="max_live_sandboxes must be 1 or more; got 0"),
-    ):
-        await asweep_notebook(notebook=str(source), grid=[{"x": 1}], max_sandboxes=0, storage=out)
-    with pytest.raises(ValueError, match="give max_live_sandboxes only"):
-        await asweep_notebook(
-            notebook=str(source), grid=[{}], max_sandboxes=1, max_live_sandboxes=1, storage=out
         )
     assert not (tmp_path / "out").exists()
 
@@ -819,3 +810,83 @@ async def test_a_sweep_cancelled_through_the_api_stops_its_branches_and_ends_can
         assert summary["sandbox_killed_at"] is not None
     assert await branch_run_states(sweep_id) == ["CANCELLED"] * 3
     assert list(work.iterdir()) == []
+
+
+async def test_subflow_branches_start_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A branch's flow run is made only when one of those starting before it holds its slot
+    (or ended): with a cap of 1 and 2 starting at once, one branch runs, two wait for the
+    slot, and the other three are not asked of the API yet."""
+    monkeypatch.setattr(launchers, "BRANCHES_STARTING", 2)
+    go = tmp_path / "go"
+    notebook = _notebook(
+        tmp_path / "nb.ipynb",
+        f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n",
+    )
+    sweep = asyncio.create_task(
+        asweep_notebook(
+            notebook=str(notebook),
+            grid={"x": list(range(6))},
+            backend=LocalKernelBackend(isolation="none"),
+            storage=str(tmp_path / "out"),
+            max_live_sandboxes=1,
+            metrics_artifact=None,
+        )
+    )
+
+    async def branch_runs() -> int:
+        """The sweep's branch flow runs made so far (its folder is named after its run)."""
+        folders = list((tmp_path / "out").glob("*"))
+        if not folders:
+            return 0
+        name = folders[0].name.rsplit("-", 1)[0]
+        async with get_client() as client:
+            (sweep_run,) = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+            )
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_run.id])
+                )
+            )
+        return len(children)
+
+    async with asyncio.timeout(120):
+        while await branch_runs() < 3:
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(2.0)  # time for more to be made, were they not held back
+    assert await branch_runs() == 3
+    go.touch()
+    result = await sweep
+    assert [branch.status for branch in result.branches] == ["completed"] * 6
+
+
+async def test_a_branch_whose_flow_run_the_api_failed_to_make_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 that outlasts Prefect's client retries while a branch's flow run is made (SQLite
+    locked, at load): nothing ran, so the branch starts again rather than being lost."""
+    real = PrefectClient.create_flow_run
+    refused: list[str] = []
+
+    async def once_refused(self: PrefectClient, flow: Any, *args: Any, **kwargs: Any) -> Any:
+        if flow.name == "run-notebook" and not refused:
+            refused.append(flow.name)
+            request = httpx.Request("POST", "http://127.0.0.1/api/flow_runs/")
+            response = httpx.Response(503, request=request)
+            raise httpx.HTTPStatusError("503 from the API", request=request, response=response)
+        return await real(self, flow, *args, **kwargs)
+
+    monkeypatch.setattr(PrefectClient, "create_flow_run", once_refused)
+    monkeypatch.setattr(launchers, "retry_delay_s", lambda *args, **kwargs: 0.1)
+    notebook = _notebook(tmp_path / "nb.ipynb", "y = x * 2")
+    result = await asweep_notebook(
+        notebook=str(notebook),
+        grid={"x": [1, 2]},
+        backend=LocalKernelBackend(isolation="none"),
+        storage=str(tmp_path / "out"),
+        metrics_artifact=None,
+    )
+    assert refused == ["run-notebook"]
+    assert [branch.status for branch in result.branches] == ["completed"] * 2

@@ -9,6 +9,8 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -16,10 +18,10 @@ import pytest
 from prefect_sandbox.sandbox.backends.kernel.workdir import MAX_LINK_HOPS, copy_out, list_workdir
 from prefect_sandbox.sandbox.base import RemoteFile
 from prefect_sandbox.sandbox.errors import FileTransferError, UnsafePathError
+from prefect_sandbox.sandbox.kernel_side import run_code, source
 from prefect_sandbox.sandbox.paths import (
     check_size,
     is_utf8,
-    listing_code,
     matching_files,
     shown_path,
 )
@@ -167,14 +169,20 @@ def test_check_size_names_the_file_and_the_setting() -> None:
 
 
 def printed_listing(root: Path) -> str:
-    """What `listing_code` prints, run in this process."""
+    """What kernel_side/listing.py prints, run as E2B runs it (`run_code`, here in this
+    process) and as Daytona does (``python3 -I -c SOURCE JSON``): the same."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(listing_code(str(root)), {})
+        exec(run_code("listing", "main", {"root": str(root)}), {})
+    argument = json.dumps({"root": str(root)}, ensure_ascii=False)
+    script = [sys.executable, "-I", "-c", source("listing"), argument]
+    assert subprocess.run(script, capture_output=True, check=True).stdout.decode() == (
+        printed.getvalue()
+    )
     return printed.getvalue()
 
 
-def test_listing_code_lists_files_and_links_never_entering_folder_links(root: Path) -> None:
+def test_the_listing_lists_files_and_links_never_entering_folder_links(root: Path) -> None:
     (root / "etc").symlink_to("/etc")
     (root / os.fsdecode(b"caf\xe9")).write_text("x")
     (root / "again.txt").hardlink_to(root / "real.txt")

@@ -1,4 +1,7 @@
-"""Prefect blocks: backend settings and credentials."""
+"""Prefect blocks: backend settings and credentials.
+
+Manual: docs/backends/index.md.
+"""
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.blocks.daytona import DaytonaBackend, DaytonaCredentials

@@ -1,7 +1,13 @@
-"""The interface every sandbox backend block implements."""
+"""The interface every sandbox backend block implements.
+
+Manual: docs/backends/index.md.
+"""
 
 from __future__ import annotations
 
+import copy
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -16,15 +22,27 @@ from prefect_sandbox.sandbox.base import (
     SandboxHandle,
     checked_timeout_s,
 )
+from prefect_sandbox.sandbox.errors import SandboxUnavailableError
 from prefect_sandbox.sandbox.outputs import DEFAULT_MAX_OUTPUT_CHARS
+from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import DEFAULT_CELL_TIMEOUT_S, PrefectSandboxSettings
 
-__all__ = ["DOCS_URL", "SandboxBackend", "docs_page"]
+__all__ = ["DOCS_URL", "SandboxBackend", "create_refused", "docs_page"]
 
 DOCS_URL: str | None = None
 """Where the documentation site (``docs/``, built by MkDocs) is published, ``site_url`` in
 ``mkdocs.yml``; None while it is published nowhere. The blocks' "View Docs" link in the Prefect
 UI points at its pages, and is left out while this is None."""
+
+
+def create_refused(error: BaseException) -> bool:
+    """Whether ``error`` is a create the service refused with 429, which made no sandbox."""
+    return (
+        isinstance(error, SandboxUnavailableError)
+        and error.operation == "create"
+        and error.status_code == 429
+        and error.sandbox_id is None
+    )
 
 
 def docs_page(path: str) -> str | None:
@@ -43,7 +61,8 @@ def docs_page(path: str) -> str | None:
 class SandboxBackend(Block, ABC):
     """Settings of one kind of sandbox, and the factory for its sandboxes.
 
-    Subclasses are the blocks users save: `LocalKernelBackend`, `E2BBackend`, `DaytonaBackend`.
+    Subclasses are the blocks users save: `LocalKernelBackend`, `DockerBackend`, `E2BBackend`,
+    `DaytonaBackend`.
     Each names its `Sandbox` class and turns its fields into that class's config; the factories
     here call the class's own (`Sandbox.create`, `Sandbox.attach`, `Sandbox.list_handles`).
     Flows and tasks take a backend plus a `SandboxHandle`, never a live sandbox.
@@ -89,9 +108,9 @@ class SandboxBackend(Block, ABC):
         title="Max live sandboxes",
         description=(
             "Cap on this backend's sandboxes alive at once, across every flow run using this "
-            "Prefect API (the global concurrency limit prefect-sandbox:<backend>, set to this "
-            "value on each run); a run waits for a free slot before it makes its sandbox. "
-            "Empty for no cap."
+            "Prefect API (the global concurrency limit prefect-sandbox:<backend>, created with "
+            "this value on first use, never rewritten by a run); a run waits for a free slot "
+            "before it makes its sandbox. Empty for no cap."
         ),
     )
 
@@ -153,13 +172,45 @@ class SandboxBackend(Block, ABC):
     async def create(self, labels: Mapping[str, str]) -> Sandbox:
         """Make a new sandbox carrying ``labels`` (see `Sandbox.create`).
 
+        A create the service refuses with 429 (its rate limit on creates, or E2B's quota of
+        live sandboxes: nothing was made) is asked again after the ``Retry-After`` it names
+        (else 1 s doubling, up to 30 s), for ``PREFECT_SANDBOX_CREATE_WAIT_S`` in all.
+
         Returns:
             The live sandbox.
 
         Raises:
+            SandboxUnavailableError: still refused with 429 once that time is spent (its
+                ``status_code``; the message says how long it was asked and what to set), or
+                busy or unreachable through the backend's own retries.
             SandboxError: the backend could not make it.
         """
-        return await self._sandbox_class.create(self._config(), labels)
+        wait_s = PrefectSandboxSettings().create_wait_s
+        start = time.monotonic()
+        retrying = async_retrying(
+            attempts=sys.maxsize,
+            retry_if=create_refused,
+            first_delay_s=1.0,
+            what=f"{self.backend_slug} create",
+            deadline=start + wait_s,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._sandbox_class.create(self._config(), labels)
+        except SandboxUnavailableError as exc:
+            if not create_refused(exc):
+                raise
+            refused = copy.copy(exc)
+            refused.message = (
+                f"{exc.message} (refused for {time.monotonic() - start:.0f} s of "
+                f"PREFECT_SANDBOX_CREATE_WAIT_S={wait_s:g}: the service's rate limit on creates, "
+                "or its quota of live sandboxes; set the block's max_live_sandboxes under the "
+                "quota so that runs wait for a slot instead)"
+            )
+            refused.args = (refused.message,)
+            raise refused from exc
+        raise AssertionError("unreachable: tenacity reraises")
 
     async def attach(self, handle: SandboxHandle) -> Sandbox:
         """Reach the sandbox behind ``handle`` again (see `Sandbox.attach`).

@@ -1,6 +1,7 @@
 """`DaytonaCredentials` and `DaytonaBackend`: sandboxes in Daytona's cloud.
 
 Needs the daytona SDK: ``pip install 'prefect-sandbox[daytona]'``.
+Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`DockerBackend`: a Docker container per sandbox, on the flow's own machine.
 
 Needs the docker SDK (``pip install 'prefect-sandbox[docker]'``) and a Docker daemon on the
-machine that runs the flow.
+machine that runs the flow. Manual: docs/backends/docker.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`E2BCredentials` and `E2BBackend`: cells in E2B cloud sandboxes (the ``e2b`` extra)."""
+"""`E2BCredentials` and `E2BBackend`: cells in E2B cloud sandboxes (the ``e2b`` extra).
+
+Manual: docs/backends/e2b.md.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import os
 from typing import Any, Self
 
 from prefect.blocks.abstract import CredentialsBlock
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import Field, SecretStr
 
 from prefect_sandbox.blocks.base import SandboxBackend, docs_page
 from prefect_sandbox.sandbox.backends.e2b import (
@@ -167,7 +170,6 @@ class E2BBackend(SandboxBackend):
             "Retries of an idempotent request (a file transfer or listing) that met a transient "
             "error, after the first try."
         ),
-        validation_alias=AliasChoices("request_retries", "file_retries"),
     )
     interrupt_settle_s: float = Field(
         default=DEFAULT_INTERRUPT_SETTLE_S,

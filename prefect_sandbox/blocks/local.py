@@ -1,4 +1,7 @@
-"""`LocalKernelBackend`: the embedded default, a Jupyter kernel on the flow's own machine."""
+"""`LocalKernelBackend`: the embedded default, a Jupyter kernel on the flow's own machine.
+
+Manual: docs/backends/local.md.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ the sandboxes whose flow run is over.
 
 The flows and the session are imported from their module on first use (module
 ``__getattr__``, PEP 562), so a caller pays only for the flows it uses (the CLI's ``run`` does
-not import the sweep).
+not import the sweep). Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prefect_sandbox.flows.errors import (
     SessionFailedError,
     SweepFailedError,
 )
-from prefect_sandbox.flows.startup import allow_ephemeral_startup
+from prefect_sandbox.flows.startup import allow_ephemeral_startup, use_local_server_if_asked
 from prefect_sandbox.lazy import lazy_names
 
 if TYPE_CHECKING:
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     )
     from prefect_sandbox.flows.sweep import asweep_notebook, sweep_notebook
 
-# Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`).
+# Before any flow call can start Prefect's temporary API server (see `allow_ephemeral_startup`),
+# or, where asked, instead of it (see `use_local_server_if_asked`).
 allow_ephemeral_startup()
+use_local_server_if_asked()
 
 _MODULES = {
     "pipeline": ["amodeling_pipeline", "arun_notebook", "modeling_pipeline", "run_notebook"],

@@ -1,25 +1,14 @@
 """`SandboxDaskTaskRunner`: the sandbox tasks on a Dask cluster (the ``dask`` extra).
 
-How a Dask worker reaches the Prefect API: prefect-dask sends each task with the flow
-process's Prefect context (its settings, the flow run) and the worker builds its API client from
-those settings. Under a Prefect server (``PREFECT_API_URL`` set, as under Prefect's test
-harness) the workers use that server. Under Prefect's temporary API server (no
-``PREFECT_API_URL``: the server is a subprocess of the flow process, found through no setting)
-the setting travels empty, and each worker process starts a temporary server of its own on the
-same SQLite database: seconds and one more process per worker, writers contending for the file,
-and on another machine a database that has never heard of the flow run. `SandboxDaskTaskRunner`
-hands the workers the flow process's temporary server's address instead; workers on other
-machines cannot reach that (it listens on 127.0.0.1), so a cluster beyond this machine needs a
-Prefect server.
-
-The same context carries the flow run's parameters, and Prefect dumps them for the trip with
-their secrets revealed: a backend block's API key would cross to every worker in plain text
-inside every task. `SandboxDaskTaskRunner` sends them masked, as the Prefect UI shows them
-(tasks get their own parameters as they were, blocks with their `SecretStr` fields).
-
-Tasks pass `SandboxHandle` values, never live sandboxes (which refuse pickling), so each stage
-may run on another worker process. A local kernel is a child of the worker process that made it
-and dies with that process, as it does with a flow process.
+prefect-dask sends each task with the flow process's Prefect context, and a worker builds its
+API client from it. Under Prefect's temporary API server (no ``PREFECT_API_URL``) that setting
+travels empty and each worker would start a temporary server of its own on the same SQLite
+database, so the runner hands the workers the flow process's server address instead (127.0.0.1:
+a cluster beyond this machine needs a Prefect server). The context also carries the flow run's
+parameters, which Prefect dumps with secrets revealed; the runner sends them masked, as the UI
+shows them. Tasks pass `SandboxHandle` values, never live sandboxes, so each stage may run on
+another worker; a local kernel dies with the worker process that made it. Manual:
+docs/how-to/dask.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The Prefect face's own errors: a pipeline flow that stopped, a reaper that could not sweep.
+"""The Prefect face's own errors, each raised ``from`` the error that stopped the run (its
+``__cause__``). Manual: docs/concepts.md.
 
 ::
 
@@ -9,13 +10,8 @@
     ├── ReapFailedError           the reaper could not list a backend or kill a sandbox
     ├── SweepFailedError          a sweep's branch did not complete; names each such branch
     ├── GridError (ValueError)    a sweep's grid of parameters is malformed; names the entry
-    └── ParameterRefusedError     a deployment run's parameters try to weaken its isolation
-        (PermissionError)         or read host paths outside the allowed roots; names each
-
-It is raised ``from`` the error that stopped the pipeline (a stage's `CellExecutionError`,
-`CellTimeoutError`, `SandboxDiedError`, ... or a `FileTransferError` from storing), which stays
-its ``__cause__``. A sweep raises `SweepFailedError` after every branch ended and
-``sweep.json`` was stored.
+    └── ParameterRefusedError (PermissionError)   a deployment run's parameters would weaken
+                                  its isolation or read host paths; names each
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ flow-run record, so they find sandboxes by the flow-run id label, not by a live 
 backend found the way the run found it (`run_backend`): in the run's own process, from the
 parameters it was given; elsewhere, from the API's copy, where Prefect masks an inline block's
 secrets, so these come from the environment as the CLI takes them (``E2B_API_KEY``...,
-``DAYTONA_*``).
+``DAYTONA_*``). Manual: docs/how-to/reaper.md.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _unmasked(backend: Block) -> Block:
     return backend
 
 
-async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why: str) -> int:
+async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why: str) -> list[str]:
     """Kill every sandbox of ``backend`` labelled with the flow run's id.
 
     Args:
@@ -145,19 +145,20 @@ async def kill_labelled_sandboxes(backend: SandboxBackend, flow_run_id: str, why
         why: what ended the run, for the log (e.g. the final state's name).
 
     Returns:
-        How many this call killed; a sandbox it could not kill, or a listing that failed, is
-        logged as a warning.
+        The ids of the sandboxes this call killed; a sandbox it could not kill, or a listing
+        that failed, is logged as a warning.
     """
-    killed = 0
+    killed: list[str] = []
     try:
         handles = await backend.list_sandboxes({FLOW_RUN_ID_LABEL: flow_run_id})
     except SandboxError as exc:
         logger.warning("Sandboxes of flow run %s not listed, none killed: %s", flow_run_id, exc)
-        return 0
+        return killed
     for handle in handles:
         try:
             sandbox = await backend.attach(handle)
-            killed += await sandbox.kill()
+            if await sandbox.kill():
+                killed.append(handle.sandbox_id)
         except SandboxError as exc:
             logger.warning("Sandbox %s of flow run %s: %s", handle.sandbox_id, flow_run_id, exc)
             continue

@@ -1,30 +1,16 @@
 """The cap on live sandboxes: Prefect global concurrency limits held while a sandbox lives.
 
-A backend block whose ``max_live_sandboxes`` is set makes each flow run hold one slot of the
-limit named ``prefect-sandbox:<backend slug>`` (`live_sandbox_limit_name`) from before its
-sandbox is made until after it is killed (`live_sandbox_slot`), so no more than that many of the
-backend's sandboxes are alive at once across every run that uses the same Prefect API. The
-limit is created on first use with the block's value. A run never rewrites a limit that exists:
-where its size differs from the block's value (another block, or a user, set it), the limit
-stands as it is and the run logs a warning naming both sizes and how to change the limit
-(``prefect gcl update NAME --limit N``). With no cap no limit is read or taken.
-
-A sweep's ``max_live_sandboxes`` is a limit of its own, ``prefect-sandbox:sweep:<flow run id>``
-(`sweep_limit`), made for the sweep's branches and deleted when they have ended; each branch
-holds a slot of it as well as its backend's (`also_holding` passes it to the branches' runs).
-A sweep killed outright leaves its limit behind; the reaper removes it once the sweep's flow
-run is final or gone.
-
-Slots are Prefect's lease-based ones, taken, renewed and released through its client (not its
-``concurrency()``, whose renewal gives up after 3 failed tries and lets the run go on uncapped),
-held by ``{"type": "flow_run", "id": <flow run id>}``. A call that fails transiently (a 503 while
-SQLite is locked) is tried again; a lease not renewed in time stops the run's sandbox
-(`SlotError`), so the cap holds; a failed release is a warning. A process killed outright cannot
-release: the server's repossessor frees its slot once the lease lapses, `LEASE_DURATION_S` after
-the last renewal (it looks every 15 s). Prefect's temporary API server (no ``PREFECT_API_URL``)
-runs no repossessor, and a server that restarts forgets its in-memory leases: such slots stay
-taken until ``prefect gcl update <name> --active-slots 0``. A cap is meant for a long-lived
-``prefect server`` or Prefect Cloud (docs/how-to/cap.md).
+A backend block's ``max_live_sandboxes`` makes each flow run hold one slot of
+``prefect-sandbox:<backend slug>`` (`live_sandbox_limit_name`) from before its sandbox is made
+until after it is killed (`live_sandbox_slot`); a sweep's ``max_live_sandboxes`` is a limit of
+its own, ``prefect-sandbox:sweep:<flow run id>`` (`sweep_limit`), that its branches hold as
+well. A run creates a missing limit with the block's value but never rewrites one (it warns
+where the sizes differ). Slots are Prefect's leases, taken, renewed and released through its
+client, not its ``concurrency()``, whose renewal gives up after 3 failed tries and lets the run
+go on uncapped; transient failures are tried again, and a lease lost stops the run's sandbox
+(`SlotError`), so the cap holds. A killed process's slot is freed by the server's repossessor
+`LEASE_DURATION_S` after its last renewal; Prefect's temporary API has none. Manual:
+docs/how-to/cap.md.
 """
 
 from __future__ import annotations
@@ -32,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -72,6 +58,7 @@ __all__ = [
     "also_holding",
     "live_sandbox_limit_name",
     "live_sandbox_slot",
+    "on_slot",
     "run_limits",
     "sweep_limit",
     "sweep_limit_name",
@@ -109,6 +96,9 @@ class LiveLimit:
 
 
 _ALSO_HELD: ContextVar[LiveLimit | None] = ContextVar("prefect_sandbox_also_held", default=None)
+_ON_SLOT: ContextVar[Callable[[], None] | None] = ContextVar(
+    "prefect_sandbox_on_slot", default=None
+)
 
 
 def live_sandbox_limit_name(backend: SandboxBackend) -> str:
@@ -144,6 +134,18 @@ def also_holding(limit: LiveLimit | None) -> Iterator[None]:
     finally:
         if token is not None:
             _ALSO_HELD.reset(token)
+
+
+@contextlib.contextmanager
+def on_slot(callback: Callable[[], None]) -> Iterator[None]:
+    """Within (this task and the runs it starts, a subflow's included): ``callback`` is called
+    once a run holds its slots (`live_sandbox_slot`), just before its sandbox is asked for; at
+    once when it has no limit to hold."""
+    token = _ON_SLOT.set(callback)
+    try:
+        yield
+    finally:
+        _ON_SLOT.reset(token)
 
 
 @asynccontextmanager
@@ -281,6 +283,7 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
     """
     slot = HeldSlot()
     if not limits:
+        _slot_taken()
         yield slot
         return
     names = [limit.name for limit in limits]
@@ -296,6 +299,7 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
     body = asyncio.current_task()
     assert body is not None, "must run in an asyncio task"
     keeper = asyncio.create_task(_keep_lease(lease_id, asked_at, names, slot, body))
+    _slot_taken()
     try:
         yield slot
     except asyncio.CancelledError:
@@ -308,6 +312,13 @@ async def live_sandbox_slot(limits: list[LiveLimit], flow_run_id: str) -> AsyncI
             await _release(lease_id, names)
     if slot.lost is not None:
         raise SlotError(slot.lost)
+
+
+def _slot_taken() -> None:
+    """Tell whoever asked (`on_slot`) that this run holds its slots."""
+    callback = _ON_SLOT.get()
+    if callback is not None:
+        callback()
 
 
 async def _acquire(names: list[str], holder_id: UUID) -> tuple[UUID, float]:

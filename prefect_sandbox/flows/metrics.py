@@ -1,6 +1,8 @@
 """A run's key metrics: the top-level values of the JSON file a notebook stores as its metrics
 (``metrics.json`` for a run, a sweep's ``metrics_artifact`` for its branches), kept in a run's
-``summary.json`` and a sweep's ``sweep.json``. Pure functions; the flows read the file."""
+``summary.json`` and a sweep's ``sweep.json``. Pure functions; the flows read the file.
+Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

@@ -1,32 +1,15 @@
 """The pipeline flows: `arun_notebook` / `run_notebook` and `amodeling_pipeline` /
 `modeling_pipeline`.
 
-Each makes one sandbox for the flow run, uploads the inputs, runs the stages in order, downloads
-the artifacts, stores them with the executed notebook and ``summary.json``, and kills the sandbox.
-The sandbox's lifetime is an async context manager, so it is killed whatever happens, while
-what was made is stored (``summary.json`` waits for both). A failed stage stops the pipeline;
-what came before is still stored and the flow run ends Failed with a `PipelineFailedError`
-naming the stage, cell and exception.
-A sandbox that could not be made (its create killed what it started) fails the run the same
-way, ``summary.json`` stored; a kill that fails after its retries is a warning naming the
-sandbox, and the run keeps the status its cells gave it.
-Cancelling the flow's asyncio task (the CLI does so on SIGINT and SIGTERM, and the run itself
-when its flow run is set Cancelling through the API or UI: `cancelled_from_api`, within
-``PREFECT_SANDBOX_CANCEL_POLL_S``) stops it the same way: the sandbox is killed, what was made
-is stored with ``summary.json`` (status ``"cancelled"``), and the flow run ends Cancelled. When
-the flow run's ``timeout_seconds`` passes (Prefect's cancel scope then cancels every await
-until the flow returns), the same clean-up runs shielded from it, ``summary.json`` says
-``"failed"`` and the flow run ends TimedOut. A flow retry runs the whole pipeline again in a
-fresh sandbox, after emptying the run's folder of what the earlier attempt stored. A backend
-block with ``max_live_sandboxes`` (and a sweep's ``max_live_sandboxes``, in its branches) makes the
-run hold a slot of its live-sandbox limit from before the sandbox is made until after it is
-killed (`prefect_sandbox.flows.limits`);
-``summary.json`` records when the sandbox was asked for and when its kill returned.
-
-The flows are async (a sync Prefect flow pays about 1 s joining its heartbeat thread); the
-sync twins run them from plain Python. Called on a script's main thread, a twin takes SIGTERM
-as the CLI does: the run is cancelled, cleans up and ends Cancelled, then the twin raises
-``SystemExit(143)``.
+Each makes one sandbox for its flow run, uploads the inputs, runs the stages in order, downloads
+the artifacts, stores them with the executed notebook and ``summary.json``, and kills the
+sandbox. The run's life (staging, the cap's slot, the sandbox, every way out, the summary) is
+`PipelineRun.running`; these flows hold only their stages. Whatever way the run ends (a failed
+stage, a cancel, a signal, ``timeout_seconds``), what was made is stored while the sandbox is
+killed; a flow retry runs the whole pipeline again in a fresh sandbox. The flows are async (a
+sync Prefect flow pays about 1 s joining its heartbeat thread); the sync twins run them from
+plain Python and, on a script's main thread, take SIGTERM as the CLI does
+(``SystemExit(143)`` after the run ends Cancelled). Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -232,14 +215,10 @@ async def arun_notebook(
         The run's `PipelineResult`.
 
     Raises:
-        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
-            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
-            ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
-            sandbox starts).
-        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
-            (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an ``s3://``
-            storage or input naming no valid bucket), before any sandbox starts;
-            `UnsafePathError` for an artifact pattern or ``s3://`` key that climbs.
+        ParameterRefusedError: a deployment run's own parameters break a rule of
+            `prefect_sandbox.flows.policy` (before any sandbox starts).
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions` (before
+            any sandbox starts; `UnsafePathError` for a path that climbs).
         NotebookError: the notebook or a parameter is invalid (names the cell or parameter),
             or ``stage_heading_level`` is not 1 to 6.
         PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
@@ -313,20 +292,12 @@ async def amodeling_pipeline(
         The run's `PipelineResult`.
 
     Raises:
-        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
-            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS``, or its job variables a
-            ``PREFECT_SANDBOX_*`` variable (see `prefect_sandbox.flows.policy`; before any
-            sandbox starts).
-        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions`
-            (``cell_timeout_s`` zero, negative other than -1, NaN or infinite; an ``s3://``
-            storage or input naming no valid bucket), before any sandbox starts;
-            `UnsafePathError` for an artifact pattern or ``s3://`` key that climbs.
+        ParameterRefusedError: a deployment run's own parameters break a rule of
+            `prefect_sandbox.flows.policy` (before any sandbox starts).
+        ValueError: a parameter breaks a rule of `prefect_sandbox.options.RunOptions` (before
+            any sandbox starts; `UnsafePathError` for a path that climbs).
         NotebookError: a stage is empty or unnamed.
-        PipelineFailedError: a stage failed, or the sandbox could not be made; the partial
-            notebook, artifacts and summary.json were stored.
-        prefect.exceptions.CancelledRun: the flow's task was cancelled; the run ended Cancelled
-            after storing what it made (the message says where it stopped and where the files
-            are).
+        PipelineFailedError, prefect.exceptions.CancelledRun: as `arun_notebook`.
     """
     return await _checked_run(
         None,

@@ -4,7 +4,8 @@ current flow run, which holds what the run has made so far (stage results, downl
 files) and how it ended (`RunOutcome`). Its one lifecycle, `PipelineRun.running`, owns the
 staging folder, the live-sandbox slot, the sandbox, every way out (an error, a cancellation, a
 lost lease, a passed ``timeout_seconds``) and ``summary.json``; the callers hold only their
-stages or steps, and end the run from its outcome."""
+stages or steps, and end the run from its outcome. Manual: docs/concepts.md.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
 
-from prefect_sandbox.blocks.base import SandboxBackend
+from prefect_sandbox.blocks.base import SandboxBackend, create_refused
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
 from prefect_sandbox.flows.limits import SlotError, live_sandbox_slot, run_limits
 from prefect_sandbox.flows.metrics import Metric, read_metrics
@@ -54,6 +55,7 @@ from prefect_sandbox.sandbox.notebook import (
     INLINE_FIGURES_DIR,
     ExecutedNotebook,
     StageSpec,
+    failing_line,
     inline_figures,
 )
 from prefect_sandbox.sandbox.outputs import cap_text
@@ -121,8 +123,11 @@ SetUp = Callable[[SandboxHandle], Awaitable[None]]
 def set_up_again(error: BaseException) -> bool:
     """Whether a set-up that failed with ``error`` is worth a fresh sandbox: the service was
     busy or unreachable, or the sandbox or its kernel ended during it; not a refused key, bad
-    settings or a missing input, which a fresh sandbox meets again."""
-    return isinstance(error, SandboxUnavailableError | SandboxDiedError | SandboxNotFoundError)
+    settings or a missing input, which a fresh sandbox meets again, nor a create still refused
+    with 429 once the backend waited ``PREFECT_SANDBOX_CREATE_WAIT_S`` (`create_refused`)."""
+    return isinstance(
+        error, SandboxUnavailableError | SandboxDiedError | SandboxNotFoundError
+    ) and not create_refused(error)
 
 
 def _after_set_ups(error: SandboxError, set_ups: int) -> SandboxError:
@@ -186,6 +191,7 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
                 )
             )
             continue
+        where = _failing_line(stage, result)
         summaries.append(
             StageSummary(
                 name=stage.name,
@@ -193,11 +199,21 @@ def _summaries(stages: list[StageSpec], results: list[StageResult]) -> list[Stag
                 cell_count=len(stage.cells),
                 duration_s=round(result.duration_s, 6),
                 failed_cell_index=result.failed_cell_index,
+                failed_line=where[0] if where else None,
+                failed_code=where[1] if where else None,
                 ename=result.error.ename if result.error else None,
                 evalue=result.error.evalue if result.error else None,
             )
         )
     return summaries
+
+
+def _failing_line(stage: StageSpec, result: StageResult) -> tuple[int, str] | None:
+    """The line number and code in the failing cell that its error points at, if any."""
+    if result.error is None or result.status != "failed":
+        return None
+    cell = next((c for c in stage.cells if c.number == result.failed_cell_index), None)
+    return failing_line(cell.source, result.error.traceback) if cell else None
 
 
 def _write_notebook_files(

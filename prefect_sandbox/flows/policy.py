@@ -1,30 +1,16 @@
-"""What a deployment run's own parameters may set: isolation is decided by whoever saves blocks
-and deployments, not by whoever starts runs.
+"""What a deployment run's own parameters may set: isolation is decided by whoever saves blocks and
+deployments, not by whoever starts runs.
 
-Anyone who may start a deployment's runs chooses its parameters, and on a process work pool its
-job variables. Were those trusted, a run could ask for ``backend={"isolation": "none"}`` or
-``{"network": true}`` and read the worker's files or reach the Prefect API from a cell, or name
-``~/.ssh`` as an input and have it uploaded and printed. So, in a deployment run (one whose flow
-run has a deployment; subflows and runs from the CLI or from Python are not), before any
-sandbox starts:
-
-- ``backend`` must be a saved block, by reference (``{"$ref": {"block_document_id": ...}}``,
-  what the UI's block selector and `prefect.blocks.core.Block`'s reference form send), or the
-  deployment's own value: a block's fields given by value are refused, whatever they say, so
-  isolation, network and environment are those of a block someone saved;
-- ``notebook`` and each of ``inputs`` must be the deployment's own value or lie under a root
-  of ``PREFECT_SANDBOX_INPUT_ROOTS`` (a folder, its links resolved, or an ``s3://`` prefix);
-- ``storage`` must be a saved ``S3Bucket`` block (by reference or ``s3-bucket/NAME``), the
-  deployment's own value, or a folder or ``s3://`` URI under ``PREFECT_SANDBOX_OUTPUT_ROOTS``:
-  a bucket by value would have the worker sign uploads with its own AWS keys to an endpoint
-  the run chose;
-- a sweep's ``task_runner`` may name no Dask cluster's address (``"dask:ADDRESS"``: its
-  branches, backend credentials included, would go there) unless the deployment does;
-- the run's job variables may set no ``PREFECT_SANDBOX_*`` variable in ``env``.
-
-A refusal raises `ParameterRefusedError` naming each refused parameter, so the flow run ends
-Failed with the reason in its state message. The deployment's own parameters are trusted: they
-are set by whoever deploys, and are read back from the API, not from the run.
+Anyone who may start a deployment's runs chooses its parameters (and job variables): trusted,
+``backend={"isolation": "none"}`` or an input ``~/.ssh`` would read the worker's files. So in a
+deployment run, before any sandbox starts, ``backend`` must be a saved block by reference (or
+the deployment's own value); ``notebook`` and ``inputs`` the deployment's own or under
+``PREFECT_SANDBOX_INPUT_ROOTS``; ``storage`` a saved ``S3Bucket`` block, the deployment's own,
+or under ``PREFECT_SANDBOX_OUTPUT_ROOTS`` (a bucket by value would have the worker sign uploads
+with its own keys); a sweep's ``task_runner`` no Dask address the deployment did not name; the
+job variables no ``PREFECT_SANDBOX_*`` in ``env``. A refusal raises `ParameterRefusedError`
+naming each parameter. The deployment's own parameters are trusted, read back from the API.
+Manual: docs/isolation.md.
 """
 
 from __future__ import annotations

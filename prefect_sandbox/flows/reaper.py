@@ -1,49 +1,15 @@
 """The reaper: `areap_sandboxes` / `reap_sandboxes` kill sandboxes whose flow run is over.
 
-A flow kills its sandbox in a ``finally``, and its ``on_cancellation``/``on_crashed`` hooks kill
-by label; neither runs when the flow's process is SIGKILLed or its machine is lost. The reaper
-is the net under them: it lists each backend's sandboxes carrying our marker and a flow-run-id
-label (`prefect_sandbox.sandbox.labels`), asks the Prefect API for those flow runs, and kills a
-sandbox when
-
-- its flow run is in a final state (Completed, Failed, Cancelled, Crashed),
-- no such flow run exists (it was deleted) and the sandbox was made through this same API
-  (its `API_LABEL`, an id of the API's address, matches this process's; a run of another API,
-  such as the CLI's temporary server, is missing here only because it lives elsewhere),
-- its flow run is Running but its last heartbeat is older than ``heartbeat_timeout_s``, or
-- the sandbox is older than ``max_age_s``.
-
-A sandbox's age comes from its `CREATED_AT_LABEL`, set by the pipeline's create-sandbox task
-when it makes the sandbox (to the second, by that machine's clock). A sandbox without the label
-(made by other code) has no age; only its run's state decides.
-
-A flow run whose process was SIGKILLed stays Running in the API: nothing is left to report its
-end. Its heartbeats do stop. Every flow run's engine emits a ``prefect.flow-run.heartbeat``
-event every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (180 by default in Prefect 3.9, 30
-at least; unset, none), and the API stores events. So the reaper reads each Running run's
-last heartbeat: older than ``heartbeat_timeout_s`` (keep it at 3 or more heartbeat periods of
-the flows' processes), and than `HEARTBEAT_PERIODS` of the gap between its last two, means
-the process is gone. A run with no heartbeat on record (heartbeats off, or an API that keeps
-no events) is never judged by heartbeat: only by state and age.
-Prefect's own zombie detection works from the same events: an automation (Prefect Cloud's
-"Unresponsive run detection", or the one Prefect's docs give for a server of your own; a plain
-server has none) marks such a run Crashed, and the next sweep reaps it as final. Last,
-``max_age_s`` catches what the rest miss. Remote sandboxes also end on their vendor-side
-lifetime, and a local kernel dies with the process that started it, leaving only its folders,
-which the reaper removes.
-
-Pooled local kernels (the warm pool) carry the marker but no flow-run-id label: the reaper
-leaves them to their pool. It also removes this machine's pipeline staging folders whose owning
-process is gone (`prefect_sandbox.flows.staging`); a new run does too.
-
-It also deletes the global concurrency limit a sweep makes for its branches
-(`prefect_sandbox.flows.limits.sweep_limit_name`) where the sweep's flow run is final or no
-longer exists: a sweep deletes its own on the way out, unless its process was killed outright.
-A limit whose sweep is still Running is left, however silent the run (its branches may still
-hold slots); once Prefect marks it Crashed the reaper's next run removes it. Slots of a
-backend's cap (``prefect-sandbox:<backend>``) held by a killed run are not touched: the API
-does not say which run holds a slot, and the server's repossessor frees them when their lease
-expires.
+It is the net under a flow's own ``finally`` and its cancellation and crash hooks, which do not
+run when the flow's process is SIGKILLed. It kills a sandbox carrying our marker and a
+flow-run-id label (`prefect_sandbox.sandbox.labels`) when its run is final; missing from the API
+it was made through (`API_LABEL`: another API's run is only elsewhere); Running but silent (its
+last heartbeat event older than ``heartbeat_timeout_s``, and than `HEARTBEAT_PERIODS` of its own
+period: a SIGKILLed run stays Running, but its heartbeats stop); or older than ``max_age_s`` by
+its `CREATED_AT_LABEL`. Pooled kernels (no run id) are left to their pool. It also removes this
+machine's staging folders whose owner is gone, and a sweep's own concurrency limit whose sweep
+is final or gone; a backend cap's slot it cannot free (the API does not say who holds it).
+Manual: docs/how-to/reaper.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ capped: at most `ROWS_SHOWN` stages and stored files and `FIGURES_SHOWN` figures
 list ending with a line saying how many more there are in ``summary.json``, and each text cut
 at `CELL_CHARS` characters. So its text stays under about 1 MB whatever a run made (10,000
 stored files: about 15 kB), plus the ``data:`` URIs of the figures the caller chose to embed.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from prefect_sandbox.markdown_text import code_span, table_cell
 from prefect_sandbox.results import PipelineResult
+from prefect_sandbox.sandbox.notebook import cell_label
 
 __all__ = ["FIGURES_SHOWN", "ROWS_SHOWN", "summary_markdown"]
 
@@ -86,9 +88,10 @@ def summary_markdown(result: PipelineResult, figure_urls: Mapping[str, str | Non
     for stage in result.stages[:ROWS_SHOWN]:
         error = ""
         if stage.ename:
-            error = table_cell(
-                f"cell {stage.failed_cell_index}: {stage.ename}: {stage.evalue or ''}"
-            )
+            where = cell_label(stage.failed_cell_index)
+            if stage.failed_line is not None:
+                where += f", line {stage.failed_line} ({stage.failed_code or ''})"
+            error = table_cell(f"{where}: {stage.ename}: {stage.evalue or ''}")
         row = [
             table_cell(stage.name),
             stage.status,

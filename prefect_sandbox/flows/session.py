@@ -1,22 +1,15 @@
 """Sandbox sessions: code that an agent writes as it goes, one cell per call, in one sandbox per
 flow run.
 
-``sandbox_session(...)`` is used inside any flow, as ``async with`` in an async flow or ``with``
-in a sync one. It makes the flow run's sandbox (under the backend's live-sandbox cap, labelled
-for the reaper), uploads the inputs, and yields a session whose ``run_cell(code)`` runs one cell
-as a task run named ``run-cell-<step>`` and returns a `CellRun`: its status, the text a model
-should read (`cell_text`) and the full `CellResult`. A failed cell is data, not an exception.
-With ``fix``, a failed step is handed to the fixer (an LLM call, typically), whose new code is
-run as the next attempt of the same step. On the way out, whatever it is (the block's end, an
-exception, a cancellation), the artifacts are downloaded, the sandbox is killed, and the
-executed notebook (every attempt of every step, in order), ``summary.json`` and the summary
-artifact are stored exactly as `run_notebook` stores them: a session is a pipeline whose stages
-(one per step, named ``cell-<step>``, one cell per attempt) are decided at run time.
-
-A flow that wants its sandbox killed by hooks too when it is cancelled or crashes takes a
-``backend`` parameter and lists `kill_run_sandboxes` as its ``on_cancellation`` and
-``on_crashed`` hooks; a process killed outright leaves its sandbox to the reaper, which finds
-it by its labels.
+``sandbox_session(...)`` is used inside any flow (``async with`` or ``with``). It makes the flow
+run's sandbox and uploads the inputs through the run's one lifecycle (`PipelineRun.running`, as
+the pipeline flows do), and yields a session whose ``run_cell(code)`` runs one cell as a task
+run ``run-cell-<step>`` and returns a `CellRun` (status, the text a model reads, the
+`CellResult`): a failed cell is data, not an exception. With ``fix``, a failed step's fixer
+gives the code of its next attempt. However the block is left, the sandbox is killed and the
+executed notebook, artifacts and ``summary.json`` are stored as `run_notebook` stores them: a
+session is a pipeline whose stages (one per step, ``cell-<step>``, one cell per attempt) are
+decided at run time. Manual: docs/how-to/agents.md.
 """
 
 from __future__ import annotations

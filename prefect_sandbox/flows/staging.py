@@ -8,7 +8,7 @@ name carries its owner's pid namespace, pid and start time
 which read ``<pid>-<start>`` there, from misreading it), so `remove_orphaned_staging_dirs` (the
 reaper and each new run call it) removes only folders whose owner is gone: a pid reused by
 another process does not match the start time, and a folder made in another pid namespace (a
-container sharing the folder) is never judged.
+container sharing the folder) is never judged. Manual: docs/how-to/reaper.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ holds Prefect's and prefect-aws's, a floor above: the core imports no Prefect).
 
 - ``threading._register_atexit``: CPython's hook that runs before its threads are joined at
   exit (`concurrent.futures` uses it); plain `atexit` where it is missing.
+
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

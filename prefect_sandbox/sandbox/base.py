@@ -1,4 +1,7 @@
-"""The seam every backend implements: `Sandbox`, and the values that cross it."""
+"""The seam every backend implements: `Sandbox`, and the values that cross it.
+
+Manual: docs/backends/index.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The error hierarchy of prefect-sandbox.
-
-::
+"""The error tree of prefect-sandbox; each error keeps its structured fields through pickling (see
+`SandboxError`, and docs/concepts.md)::
 
     SandboxError
     ├── CellExecutionError        user code raised (ename, evalue, traceback, stage, cell_index)
@@ -13,13 +12,6 @@
     ├── FileTransferError         an upload or download failed
     ├── NotebookError             a notebook or stage list that cannot be run (also a ValueError)
     └── BackendNotInstalledError  a backend's extra is not installed (also an ImportError)
-
-Every error keeps its structured fields through pickling, since Prefect's task runners pickle
-exceptions between threads and processes. Three fields of the root are for the layers above,
-which know of stages: ``stage`` and ``cell_index`` (where a pipeline was) and ``partial_result``
-(what the raising layer had made before: the tasks layer's `StageResult`). A backend's error
-leaves it with its ``__cause__``/``__context__`` chain made portable (`portable_chain`): Dask
-pickles that chain too, and a vendor's exception in it is replaced by a `ForeignError`.
 """
 
 from __future__ import annotations
@@ -54,6 +46,12 @@ def _rebuild(cls: type[SandboxError], args: tuple[Any, ...]) -> SandboxError:
 
 class SandboxError(Exception):
     """Root of every error this package raises.
+
+    Every error keeps its structured fields through pickling, since Prefect's task runners
+    pickle exceptions between threads and processes. ``stage``, ``cell_index`` and
+    ``partial_result`` are for the layers above, which know of stages. A backend's error leaves
+    it with its ``__cause__``/``__context__`` chain made portable (`portable_chain`): Dask pickles
+    that chain too, and a vendor's exception in it is replaced by a `ForeignError`.
 
     Args:
         message: a sentence for people.

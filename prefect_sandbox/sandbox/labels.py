@@ -1,4 +1,7 @@
-"""Labels that tie a sandbox to its flow run, so hooks and reapers can find it."""
+"""Labels that tie a sandbox to its flow run, so hooks and reapers can find it.
+
+Manual: docs/how-to/reaper.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Notebooks in and out: stages from a notebook, injected parameters, the executed notebook.
 
 Pure functions over nbformat nodes; only `read_notebook` and `ExecutedNotebook.write` touch disk.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ import nbformat
 from markdown_it import MarkdownIt
 from nbformat import NotebookNode
 from nbformat.corpus.words import generate_corpus_id
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from prefect_sandbox.sandbox.base import CellResult, KernelInfo, is_python_language
 from prefect_sandbox.sandbox.errors import NotebookError
+from prefect_sandbox.sandbox.outputs import strip_ansi
 
 __all__ = [
     "CellSpec",
     "ExecutedNotebook",
     "StageSpec",
+    "cell_label",
+    "failing_line",
     "inject_parameters",
     "inline_figure_path",
     "inline_figures",
@@ -65,14 +69,66 @@ class CellSpec(BaseModel):
     """One code cell to run.
 
     Attributes:
-        index: 0-based index of the cell in its notebook's ``cells`` list.
+        index: 0-based index of the cell in the ``cells`` list of the notebook that runs (the
+            executed notebook: a parameters cell injected by the run included).
         source: the cell's code.
         tags: the cell's metadata tags (``raises-exception`` lets it fail).
+        number: the cell's number as people are told it (logs, errors, ``summary.json``, the
+            CLI): its 0-based index in the notebook as its author wrote it, markdown cells
+            counted and the injected parameters cell not, so ``-p`` shifts no number; None for
+            that injected cell. Default: ``index`` (None for a cell tagged
+            ``injected-parameters``).
     """
 
     index: int
     source: str
     tags: list[str] = Field(default_factory=list)
+    number: int | None = None
+
+    @model_validator(mode="after")
+    def _number_from_index(self) -> CellSpec:
+        if "number" not in self.model_fields_set and INJECTED_TAG not in self.tags:
+            self.number = self.index
+        return self
+
+    @property
+    def label(self) -> str:
+        """How people are told the cell: `cell_label` of its `number`."""
+        return cell_label(self.number)
+
+
+_CELL_FRAME = re.compile(r"^\s*Cell In\s*\[\s*\d*\s*\],\s*line (\d+)")
+"""IPython's (8 and later) heading of a traceback frame in a cell's own code."""
+FAILING_CODE_CHARS = 200
+"""The most characters of the failing line of code `failing_line` gives."""
+
+
+def failing_line(source: str, traceback: Sequence[str]) -> tuple[int, str] | None:
+    """Where in a cell's ``source`` its error points: the first frame of the cell's own code
+    in IPython's ``traceback`` (``Cell In[4], line 4``; a ``SyntaxError``'s too).
+
+    Returns:
+        The line's 1-based number and its code, stripped and cut at `FAILING_CODE_CHARS`;
+        None when the traceback names no line of the cell (an error before its code ran, a
+        kernel that formats tracebacks otherwise).
+    """
+    lines = source.splitlines()
+    for entry in traceback:
+        for line in strip_ansi(entry).splitlines():
+            match = _CELL_FRAME.match(line)
+            if match is None:
+                continue
+            number = int(match.group(1))
+            if not 1 <= number <= len(lines):
+                return None
+            return number, lines[number - 1].strip()[:FAILING_CODE_CHARS]
+    return None
+
+
+def cell_label(number: int | None) -> str:
+    """``cell 3`` for a cell's number (`CellSpec.number`), ``injected parameters cell`` for
+    None."""
+    return "injected parameters cell" if number is None else f"cell {number}"
 
 
 class NotebookParameter(BaseModel):
@@ -424,7 +480,9 @@ def split_stages(notebook: NotebookNode, heading_level: int = 1) -> list[StageSp
     ``# Données brutes`` -> ``données-brutes``, ``# 数据加载`` -> ``数据加载``, a heading with
     no letters or digits ``heading-<n>`` (its number among the headings); a slug seen before
     gets ``-2``, ``-3``... Code cells before the first stage form a stage named ``setup``.
-    Cells tagged ``skip-execution`` are left out, as nbclient skips them.
+    Cells tagged ``skip-execution`` are left out, as nbclient skips them. Each cell's `number`
+    leaves out the injected parameters cell (``injected-parameters``), so it is the cell's
+    index in the notebook its author wrote; errors name cells by it.
 
     Returns:
         The stages in notebook order, empty stages left out.
@@ -440,9 +498,12 @@ def split_stages(notebook: NotebookNode, heading_level: int = 1) -> list[StageSp
     current = LEADING_STAGE
     seen_headings: dict[str, int] = {}
     headings = 0
+    injected = 0
     for index, cell in enumerate(notebook.cells):
+        if INJECTED_TAG in _tags(cell):
+            injected += 1
         if tagged:
-            current = _stage_tag(cell, index) or current
+            current = _stage_tag(cell, index - injected) or current
         elif cell.cell_type == "markdown":
             heading = _top_heading(cell.source, heading_level)
             if heading is not None:
@@ -452,14 +513,15 @@ def split_stages(notebook: NotebookNode, heading_level: int = 1) -> list[StageSp
                 current = slug if count == 1 else f"{slug}-{count}"
         if cell.cell_type != "code" or not cell.source.strip() or SKIP_TAG in _tags(cell):
             continue
-        spec = CellSpec(index=index, source=cell.source, tags=_tags(cell))
+        number = None if INJECTED_TAG in _tags(cell) else index - injected
+        spec = CellSpec(index=index, source=cell.source, tags=_tags(cell), number=number)
         if stages and stages[-1].name == current:
             stages[-1].cells.append(spec)
             continue
         if any(stage.name == current for stage in stages):
             raise NotebookError(
-                f"cell {index} is in stage {current!r}, whose cells are not consecutive",
-                cell_index=index,
+                f"{spec.label} is in stage {current!r}, whose cells are not consecutive",
+                cell_index=spec.number,
             )
         stages.append(StageSpec(name=current, cells=[spec]))
     return stages

@@ -6,7 +6,7 @@ stream text is coalesced per stream, ``\\r`` overwrites the current line, ``clea
 they fit; past the cap the start and end are kept, with a marker giving the original size and
 naming what was dropped, so a cell that prints 100 MB keeps client memory bounded and its last
 line. Error outputs are never dropped. Text is made valid UTF-8 (lone surrogates replaced), so
-logging, JSON and nbformat never choke on it.
+logging, JSON and nbformat never choke on it. Manual: docs/backends/index.md.
 """
 
 from __future__ import annotations

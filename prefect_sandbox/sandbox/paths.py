@@ -1,5 +1,6 @@
 """Keeping file paths inside a sandbox's working directory, and safe folder names for runs.
-Pure functions, no I/O but `resolve`."""
+Pure functions, no I/O but `resolve`. Manual: docs/concepts.md.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ __all__ = [
     "is_inside",
     "is_utf8",
     "listed_files",
-    "listing_code",
     "matching_files",
     "path_segment",
     "resolve_inside",
@@ -154,42 +154,14 @@ def matching_files(pattern: str, paths: Iterable[str]) -> list[str]:
     return sorted(path for path in candidates if glob_match(literal, path))
 
 
-_LISTING_CODE = """
-import json, os
-found = []
-for folder, folders, files in os.walk({root!r}):
-    for name in files + [f for f in folders if os.path.islink(os.path.join(folder, f))]:
-        path = os.path.join(folder, name)
-        try:
-            target = os.stat(path)
-            identity = "%d:%d" % (target.st_dev, target.st_ino)
-        except OSError:
-            identity = None
-        found.append([os.path.relpath(path, {root!r}), os.lstat(path).st_size, identity])
-print(json.dumps(found))
-"""
-
-
 def listed_files(listing: str, pattern: str) -> list[RemoteFile]:
-    """The entries of `listing_code`'s printed JSON that ``pattern`` matches (`matching_files`)."""
+    """The entries of kernel_side/listing.py's printed JSON that ``pattern`` matches
+    (`matching_files`)."""
     found = {path: (size, identity) for path, size, identity in json.loads(listing)}
     return [
         RemoteFile(path=path, size_bytes=found[path][0], identity=found[path][1])
         for path in matching_files(pattern, found)
     ]
-
-
-def listing_code(root: str) -> str:
-    """Python code that, run inside a remote sandbox, prints what is under ``root`` as JSON.
-
-    For backends whose own listing cannot give every name: it prints
-    ``[[path relative to root, lstat size in bytes, identity], ...]`` for every entry but
-    folders (links to folders included, never entered); identity is ``"DEV:INODE"`` of what
-    the path leads to, links followed, or None for a dangling link (`RemoteFile.identity`).
-    A name that is not UTF-8 travels as JSON's ``\\udcXX`` escape of `os.fsdecode`'s
-    surrogate, and `json.loads` gives it back as such.
-    """
-    return _LISTING_CODE.format(root=root)
 
 
 def is_utf8(path: str) -> bool:

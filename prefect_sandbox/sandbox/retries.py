@@ -4,7 +4,7 @@ A call is tried ``attempts`` times in all. Between tries we wait what the servic
 (``Retry-After``, carried by `SandboxUnavailableError.retry_after_s`), or else ``first_delay_s``
 doubling each time; never more than `MAX_RETRY_DELAY_S`. What is transient is the caller's
 decision (``retry_if``): only calls that are safe to repeat retry more than a 429, and an
-execute that may have reached the kernel is never replayed.
+execute that may have reached the kernel is never replayed. Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Prefect tasks: create, upload, run a stage, download (fetch), store, kill."""
+"""Prefect tasks: create, upload, run a stage, download (fetch), store, kill.
+
+Manual: docs/concepts.md.
+"""
 
 from prefect_sandbox.tasks.sandbox import (
     create_sandbox,

@@ -5,6 +5,7 @@ Every task here (and `store_artifacts`) has ``retries=0``, whatever Prefect's gl
 ``PREFECT_TASKS_DEFAULT_RETRIES`` says: cells are not idempotent, and a stage retried on the same
 kernel would run its side effects again. Transient backend and S3 errors are retried inside, by
 the backends; a retry that makes sense is a flow retry, whose attempt gets a fresh sandbox.
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -360,13 +361,14 @@ class CellDone(NamedTuple):
 
     Attributes:
         stage: the cell's stage.
-        cell_index: the cell's 0-based index in the notebook.
+        cell_index: the cell's number (`CellSpec.number`: its 0-based index in the notebook
+            as written); None for the injected parameters cell.
         status: ``"ok"``, ``"error"`` or ``"timeout"`` (`CellResult.status`).
         duration_s: seconds the cell ran.
     """
 
     stage: str
-    cell_index: int
+    cell_index: int | None
     status: str
     duration_s: float
 
@@ -396,7 +398,7 @@ class _OutputLog:
         logger: logging.Logger | LoggingAdapter,
     ) -> None:
         self._logger = logger
-        self._prefix = f"[{stage} cell {cell.index}]"
+        self._prefix = f"[{stage} {cell.label}]"
         self._budget_chars = budget_chars
         self._logged = 0
         self._streams: dict[str, StreamLogThrottle] = {}
@@ -466,11 +468,11 @@ def _log_cell_done(
     logger: logging.Logger | LoggingAdapter, stage: str, cell: CellSpec, result: CellResult
 ) -> None:
     """The run-log record that a cell ended, carrying a `CellDone`."""
-    done = CellDone(stage, cell.index, result.status, result.duration_s)
+    done = CellDone(stage, cell.number, result.status, result.duration_s)
     logger.info(
-        "[%s cell %d] %s in %.2f s",
+        "[%s %s] %s in %.2f s",
         stage,
-        cell.index,
+        cell.label,
         result.status,
         result.duration_s,
         extra={CELL_DONE_ATTRIBUTE: done},
@@ -573,7 +575,7 @@ async def _interrupt_timed_out(sandbox: Sandbox, where: str) -> None:
 
 
 def _where(stage: str, cell: CellSpec) -> str:
-    return f"stage {stage!r}, cell {cell.index}"
+    return f"stage {stage!r}, {cell.label}"
 
 
 def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError:
@@ -583,7 +585,7 @@ def _lost_in_cell(stage: str, cell: CellSpec, exc: SandboxError) -> SandboxError
     lost = copy.copy(exc)
     lost.message = f"{_where(stage, cell)}: {exc.message}"
     lost.args = (lost.message,)
-    lost.stage, lost.cell_index = stage, cell.index
+    lost.stage, lost.cell_index = stage, cell.number
     return lost
 
 
@@ -603,7 +605,7 @@ def cell_failure(
             f"{where}: timed out after {timeout_s} s ({what})",
             timeout_s=timeout_s,
             stage=stage,
-            cell_index=cell.index,
+            cell_index=cell.number,
             interrupted=result.interrupted,
             state_lost=result.state_lost,
         )
@@ -613,7 +615,7 @@ def cell_failure(
         evalue=result.error.evalue,
         traceback=result.error.traceback,
         stage=stage,
-        cell_index=cell.index,
+        cell_index=cell.number,
     )
 
 
@@ -659,7 +661,7 @@ class _StageRecorder:
             status="failed" if failed else "ok",
             cells=self.records,
             duration_s=time.monotonic() - self.start,
-            failed_cell_index=failed.index if failed else None,
+            failed_cell_index=failed.number if failed else None,
             error=result.error if result else None,
             late_outputs=self.late_outputs,
         )

@@ -4,6 +4,7 @@ Prefect enforces a flow's or task's ``timeout_seconds`` with an anyio cancel sco
 every await inside it (not once, as `asyncio.Task.cancel` does) until the scope is left: clean-up
 that must finish runs `shielded`, and `deadline_passed` is the one answer to "is this run being
 stopped by its ``timeout_seconds``?" (`prefect_sandbox.flows.stopping` names the other ways).
+Manual: docs/concepts.md.
 """
 
 from __future__ import annotations

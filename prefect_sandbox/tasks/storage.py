@@ -5,6 +5,7 @@ set on its credentials is honoured): boto3's managed transfer streams files from
 above `MULTIPART_THRESHOLD_BYTES` with concurrent parts, and asks S3 for SHA-256 checksums. An
 object counts as stored only once its size and checksum, read back with ``HeadObject``, match
 the local file. s3transfer aborts a multipart upload that fails, so no half object is left.
+Manual: docs/how-to/s3.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 from s3transfer.utils import ChunksizeAdjuster
 
 from prefect_sandbox._compat import called_blocking, join_bucket_folder
-from prefect_sandbox.deprecation import renamed_attribute
 from prefect_sandbox.markdown_text import table_cell
 from prefect_sandbox.results import StoredArtifact
 from prefect_sandbox.s3uri import is_s3_uri, normalised_s3_key, parse_s3_uri
@@ -119,8 +119,6 @@ class ArtifactStore(ABC):
     def output_dir(self) -> str:
         """Where the run's files go: a folder path or an ``s3://`` URI (a result's
         ``output_dir``)."""
-
-    location = renamed_attribute("ArtifactStore.location", "output_dir")
 
     @abstractmethod
     def view_url(self, artifact: StoredArtifact) -> str | None:

@@ -11,6 +11,7 @@ recipe) exists is never rebuilt.
 
 Run ``python -m prefect_sandbox.testing.docker`` to build the image and print its tag.
 Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to its index.
+Manual: docs/backends/docker.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ at the end of the session.
 
 Where Docker cannot run, those tests skip with the reason; with ``PREFECT_SANDBOX_REQUIRE_DOCKER=1``
 (CI sets it) they fail instead, so a machine that should run them never passes silently.
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """The faults both emulators inject, and the record of the requests they receive.
 
 One vocabulary for the E2B and Daytona emulators. A `Fault` names the call it hits (each
-emulator lists its names in ``OPERATIONS``; the calls both vendors have share a name: ``create``,
-``delete``, ``list``, ``upload``, ``download``, ``list_files``, ``create_context``,
-``delete_context``, ``run_code``) and what goes wrong:
-
-- an HTTP status instead of an answer (429 or 5xx), with or without ``Retry-After``;
-- the same status after the call was served (a 504 for a sandbox that was made all the same);
-- a slow answer (``delay_s``);
-- a dropped connection (``drop``): the call is served, its answer never arrives;
-- a WebSocket closed with a given code before the code runs (``close_code``).
-
-Expiry is not a fault but an emulator call (``expire``), as a vendor's clock would do it.
-
+emulator lists its names in ``OPERATIONS``; calls both vendors have share a name) and what goes
+wrong: an HTTP status instead of an answer (with or without ``Retry-After``), or after the call
+was served; a slow answer (``delay_s``); a dropped connection (``drop``); a WebSocket closed
+before the code runs (``close_code``); an interrupt from outside the client some seconds into a
+code execution (``interrupt_after_s``). Expiry is not a fault but an emulator call (``expire``);
+rate limits and quotas are the emulators' ``limits`` option (`prefect_sandbox.testing.limits`).
 `FaultBook` holds the faults waiting to hit and the `RequestRecord` of every request;
-`serve_with_fault` plays one fault on one ASGI request, for both emulators.
+`serve_with_fault` plays one fault on one ASGI request, for both emulators. Manual:
+docs/development.md.
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "COMMON_OPERATIONS",
+    "INTERRUPT_AFTER_S_KEY",
     "ErrorBody",
     "Fault",
     "FaultBook",
@@ -54,6 +50,10 @@ COMMON_OPERATIONS = frozenset(
 )
 """Calls both vendors have, named alike in both emulators."""
 
+INTERRUPT_AFTER_S_KEY = "prefect_sandbox.interrupt_after_s"
+"""The ASGI scope key that tells an emulator's code execution when to interrupt its
+interpreter (`Fault.interrupt_after_s`)."""
+
 ErrorBody = Callable[[int], dict[str, Any]]
 """Makes the JSON body of an injected error answer from its HTTP status."""
 
@@ -72,11 +72,19 @@ class Fault:
         drop: serve the call (for code: start it), then drop the connection without an
             answer, as a connection reset after the request was sent.
         close_code: for a WebSocket call: take the request, then close with this code
-            without running it (4008 is Daytona's execution timeout).
+            without running it. Daytona's daemon closes with 4008 when its interpreter says
+            an execution was interrupted, and so before the code runs when the interrupt lands
+            as the execution starts.
+        interrupt_after_s: for ``run_code``: run the code and, this many seconds in,
+            interrupt the interpreter from outside (a SIGINT to Daytona's interpreter process,
+            Jupyter's interrupt to E2B's kernel), as another process or client would; the
+            server answers as it does then (Daytona: close 4008 when the KeyboardInterrupt
+            leaves the code, 1000 with an ``error`` frame when the code caught it).
         times: how many calls it hits; None for every one until cleared.
 
     Raises:
-        ValueError: ``times`` is below 1, or ``after_call`` comes without ``status``.
+        ValueError: ``times`` is below 1, ``after_call`` comes without ``status``, or
+            ``interrupt_after_s`` is negative or given for another call than ``run_code``.
     """
 
     operation: str
@@ -86,6 +94,7 @@ class Fault:
     delay_s: float = 0.0
     drop: bool = False
     close_code: int | None = None
+    interrupt_after_s: float | None = None
     times: int | None = 1
 
     def __post_init__(self) -> None:
@@ -93,6 +102,10 @@ class Fault:
             raise ValueError(f"times must be at least 1 or None, not {self.times}")
         if self.after_call and self.status is None:
             raise ValueError("after_call needs a status to answer with")
+        if self.interrupt_after_s is not None and (
+            self.interrupt_after_s < 0 or self.operation != "run_code"
+        ):
+            raise ValueError("interrupt_after_s is zero or more seconds, for run_code only")
 
 
 @dataclass(frozen=True)
@@ -233,6 +246,8 @@ async def serve_with_fault(
     if fault.drop and websocket:
         await app(scope, _drop_after_request(receive, send), send)
         return
+    if fault.interrupt_after_s is not None:
+        scope[INTERRUPT_AFTER_S_KEY] = fault.interrupt_after_s
     if fault.drop or fault.after_call:
         await app(scope, receive, _swallow)
         if fault.drop:

@@ -3,6 +3,7 @@ cluster (Debian's ``postgresql`` packages), for tests and benchmarks that need P
 server rather than its temporary one.
 
 Both listen on 127.0.0.1 only and remove everything they made when stopped.
+Manual: docs/development.md.
 """
 
 from __future__ import annotations

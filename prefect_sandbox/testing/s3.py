@@ -4,7 +4,7 @@ fault-injecting proxy in front of it.
 moto runs as a separate process (``python -m moto.server``; install ``moto[server]``) so that
 the memory it holds for stored objects never counts against the caller's RSS. The proxy
 forwards HTTP/1.1 requests to it and answers chosen ones with an error instead, to inject
-failures mid-upload. Both listen on 127.0.0.1 only.
+failures mid-upload. Both listen on 127.0.0.1 only. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """`EmulatorServer`: serves an emulator's ASGI app with uvicorn on 127.0.0.1, in a thread of
-its own, and `serve_until_stopped` for the emulators' ``python -m`` entry points."""
+its own, and `serve_until_stopped` for the emulators' ``python -m`` entry points.
+Manual: docs/development.md.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""A base for the test servers that are context managers and stop when the block is left."""
+"""A base for the test servers that are context managers and stop when the block is left.
+
+Manual: docs/development.md.
+"""
 
 from __future__ import annotations
 

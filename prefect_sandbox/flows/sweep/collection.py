@@ -1,4 +1,7 @@
-"""Running a sweep's branches side by side, and reading back what each left in storage."""
+"""Running a sweep's branches side by side, and reading back what each left in storage.
+
+Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

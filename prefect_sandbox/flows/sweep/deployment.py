@@ -1,5 +1,7 @@
 """A sweep's branches as flow runs of a ``run-notebook`` deployment: the deployment checked,
-saved blocks sent by reference, runs waited on and cancelled through the Prefect API."""
+saved blocks sent by reference, runs waited on and cancelled through the Prefect API.
+Manual: docs/how-to/deployments.md.
+"""
 
 from __future__ import annotations
 

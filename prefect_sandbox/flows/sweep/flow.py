@@ -1,5 +1,7 @@
 """The sweep flow, `asweep_notebook` / `sweep_notebook`: its parameters checked, its mode
-decided, its branches launched and collected, ``sweep.json`` and its table stored."""
+decided, its branches launched and collected, ``sweep.json`` and its table stored.
+Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from prefect.states import Cancelled
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
-from prefect_sandbox.deprecation import renamed_argument
 from prefect_sandbox.flows.errors import SweepFailedError
 from prefect_sandbox.flows.limits import sweep_limit
 from prefect_sandbox.flows.pipeline_run import empty_for_this_attempt, timed_out_reason
@@ -152,7 +153,7 @@ def _launcher(plan: _Plan, options: BranchOptions, sweep_id: UUID) -> BranchLaun
         return DaskLauncher(options, plan.runner, sweep_id)
     if plan.deployment is not None:
         return DeploymentLauncher(options, plan.deployment)
-    return SubflowLauncher(options)
+    return SubflowLauncher(options, sweep_id)
 
 
 def _branches(plan: _Plan, flow_run: FlowRun) -> list[Branch]:
@@ -229,7 +230,6 @@ async def asweep_notebook(
     deployment: str | None = None,
     metrics_artifact: str | None = "metrics.json",
     task_runner: str | None = None,
-    max_sandboxes: int | None = None,
     stage_heading_level: int = 1,
 ) -> SweepResult:
     """Run a notebook once per parameter set, each run in its own sandbox, concurrently.
@@ -237,7 +237,7 @@ async def asweep_notebook(
     Each branch is a ``run-notebook`` flow run (see `arun_notebook`) named
     ``<sweep-run-name>-<index>``, stored in its own folder with its own ``summary.json``; the
     sweep stores ``sweep.json`` (a `SweepResult`) beside them and a table artifact
-    ``sweep-summary``. The package's docstring has the three modes and the storage layout.
+    ``sweep-summary``. The modes and the storage layout: docs/how-to/sweeps.md.
 
     Args:
         notebook: Path of the .ipynb to run; in deployment mode, a path the workers can read.
@@ -266,8 +266,6 @@ async def asweep_notebook(
             whose scheduler is at ADDRESS (its workers must read the notebook and inputs, and
             reach the storage and, beyond this machine, a Prefect server; see
             `prefect_sandbox.flows.dask`). Empty: branches are subflows in this process.
-        max_sandboxes: Deprecated: the old name of ``max_live_sandboxes`` (a
-            `DeprecationWarning`; giving both is a `ValueError`).
         stage_heading_level: The branches' stage heading level (see `arun_notebook`).
 
     Returns:
@@ -275,15 +273,11 @@ async def asweep_notebook(
         metrics and error.
 
     Raises:
-        ParameterRefusedError: in a deployment run, its own parameters give ``backend`` by
-            value, a path outside ``PREFECT_SANDBOX_INPUT_ROOTS`` (as `arun_notebook`) or a
-            Dask cluster's address as ``task_runner``.
+        ParameterRefusedError: a deployment run's own parameters break a rule of
+            `prefect_sandbox.flows.policy`.
         ValueError: a parameter breaks a rule of `prefect_sandbox.options.SweepOptions`
-            (``cell_timeout_s``, ``max_live_sandboxes`` or ``task_runner`` is no valid value,
-            the ``dask`` extra is missing, ``max_live_sandboxes`` or ``task_runner`` is given with
-            ``deployment``, ``metrics_artifact`` or a pattern leaves the working directory:
-            `UnsafePathError`), the deployment is unknown or of another flow, or a block to
-            send to a deployment is not saved (before any branch starts).
+            (`UnsafePathError` for a path that climbs), the deployment is unknown or of another
+            flow, or a block to send to a deployment is not saved (before any branch starts).
         GridError: the grid is invalid (names the entry).
         NotebookError: the notebook or ``stage_heading_level`` is invalid (subflow and Dask
             modes, before any branch starts).
@@ -296,9 +290,6 @@ async def asweep_notebook(
             stored.
     """
     start = time.monotonic()
-    max_live_sandboxes = renamed_argument(
-        "max_sandboxes", max_sandboxes, "max_live_sandboxes", max_live_sandboxes
-    )
     plan = await _checked_parameters(
         notebook, grid, inputs, artifacts, storage, cell_timeout_s, max_live_sandboxes,
         deployment, metrics_artifact, task_runner, stage_heading_level,

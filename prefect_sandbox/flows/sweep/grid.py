@@ -1,6 +1,7 @@
 """A sweep's grid: the parameter sets it runs, checked before anything runs, and the grid and
 parameters files the CLI reads (``.json``, or ``.yaml`` / ``.yml`` with YAML's safe loader).
-Pure functions, apart from reading the file."""
+Pure functions, apart from reading the file. Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A sweep's working values: its mode, the arguments every branch shares, and one branch while
-it runs."""
+it runs. Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """What a sweep shows of its branches: the rows of the ``sweep-summary`` table artifact, with
 the key metrics read from each branch's metrics file (`prefect_sandbox.flows.metrics`). Pure
-functions."""
+functions. Manual: docs/how-to/sweeps.md.
+"""
 
 from __future__ import annotations
 

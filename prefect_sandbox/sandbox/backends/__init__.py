@@ -5,10 +5,12 @@
   container, ``pip install 'prefect-sandbox[docker]'``), with the machinery they share.
 - `e2b`: `E2BSandbox`, an E2B cloud sandbox (``pip install 'prefect-sandbox[e2b]'``).
 - `daytona`: `DaytonaSandbox`, a Daytona sandbox (``pip install 'prefect-sandbox[daytona]'``);
-  `_daytona_runner` is the code it installs in the sandbox's interpreter.
+  `prefect_sandbox.sandbox.kernel_side.daytona_runner` is the code it installs in the sandbox's
+  interpreter.
 - `native_threads`: waits, at exit, for a vendor SDK's native threads (E2B's).
 
 No backend is imported here, so importing one never imports another's SDK.
+Manual: docs/backends/index.md.
 """
 
 from __future__ import annotations

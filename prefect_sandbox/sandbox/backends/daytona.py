@@ -1,19 +1,14 @@
 """`DaytonaSandbox`: a Daytona sandbox driven through the daytona SDK's async client.
 
-Cells run in one stateful interpreter context of the sandbox (``code_interpreter.run_code``).
-Daytona's interpreter streams only stdout, stderr and errors, so a small runner is installed in
-the context at start (`prefect_sandbox.sandbox.backends._daytona_runner`); it reports execution
-counts, results, ``display()`` calls, matplotlib figures, errors and ``exit()`` as marker records
-on stdout, which this module turns back into nbformat outputs. Files move through the SDK's bulk
-file API; paths are checked against the working directory, symlinks resolved inside the sandbox
-first.
-
-Deadlines are ours: at a cell's deadline the interpreter process gets SIGINT (via
-``process.exec``), a second one after the grace period, and then the context is deleted and made
-again (state lost). Errors of the SDK and of its transport are mapped to our tree in one place,
-`translate_error`; calls that are safe to repeat are retried on 429 and 5xx, an execute never is.
-
-The SDK is imported lazily: ``pip install 'prefect-sandbox[daytona]'`` adds it.
+Cells run in one stateful interpreter context (``code_interpreter.run_code``); as Daytona's
+interpreter streams only stdout, stderr and errors, a runner installed in the context
+(kernel_side/daytona_runner.py) reports the rest as marker records that this module turns back
+into nbformat outputs. Files move through the SDK's bulk file API, paths checked against the
+working directory with symlinks resolved inside the sandbox (kernel_side/resolve_paths.py).
+Deadlines are ours: SIGINT to the interpreter (``process.exec``), a second after the grace, then
+the context is made again (state lost). Vendor errors map to our tree in `translate_error`;
+calls safe to repeat are retried on 429 and 5xx, an execute never is. The SDK is imported lazily
+(the ``daytona`` extra). Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib.resources
 import json
 import logging
 import math
@@ -44,14 +38,9 @@ from prefect_sandbox.sandbox.backends import (
     translated,
     translated_async,
 )
-from prefect_sandbox.sandbox.backends._daytona_runner import (
-    MARKER_END,
-    MARKER_START,
-    NAMESPACE_KEY,
-    RUNNER_FILENAME,
-)
 from prefect_sandbox.sandbox.base import (
     SECOND_INTERRUPT_S,
+    CellError,
     CellReply,
     KernelInfo,
     RemoteFile,
@@ -69,6 +58,13 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
+from prefect_sandbox.sandbox.kernel_side import python_str, source
+from prefect_sandbox.sandbox.kernel_side.daytona_runner import (
+    MARKER_END,
+    MARKER_START,
+    NAMESPACE_KEY,
+    RUNNER_FILENAME,
+)
 from prefect_sandbox.sandbox.outputs import CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,
@@ -76,7 +72,6 @@ from prefect_sandbox.sandbox.paths import (
     checked_upload_source,
     is_inside,
     listed_files,
-    listing_code,
 )
 from prefect_sandbox.sandbox.retries import async_retrying
 
@@ -91,7 +86,7 @@ __all__ = [
     "DaytonaSandbox",
     "DaytonaSandboxConfig",
     "MarkerSplitter",
-    "close_code_of",
+    "close_of",
     "import_sdk",
     "record_content",
     "translate_error",
@@ -106,7 +101,16 @@ WORKDIR_NAME = "work"
 _SERVER_TIMEOUT_MARGIN_S = 10
 _EXEC_TIMEOUT_S = 60
 _BOOTSTRAP_TIMEOUT_S = 120
-_CLOSE_CODE = re.compile(r"\(close code (\d+)\)")
+_CLOSE = re.compile(r"(?:Failed to run code: )?(?P<reason>.*?)\s*\(close code (?P<code>\d+)\)\s*$")
+_TIMEOUT_CLOSE = 4008
+"""The daemon's close once its worker reported the execution ``interrupted`` (a
+KeyboardInterrupt left the code) or its own deadline killed the worker; the SDK raises
+`DaytonaTimeoutError` ("Execution timed out") for either."""
+_SLOW_CONSUMER = "slow consumer"
+"""A close 1008's reason when the daemon dropped a client that read its frames too slowly (256
+frames queued): the execution goes on without it."""
+_QUOTA = re.compile(r"Total \w+ limit exceeded\. Maximum allowed: [^\n]*")
+"""Daytona's refusal of a create past the organization's quota (CPU, memory, disk, GPU)."""
 _GONE_STATES = frozenset({"destroyed", "destroying", "error", "build_failed"})
 _STOPPED_STATES = frozenset({"stopped", "archived", "stopping", "archiving"})
 
@@ -115,13 +119,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _LOST_RECORD = MARKER_START + json.dumps({"kind": "lost"}) + MARKER_END
-
-# Resolves paths inside the sandbox: prints [root, [[realpath, is_file], ...]] as JSON.
-_RESOLVE_SCRIPT = """
-import json, os, sys
-real = [os.path.realpath(path) for path in sys.argv[1:]]
-print(json.dumps([real[0], [[path, os.path.isfile(path)] for path in real[1:]]]))
-"""
 
 
 def import_sdk() -> types.ModuleType:
@@ -133,18 +130,11 @@ def import_sdk() -> types.ModuleType:
     return import_extra("daytona", extra="daytona", backend="Daytona")
 
 
-def _runner_source() -> str:
-    return (
-        importlib.resources.files("prefect_sandbox.sandbox.backends")
-        .joinpath("_daytona_runner.py")
-        .read_text(encoding="utf-8")
-    )
-
-
 def _bootstrap_code() -> str:
     return (
         f"{NAMESPACE_KEY} = __import__('types').ModuleType('_prefect_sandbox_runner')\n"
-        f"exec(compile({_runner_source()!r}, {RUNNER_FILENAME!r}, 'exec'), "
+        f"exec(compile({python_str(source('daytona_runner'))}, {python_str(RUNNER_FILENAME)}, "
+        "'exec'), "
         f"{NAMESPACE_KEY}.__dict__)\n"
         f"{NAMESPACE_KEY} = {NAMESPACE_KEY}.install(globals())\n"
     )
@@ -154,10 +144,10 @@ def _cell_code(source: str) -> str:
     """The code sent for a cell: run it through the runner, or say the runner is gone."""
     encoded = base64.b64encode(source.encode("utf-8")).decode("ascii")
     return (
-        f"if {NAMESPACE_KEY!r} in globals():\n"
-        f"    {NAMESPACE_KEY}.run({encoded!r})\n"
+        f"if {python_str(NAMESPACE_KEY)} in globals():\n"
+        f"    {NAMESPACE_KEY}.run({python_str(encoded)})\n"
         f"else:\n"
-        f"    print({_LOST_RECORD!r}, end='', flush=True)\n"
+        f"    print({python_str(_LOST_RECORD)}, end='', flush=True)\n"
     )
 
 
@@ -259,10 +249,21 @@ def record_content(record: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | No
     return None
 
 
-def close_code_of(exc: BaseException) -> int | None:
-    """The WebSocket close code an SDK connection error names (``"... (close code 1001)"``)."""
-    match = _CLOSE_CODE.search(str(exc))
-    return int(match.group(1)) if match else None
+def close_of(exc: BaseException) -> tuple[int, str] | None:
+    """The WebSocket close code and reason an SDK connection error names.
+
+    The SDK raises ``DaytonaConnectionError("Failed to run code: <reason> (close code N)")``
+    for every close but 1000 and 4008. Daytona's daemon closes with 1001 ``"worker process
+    ended"`` (the interpreter process exited) or ``"context shutdown"`` (the context was
+    deleted), 1008 ``"context not found: ID"``, ``"context is not active"`` or
+    ``"slow consumer"``, 1002 (a request it could not read) and 1011 (no default context).
+
+    Returns:
+        ``(code, reason)``; the reason is the SDK's ``"WebSocket connection closed
+        unexpectedly"`` when the close frame gave none. None when ``exc`` names no close.
+    """
+    match = _CLOSE.search(str(exc))
+    return (int(match["code"]), match["reason"]) if match else None
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -279,12 +280,17 @@ def _status_of(exc: BaseException) -> int | None:
 
 
 def _retry_after_of(exc: BaseException) -> float | None:
-    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them."""
+    """Seconds from a ``Retry-After`` header of an SDK error in the chain, if it gives them.
+
+    Daytona's API names the header after the throttler that refused the call
+    (``Retry-After-sandbox-create``, NestJS's throttler), so those count too.
+    """
     current: BaseException | None = exc
     while current is not None:
         headers = getattr(current, "headers", None) or {}
         for name, value in dict(headers).items():
-            if str(name).lower() == "retry-after":
+            lowered = str(name).lower()
+            if lowered == "retry-after" or lowered.startswith("retry-after-"):
                 try:
                     return max(float(value), 0.0)
                 except (TypeError, ValueError):
@@ -347,6 +353,15 @@ def translate_error(
     status = _status_of(exc)
     where = f" (sandbox {sandbox_id})" if sandbox_id else ""
     message = f"Daytona {operation} failed{where}: {exc}"
+    quota = _QUOTA.search(str(exc)) if status in (400, 403) else None
+    if quota is not None:
+        # Daytona's organization quota (403 from older APIs, 400 now), not the credentials.
+        return SandboxError(
+            f"Daytona refused a new sandbox{where}: the organization's quota is reached "
+            f"({quota[0]}); set the backend block's max_live_sandboxes under it, so that "
+            "runs wait for a slot",
+            sandbox_id=sandbox_id,
+        )
     if status in (401, 403) or isinstance(exc, sdk.DaytonaAuthenticationError):
         return SandboxAuthError(
             f"Daytona refused the credentials for {operation}{where}: {exc}",
@@ -782,12 +797,12 @@ class DaytonaSandbox(Sandbox):
     async def list_files(self, pattern: str = "**/*") -> list[RemoteFile]:
         """List files matching a pattern (see `Sandbox.list_files` and `matching_files`).
 
-        Listed by code in the sandbox (`listing_code`), so that a name that is not UTF-8 comes
-        too (with surrogate escapes). Symlinks are listed as found, even ones that point
+        Listed by code in the sandbox (kernel_side/listing.py), so that a name that is not UTF-8
+        comes too (with surrogate escapes). Symlinks are listed as found, even ones that point
         outside; `download` refuses those.
         """
         checked_relative_path(pattern)
-        return listed_files(await self._python(listing_code(self._workdir)), pattern)
+        return listed_files(await self._python("listing", {"root": self._workdir}), pattern)
 
     async def interrupt(self) -> None:
         """Send SIGINT to the interpreter process, as Jupyter's stop button does.
@@ -930,11 +945,22 @@ class DaytonaSandbox(Sandbox):
         gone = await self._check_gone()
         if gone is not None:
             return gone
-        if close_code_of(exc) in (1001, 1008):
-            # 1001: the interpreter process ended; 1008: its context is gone.
-            self._ended = "its interpreter process ended"
-            return self._died(self._ended)
-        return error
+        close = close_of(exc)
+        if close is None or close[0] not in (1001, 1008):
+            return error
+        code, reason = close
+        if reason == _SLOW_CONSUMER:
+            # The daemon dropped this client, not the execution: the cell may run on.
+            return SandboxUnavailableError(
+                f"Daytona dropped the cell's output stream (close {code} {reason!r}: its "
+                "output came faster than it was read); the cell may still run, so it is not "
+                "run again",
+                operation=operation,
+                sandbox_id=self._handle.sandbox_id,
+            )
+        # 1001: the interpreter process ended, or its context was deleted; 1008: it is gone.
+        self._ended = f"Daytona closed the execution with {code} {reason!r}"
+        return self._died(self._ended)
 
     async def _check_gone(self) -> SandboxError | None:
         """`SandboxNotFoundError` if the sandbox is gone, `SandboxDiedError` if it stopped."""
@@ -961,9 +987,11 @@ class DaytonaSandbox(Sandbox):
             sandbox_id=self._handle.sandbox_id,
         )
 
-    async def _python(self, script: str, *args: str) -> str:
-        """Run a short Python script in the sandbox and return what it printed."""
-        command = shlex.join(["python3", "-I", "-c", script, *args])
+    async def _python(self, script: str, args: object) -> str:
+        """Run the script kernel_side/``script``.py in the sandbox with ``args`` as its JSON
+        argument, and return what it printed."""
+        argument = json.dumps(args, ensure_ascii=False)
+        command = shlex.join(["python3", "-I", "-c", source(script), argument])
 
         async def run() -> str:
             response = await self._remote.process.exec(command, timeout=_EXEC_TIMEOUT_S)
@@ -989,7 +1017,7 @@ class DaytonaSandbox(Sandbox):
         Raises:
             UnsafePathError: one leaves the working directory.
         """
-        output = await self._python(_RESOLVE_SCRIPT, self._workdir, *paths.values())
+        output = await self._python("resolve_paths", [self._workdir, *paths.values()])
         root, rows = json.loads(output)
         checked = []
         for given, (real, is_file) in zip(paths, rows, strict=True):
@@ -1117,11 +1145,14 @@ class _DaytonaCell(RunningCell):
         self._sandbox = sandbox
         self._run = _CellRun(outputs)
         self._interrupted = False
+        self._timeout_s = timeout_s
         server_timeout_s = 0
         if timeout_s is not None:
             server_timeout_s = _SERVER_TIMEOUT_MARGIN_S + math.ceil(
                 timeout_s + sandbox._config.interrupt_grace_s + SECOND_INTERRUPT_S
             )
+        self._server_timeout_s = server_timeout_s
+        self._sent_at = time.monotonic()
         self._execution: asyncio.Task[Any] = asyncio.create_task(
             sandbox._remote.code_interpreter.run_code(
                 _cell_code(code),
@@ -1155,22 +1186,29 @@ class _DaytonaCell(RunningCell):
         self._run.finish()
         if state_lost:
             return CellReply()
-        timed_out = False
+        closed_4008 = False
         async with translated_async(partial(sandbox._run_failure, in_cell=True)):
             try:
                 self._execution.result()
             except Exception as exc:
                 sdk = import_sdk()
-                timed_out = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
+                closed_4008 = isinstance(exc, sdk.DaytonaTimeoutError) and not isinstance(
                     exc, sdk.DaytonaConnectionError
                 )
-                if not timed_out:
+                if not closed_4008:
                     raise
-        if timed_out and not self._interrupted:
-            # Close code 4008: the daemon's own deadline (our backstop) ended the cell and
-            # may have killed the interpreter, or an interrupt escaped the runner.
-            await sandbox.restart()
-            return CellReply(execution_count=self._run.count, state_lost=True)
+        if closed_4008 and not self._interrupted:
+            after_s = time.monotonic() - self._sent_at
+            if 0 < self._server_timeout_s <= after_s:
+                # The daemon's own deadline (our backstop) ended the cell and may have killed
+                # the interpreter.
+                await sandbox.restart()
+                return CellReply(execution_count=self._run.count, state_lost=True)
+            return CellReply(
+                execution_count=self._run.count,
+                raised=True,
+                error=self._interrupted_from_outside(after_s),
+            )
         if self._run.pid is not None:
             sandbox._worker_pid = self._run.pid
         if self._run.lost:
@@ -1181,3 +1219,18 @@ class _DaytonaCell(RunningCell):
             sandbox._ended = "the cell called exit()"
             raise sandbox._died(sandbox._ended, exit_code=self._run.exit_code)
         return CellReply(execution_count=self._run.count, raised=self._run.raised)
+
+    def _interrupted_from_outside(self, after_s: float) -> CellError:
+        """The error of a cell that Daytona closed with 4008 before any deadline and without
+        our interrupt: its interpreter reported the execution ``interrupted``, a SIGINT (or
+        the SIGTERM of a context being deleted) from outside this run reached it. The SDK
+        calls every 4008 "Execution timed out"; this one was not."""
+        deadline = "no timeout" if self._timeout_s is None else f"its {self._timeout_s} s timeout"
+        return CellError(
+            ename="KeyboardInterrupt",
+            evalue=(
+                f"the interpreter was interrupted from outside the run {after_s:.1f} s into "
+                f"the cell, well before {deadline}: Daytona ended the execution with close "
+                f"code {_TIMEOUT_CLOSE} (the interpreter reported it interrupted)"
+            ),
+        )

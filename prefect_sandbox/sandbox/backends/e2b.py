@@ -1,59 +1,22 @@
 """`E2BSandbox`: an E2B cloud sandbox, driven through the ``e2b-code-interpreter`` SDK.
 
-Cells run in one code context (a Jupyter kernel inside the sandbox) made at creation, so state
-persists between cells, tasks and processes; the context's id travels in the handle. The SDK is
-imported only when used; without the extra, `BackendNotInstalledError` says what to install.
-
-Timeouts: the SDK's own ``run_code`` deadline fires at about twice the value asked (its
-transport adds two phases), so we keep our own. On the deadline we close the ``/execute``
-stream, which makes the code interpreter server interrupt the cell (E2B has no interrupt call).
-The server lets the context go before its interrupt reaches the kernel (e2b-dev/code-interpreter
-``template/server/messaging.py``), so a cell sent at once would be queued behind the running
-one and then aborted by ipykernel, and an aborted request's stream never ends. So a probe cell
-is sent ``interrupt_settle_s`` after the close; a probe that gets no answer within as long again
-is closed and sent again after twice the wait, until ``interrupt_grace_s`` has passed: only then
-(every probe unanswered: the kernel is still busy) is the context restarted, and the result
-says ``state_lost``. A probe that runs makes itself invisible (`_FORGET_THIS_CELL_CODE`), so the
-timed-out cell keeps its execution count (the probe's, less one) and the next cell follows it.
-
-First cells: the server puts ``import os; os.environ[...] = ...`` lines, from envd's ``/envs``,
-before the first execution on each connection to a kernel, made at creation and at every context
-restart (``messaging.py``). So after each of those we run a priming cell that takes them, and
-leaves no trace in the history or the execution count: the user's first cell is theirs, and is
-``In[1]``. A restarted kernel starts in Jupyter's root folder (``/home/user``), so the priming
-cell also goes back to the working directory.
-
-Retries: the SDK retries control-plane calls on 429/502/503/504 itself, honouring
-``Retry-After``; we retry the idempotent calls it does not (file reads, writes, listings, the
-context listing and restart, the working directory's creation, and the kill, which the SDK
-does not retry on a 500) with `prefect_sandbox.sandbox.retries`' backoff, since the SDK drops
-the response headers of those. An execute that may have reached the kernel is never replayed.
-A create whose set-up fails kills the sandbox it made (`kill_after_failed_setup`).
-
-Displays: E2B's code interpreter passes on only the data of a display (``text/plain`` with its
-quotes stripped), drops ``update_display_data``, ``clear_output`` and the reply's payloads
-(``exit()``'s ``ask_exit`` among them), and joins a traceback's lines without a separator. So
-each context's kernel gets display hooks, applied by the first priming cell and kept as an
-IPython startup file for restarts: they carry display ids, updates, ``clear_output``, metadata,
-the exact ``text/plain``, traceback lines and an ``exit()`` inside a bundle, under
-`DISPLAY_CONTROL_MIME`, and `result_content` turns them back into Jupyter messages; a cell that
-called ``exit()`` raises `SandboxDiedError` itself (the kernel ends 0.1 s after its reply). The
-hooks also send the reply's status (the server stops at ``idle`` and may drop a reply's error,
-and takes an error a formatter showed for the cell's) and widgets' comm state (comms are
-dropped); a kernel hooked already (the startup file) is not hooked twice, which marked every
-update as a new display and ``exit()`` with an empty one; a thread's output is tagged with the
-running cell as ipykernel 7 does (the template's 6.x tags the finished cell the server forgot).
-
-Lifetime: the sandbox is made with ``lifetime_s``; the lifetime is set again before each cell
-and every ``lifetime_s / 2`` while one runs (and, through `keep_alive`, while an open session
-waits for its next call), so a long pipeline never expires mid-run, while a sandbox whose flow
-died expires ``lifetime_s`` later at most.
+Cells run in one code context made at creation; its id travels in the handle. The SDK is
+imported only when used. Hard-won facts, told in full in the manual: the SDK's ``run_code``
+deadline fires at about twice the value, so we keep our own; E2B has no interrupt call, and its
+server lets a context go before the interrupt lands, so after a timeout probes
+(kernel_side/forget_cell.py) are sent ``interrupt_settle_s`` apart, doubling, and only when none
+answers within ``interrupt_grace_s`` is the context restarted (``state_lost``); the server
+prepends env-var lines to the first execution on each connection, taken by a priming cell
+(kernel_side/e2b_priming.py) that leaves no trace; display hooks (kernel_side/e2b_display.py)
+carry what the server drops under `DISPLAY_CONTROL_MIME`; an execute is never replayed; the
+lifetime is renewed around and during each cell. Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import posixpath
@@ -93,7 +56,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxUnavailableError,
     UnsafePathError,
 )
-from prefect_sandbox.sandbox.kernel_side import FORKED_CHILD_GUARD_CODE
+from prefect_sandbox.sandbox.kernel_side import run_code
 from prefect_sandbox.sandbox.outputs import COMM_MSG_TYPES, CellOutputs, error_content
 from prefect_sandbox.sandbox.paths import (
     check_size,
@@ -101,7 +64,6 @@ from prefect_sandbox.sandbox.paths import (
     checked_upload_source,
     is_inside,
     listed_files,
-    listing_code,
     matching_files,
 )
 from prefect_sandbox.sandbox.retries import async_retrying
@@ -151,183 +113,41 @@ OUTCOME_MSG_TYPE = "prefect_sandbox_outcome"
 """What `result_content` calls our hooks' word of how the cell ended, as ipykernel's
 ``execute_reply`` says it (``{"status": "ok"}`` or ``{"status": "error", "ename", "evalue"}``)."""
 _DISPLAY_HOOKS_FILE = "00-prefect-sandbox-display.py"
-# Runs at kernel start, in the user's namespace, which it leaves as it found it.
-_DISPLAY_HOOKS_CODE = (
-    f"""
-def _prefect_sandbox_display_hooks(key={DISPLAY_CONTROL_MIME!r}):
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if getattr(shell, "_prefect_sandbox_hooked", False):
-        return  # from the startup file already: hooks over hooks would mark displays twice
-    shell._prefect_sandbox_hooked = True
-    publisher, displayhook = shell.display_pub, shell.displayhook
-    publish, write_format_data = publisher.publish, displayhook.write_format_data
-    showtraceback = shell._showtraceback
-
-    def controlled(data, metadata, **control):
-        if "text/plain" in data:
-            control["text/plain"] = data["text/plain"]
-        control["metadata"] = metadata or {{}}
-        return dict(data, **{{key: control}})
-
-    def hooked_publish(data, metadata=None, *args, transient=None, update=False, **kwargs):
-        display_id = (transient or {{}}).get("display_id")
-        data = controlled(data, metadata, display_id=display_id, update=bool(update))
-        return publish(data, metadata, *args, transient=transient, **kwargs)
-
-    def hooked_clear_output(wait=False):
-        publish({{key: {{"clear": True, "wait": bool(wait)}}}})
-
-    def hooked_write_format_data(format_dict, md_dict=None):
-        return write_format_data(controlled(format_dict, md_dict), md_dict)
-
-    def hooked_showtraceback(etype, evalue, stb):
-        ename = getattr(etype, "__name__", str(etype))
-        publish({{key: {{"traceback": list(stb), "ename": ename, "evalue": str(evalue)}}}})
-        return showtraceback(etype, evalue, stb)
-
-    def hooked_ask_exit():
-        if not shell.keepkernel_on_exit:
-            publish({{key: {{"exit": True}}}})
-        return ask_exit()
-
-    def outcome(result):  # the execute_reply's status, by ipykernel's rule
-        error = result.error_before_exec or result.error_in_exec
-        if error is None and not getattr(shell, "_last_traceback_during_displayhook", False):
-            publish({{key: {{"outcome": "ok"}}}})
-        else:
-            shown = {{"ename": type(error).__name__, "evalue": str(error)}}
-            publish({{key: {{"outcome": "error", **shown}}}})
-
-    session = shell.kernel.session
-    send = session.send
-
-    def hooked_send(stream, msg_or_type, content=None, *args, buffers=None, **kwargs):
-        msg_type = msg_or_type if isinstance(msg_or_type, str) else None
-        if msg_type in ("comm_open", "comm_msg") and "state" in (content or {{}}).get("data", {{}}):
-            import base64
-
-            data = content["data"]
-            publish({{key: {{
-                "comm": msg_type,
-                "comm_id": content.get("comm_id"),
-                "state": data["state"],
-                "buffer_paths": data.get("buffer_paths") or [],
-                "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers or []],
-            }}}})
-        return send(stream, msg_or_type, content, *args, buffers=buffers, **kwargs)
-
-    class NoThreadParents(dict):
-        def __setitem__(self, ident, parent):
-            pass
-
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(getattr(stream, "_thread_to_parent_header", None), dict):
-            stream._thread_to_parent_header = NoThreadParents()
-
-    ask_exit = shell.ask_exit
-    publisher.publish = hooked_publish
-    publisher.clear_output = hooked_clear_output
-    displayhook.write_format_data = hooked_write_format_data
-    shell._showtraceback = hooked_showtraceback
-    shell.ask_exit = hooked_ask_exit
-    shell.events.register("post_run_cell", outcome)
-    session.send = hooked_send
-
-
-_prefect_sandbox_display_hooks()
-del _prefect_sandbox_display_hooks
-"""
-    + FORKED_CHILD_GUARD_CODE
-)  # E2B's server ends a cell at any idle status, a fork's too
-# Makes the cell running it leave no trace: its input leaves the history (memory and
-# database), and the execution counters go back one, so the next cell gets this one's number.
-# Relative steps, since IPython 8 counts a cell up as it ends and IPython 9 as it starts.
-_FORGET_THIS_CELL_CODE = """
-def _prefect_sandbox_forget_this_cell():
-    import sqlite3
-
-    shell = get_ipython()
-    history = shell.history_manager
-    line = len(history.input_hist_parsed) - 1  # In[n] is cell n's input: this cell's is last
-    # Under the lock the saving thread writes under: the line is in its cache or written.
-    with history.db_input_cache_lock:
-        history.db_input_cache[:] = [e for e in history.db_input_cache if e[0] != line]
-        try:
-            with history.db:
-                history.db.execute(
-                    "DELETE FROM history WHERE session = ? AND line = ?",
-                    (history.session_number, line),
-                )
-        except sqlite3.Error:
-            pass
-    del history.input_hist_parsed[line:], history.input_hist_raw[line:]
-    raw = history.input_hist_raw
-    last = [raw[k] if k >= 0 else "" for k in range(line - 1, line - 5, -1)]
-    history._i00, history._i, history._ii, history._iii = last
-    shell.user_ns.update(_i=last[1], _ii=last[2], _iii=last[3])
-    shell.user_ns.pop(f"_i{line}", None)
-    shell.execution_count -= 1
-    shell.kernel.execution_count -= 1
-
-
-_prefect_sandbox_forget_this_cell()
-del _prefect_sandbox_forget_this_cell
-"""
-# Runs after the lines E2B put before the first execution on a connection: drops the `os` they
-# imported into the user's namespace (the variables they set stay).
-_DROP_ENV_PREFIX_CODE = """
-if getattr(globals().get("os"), "__name__", None) == "os":
-    del os
-"""
-
-
 _HOOKS_FAILED = "prefect-sandbox: display hooks not installed:"
 
 
-def _install_hooks_code() -> str:
-    """A priming cell's part that writes the display hooks into the kernel's IPython startup
-    folder (for later restarts) and applies them now; a failure is printed to stderr."""
-    return f"""
-def _prefect_sandbox_install_hooks():
-    import os
-    path = os.path.join(get_ipython().profile_dir.startup_dir, {_DISPLAY_HOOKS_FILE!r})
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as file:
-        file.write({_DISPLAY_HOOKS_CODE!r})
+@functools.cache
+def _display_hooks_code() -> str:
+    """The display hooks' startup file (kernel_side/e2b_display.py), and the fork guard: E2B's
+    server ends a cell at any idle status, a fork's too."""
+    hooks = run_code("e2b_display", "main", {"key": DISPLAY_CONTROL_MIME})
+    return hooks + run_code("fork_guard", "main")
 
 
-try:
-    _prefect_sandbox_install_hooks()
-    exec({_DISPLAY_HOOKS_CODE!r})
-except Exception as _prefect_sandbox_error:
-    import sys as _prefect_sandbox_sys
-    print({_HOOKS_FAILED!r}, repr(_prefect_sandbox_error), file=_prefect_sandbox_sys.stderr)
-    del _prefect_sandbox_sys, _prefect_sandbox_error
-del _prefect_sandbox_install_hooks
-"""
+def _priming_code(args: dict[str, Any]) -> str:
+    """A priming cell (kernel_side/e2b_priming.py, then forget_cell.py): it takes the lines E2B
+    puts before the first execution on a connection, does what ``args`` say and leaves no
+    trace."""
+    return run_code("e2b_priming", "main", args) + run_code("forget_cell", "main")
 
 
-def _back_to_workdir_code(workdir: str) -> str:
-    """A priming cell's part that returns a restarted kernel to the working directory (by its
-    path from Jupyter's root where it is not found as is: an emulator's folders are elsewhere)."""
-    from_root = posixpath.relpath(workdir, _JUPYTER_ROOT)
-    return f"""
-def _prefect_sandbox_chdir():
-    import os
-    target = {workdir!r} if os.path.isdir({workdir!r}) else {from_root!r}
-    try:
-        os.chdir(target)
-    except OSError:
-        pass
+def _install_hooks_args() -> dict[str, Any]:
+    """A priming cell's arguments that write the display hooks into the kernel's IPython
+    startup folder (for later restarts) and apply them now; a failure is printed to stderr."""
+    return {
+        "hooks": {
+            "file": _DISPLAY_HOOKS_FILE,
+            "code": _display_hooks_code(),
+            "failed": _HOOKS_FAILED,
+        }
+    }
 
 
-_prefect_sandbox_chdir()
-del _prefect_sandbox_chdir
-"""
+def _back_to_workdir_args(workdir: str) -> dict[str, Any]:
+    """A priming cell's arguments that return a restarted kernel to the working directory (by
+    its path from Jupyter's root where it is not found as is: an emulator's folders are
+    elsewhere)."""
+    return {"workdir": workdir, "from_root": posixpath.relpath(workdir, _JUPYTER_ROOT)}
 
 
 _LIST_DEPTH_ALL = 64
@@ -388,7 +208,7 @@ class E2BConfig(SandboxConfig):
             `prefect_sandbox.sandbox.retries`).
         interrupt_settle_s: seconds from closing a timed-out cell's stream to the probe that
             checks the kernel is idle; a probe unanswered that long again is closed and sent
-            again after twice the wait (see the module's docstring).
+            again after twice the wait (docs/backends/e2b.md, "How it runs cells").
     """
 
     client_factory: Callable[[], Any] | None = None
@@ -737,14 +557,14 @@ class E2BSandbox(Sandbox):
             self._handle = self._handle.model_copy(
                 update={"connection": {"context_id": self._context.id}}
             )
-            await self._prime(_install_hooks_code(), operation="create")
+            await self._prime(_install_hooks_args(), operation="create")
         finally:
             await cancel_and_wait(keep_alive)
 
-    async def _prime(self, code: str, *, operation: str) -> None:
+    async def _prime(self, args: dict[str, Any], *, operation: str) -> None:
         """Run the first execution on a new connection to the kernel (at creation, after each
-        restart): it takes the lines E2B puts before that execution, then ``code``, and leaves
-        no trace in the history or the execution count.
+        restart): it takes the lines E2B puts before that execution, does what ``args`` say
+        (`_priming_code`), and leaves no trace in the history or the execution count.
 
         Raises:
             SandboxDiedError: the kernel ended or restarted during it.
@@ -752,7 +572,7 @@ class E2BSandbox(Sandbox):
         """
         with _translated(operation, sandbox_id=self._id):
             execution = await self._sdk.run_code(
-                f"{_DROP_ENV_PREFIX_CODE}\n{code}\n{_FORGET_THIS_CELL_CODE}",
+                _priming_code(args),
                 context=self._context,
                 timeout=_OWN_CELL_TIMEOUT_S,
             )
@@ -1034,7 +854,7 @@ class E2BSandbox(Sandbox):
             try:
                 # Relative: the context starts in the working directory.
                 execution = await self._sdk.run_code(
-                    listing_code("."),
+                    run_code("listing", "main", {"root": "."}),
                     context=context,
                     timeout=_OWN_CELL_TIMEOUT_S,
                 )
@@ -1064,7 +884,7 @@ class E2BSandbox(Sandbox):
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
 
-        The new kernel is primed (see the module's docstring): back in the working directory,
+        The new kernel is primed (docs/backends/e2b.md): back in the working directory,
         the next cell is ``In[1]``, with nothing of the server's before it.
 
         Raises:
@@ -1076,7 +896,7 @@ class E2BSandbox(Sandbox):
         await self._retrying("restart", lambda: self._sdk.restart_code_context(context))
         self._dead = False
         self._last_count = None
-        await self._prime(_back_to_workdir_code(self._handle.workdir), operation="restart")
+        await self._prime(_back_to_workdir_args(self._handle.workdir), operation="restart")
 
     async def kill(self) -> bool:
         """Kill the sandbox. Idempotent; transient failures are retried as file calls are.
@@ -1201,7 +1021,7 @@ class _E2BCell(RunningCell):
             await asyncio.sleep(settle_s)
             probe = asyncio.create_task(
                 self._sandbox._sdk.run_code(
-                    _FORGET_THIS_CELL_CODE, context=self._context, timeout=0
+                    run_code("forget_cell", "main"), context=self._context, timeout=0
                 )
             )
             try:

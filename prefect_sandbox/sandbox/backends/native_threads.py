@@ -1,18 +1,14 @@
 """Let a vendor SDK's native threads finish their calls into Python before the interpreter exits.
 
-The E2B SDK (2.63) sends all its traffic through pyqwest, whose tokio threads complete each call
-by taking the GIL and waking the event loop (``call_soon_threadsafe``, whose write to the
-loop's self-pipe releases the GIL again). A call the loop has already seen to the end can thus
-still have its thread about to take the GIL back. If that thread asks for the GIL after the
-interpreter began finalizing, CPython (3.11 to 3.13) ends it with ``pthread_exit``, and the
-unwind through Rust frames aborts the whole process (SIGABRT) after a run that succeeded:
-curioswitch/pyqwest#164, PyO3/pyo3#4874. A script that ends with its last E2B call (attach,
-run a cell, close) was killed so in 12 of 60 runs against our emulator with two CPU-bound
-processes beside it; with this wait, in none of 120, and the wait took 11 to 17 ms.
-
-`wait_for_quiet_threads_at_exit` registers an ``atexit`` handler, which runs before
-finalization: it sleeps, so the GIL is free, until no other thread of the process is running or
-waiting for a CPU.
+The E2B SDK (2.63) sends its traffic through pyqwest, whose tokio threads complete each call by
+taking the GIL to wake the event loop, so a call the loop has seen end can still have its thread
+about to take the GIL back. If it asks after the interpreter began finalizing, CPython (3.11 to
+3.13) ends it with ``pthread_exit``, and the unwind through Rust frames aborts the process
+(SIGABRT) after a run that succeeded (curioswitch/pyqwest#164, PyO3/pyo3#4874): 12 of 60 scripts
+ending on an E2B call, beside two CPU-bound processes; with this wait none of 120, at 11 to 17
+ms. `wait_for_quiet_threads_at_exit` registers an ``atexit`` handler (it runs before
+finalization) that sleeps, GIL free, until no other thread of the process runs or waits for a
+CPU. Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations

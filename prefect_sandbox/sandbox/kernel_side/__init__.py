@@ -1,61 +1,54 @@
-"""Code that runs inside a kernel, local or remote: what host kernels and E2B's share.
+"""Code that runs inside a kernel or a sandbox, kept as real modules that ruff and mypy read.
 
-Importing it imports nothing of a kernel's; each constant is source for IPython's namespace.
+Each module here runs in another interpreter (a kernel's namespace, a sandbox's ``python3``) and
+imports nothing of prefect_sandbox: the host reads its text (`source`) and sends it. Values go
+as JSON, never formatted into the source: a script run with ``python -c`` reads one JSON argument
+(``sys.argv[1]``); code for a kernel (`run_code`) calls the module's entry function with a JSON
+literal that the function parses. `run_code` runs the module in a namespace of its own, so the
+user's namespace keeps no name of ours. The host's side: docs/development.md.
 """
 
-__all__ = ["FORKED_CHILD_GUARD_CODE"]
+from __future__ import annotations
 
-FORKED_CHILD_GUARD_CODE = """
-def _prefect_sandbox_quiet_forked_children():
-    # A process forked by a cell (os.fork) is a copy of the kernel holding its sockets: it
-    # would send the cell's busy/idle status and reply as if it were the kernel. It may send
-    # the cell's outputs only, and it stops (no CPU, killed with the kernel) where its copy
-    # of the cell ends, instead of carrying on as a second kernel that nothing can reach.
-    import os
-    import signal
-    import sys
+import functools
+import importlib.resources
+import json
 
-    kernel_pid = os.getpid()
-    shell = get_ipython()
-    session = getattr(getattr(shell, "kernel", None), "session", None)
-    if session is None:
-        return  # not ipykernel
-    outputs = {"stream", "display_data", "update_display_data", "clear_output", "error"}
-    send = session.send
-
-    def send_from_kernel(stream, msg_or_type, *args, **kwargs):
-        if os.getpid() != kernel_pid:
-            msg_type = msg_or_type
-            if not isinstance(msg_type, str):
-                msg_type = msg_or_type["header"]["msg_type"]
-            if msg_type not in outputs:
-                return None
-        return send(stream, msg_or_type, *args, **kwargs)
-
-    def stop_forked_child(result):
-        if os.getpid() == kernel_pid:
-            return
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        parent = os.getppid()
-        try:
-            import ctypes
-
-            # Killed when its parent ends (PR_SET_PDEATHSIG): a restart, not only a kill.
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent:
-            os._exit(1)
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    session.send = send_from_kernel
-    shell.events.register("post_run_cell", stop_forked_child)
+__all__ = ["python_str", "run_code", "source"]
 
 
-_prefect_sandbox_quiet_forked_children()
-del _prefect_sandbox_quiet_forked_children
-"""
-"""Kernel start-up code (IPython's namespace): a process forked by a cell sends outputs
-only, and stops where its copy of the cell ends, killed when its parent ends. Part of our
-startup file; a backend that cannot place that file runs it in the kernel itself."""
+@functools.cache
+def source(module: str) -> str:
+    """The text of this package's module ``module`` (e.g. ``"fork_guard"``).
+
+    Raises:
+        FileNotFoundError: there is no such module.
+    """
+    return importlib.resources.files(__name__).joinpath(f"{module}.py").read_text(encoding="utf-8")
+
+
+def python_str(text: str) -> str:
+    """A Python string literal of ``text`` (JSON's string escapes are Python's).
+
+    ``text`` must hold no lone surrogate (our sources do not; JSON texts are ASCII).
+    """
+    return json.dumps(text, ensure_ascii=False)
+
+
+def run_code(module: str, entry: str, args: object = None) -> str:
+    """One statement that runs this package's ``module`` in a namespace of its own and calls
+    its function ``entry``: with no argument when ``args`` is None, else with ``args``' JSON
+    text (the function parses it).
+
+    The statement's value is None, so a kernel displays nothing; a traceback names the module
+    as ``<prefect-sandbox kernel_side/MODULE.py>``.
+
+    Raises:
+        FileNotFoundError: there is no such module.
+        TypeError: ``args`` is not JSON-serialisable.
+    """
+    call = f"{entry}()" if args is None else f"{entry}({python_str(json.dumps(args))})"
+    code = f"{source(module)}\n{call}\n"
+    filename = f"<prefect-sandbox kernel_side/{module}.py>"
+    namespace = f"{{'__name__': {python_str(f'{__name__}.{module}')}}}"
+    return f"exec(compile({python_str(code)}, {python_str(filename)}, 'exec'), {namespace})\n"

@@ -2,6 +2,7 @@
 
 Prints ``DAYTONA_API_KEY=...``, ``DAYTONA_API_URL=...`` and ``DAYTONA_TARGET=...``, one per
 line, then serves until interrupted (Ctrl-C or SIGTERM), deleting its sandboxes on the way out.
+Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Wire formats follow what the daytona SDK 0.226.1 sends and expects: the control 
 ``/api`` (create answers 200 with the full sandbox), the toolbox under
 ``/toolbox/{sandbox_id}`` (the sandboxes' ``toolboxProxyUrl``), the interpreter WebSocket with
 its frames and close codes, and the bulk file transfer's multipart bodies. An outer gate checks
-the API key, records sandbox activity and injects faults.
+the API key, records sandbox activity and injects faults. Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import posixpath
 import shutil
 import stat
@@ -37,7 +38,13 @@ from prefect_sandbox.testing.daytona.state import (
     EmulatedSandbox,
     World,
 )
-from prefect_sandbox.testing.faults import COMMON_OPERATIONS, FaultBook, serve_with_fault
+from prefect_sandbox.testing.faults import (
+    COMMON_OPERATIONS,
+    INTERRUPT_AFTER_S_KEY,
+    FaultBook,
+    serve_with_fault,
+)
+from prefect_sandbox.testing.limits import DAYTONA_QUOTA_MESSAGE, RateLimits
 
 __all__ = ["OPERATIONS", "WEBSOCKET_OPERATIONS", "build_app"]
 
@@ -63,6 +70,8 @@ DOWNLOAD_BOUNDARY = "DAYTONA-FILE-BOUNDARY"
 _COPY_CHUNK_BYTES = 1 << 20
 # Control-plane calls that count as activity; every toolbox call does.
 _ACTIVITY = frozenset({"refresh_activity"})
+_LIFECYCLE = frozenset({"delete", "start", "stop"})
+"""Calls Daytona's ``sandbox-lifecycle`` throttler counts."""
 
 
 def _api_error(status: int, message: str) -> JSONResponse:
@@ -94,7 +103,9 @@ def _frame(kind: str, text: str = "", **fields: str) -> str:
     return json.dumps(frame, ensure_ascii=False)
 
 
-def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> ASGIApp:
+def build_app(
+    world: World, *, api_key: str, target: str, faults: FaultBook, limits: RateLimits
+) -> ASGIApp:
     """The emulator's ASGI app.
 
     Args:
@@ -102,18 +113,20 @@ def build_app(world: World, *, api_key: str, target: str, faults: FaultBook) -> 
         api_key: the only API key accepted (``Authorization: Bearer <key>``).
         target: the region sandboxes get when the create request names none.
         faults: faults to inject.
+        limits: the rate limits and quota to enforce (Daytona's limiter, `FixedWindow`).
     """
-    routes = _DaytonaApi(world, target).routes()
-    return _Gate(Starlette(routes=routes), routes, world, api_key, faults)
+    routes = _DaytonaApi(world, target, limits).routes()
+    return _Gate(Starlette(routes=routes), routes, world, api_key, faults, limits)
 
 
 class _DaytonaApi:
     """The emulator's handlers over one `World`: the control plane (``/api/sandbox``) and each
     sandbox's toolbox (``/toolbox/{sid}``), which Daytona's proxy serves."""
 
-    def __init__(self, world: World, target: str) -> None:
+    def __init__(self, world: World, target: str, limits: RateLimits) -> None:
         self.world = world
         self.target = target
+        self.limits = limits
 
     def sandbox_or_none(self, request: Request | WebSocket) -> EmulatedSandbox | None:
         return self.world.find(request.path_params["sid"])
@@ -148,7 +161,13 @@ class _DaytonaApi:
     # -- control plane ----------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        return JSONResponse(self.world.create(await self.json_body(request), self.target).model())
+        body = await self.json_body(request)
+        # Daytona's quota is on CPUs, counted over started sandboxes (1 each by default).
+        cpus = sum(s.cpu for s in self.world.sandboxes.values() if s.state == "started")
+        if self.limits.over_quota(cpus + int(body.get("cpu") or 1) - 1):
+            quota = self.limits.limits.max_live_sandboxes
+            return _api_error(400, DAYTONA_QUOTA_MESSAGE.format(quota=quota))
+        return JSONResponse(self.world.create(body, self.target).model())
 
     async def list_sandboxes(self, request: Request) -> Response:
         try:
@@ -395,6 +414,7 @@ class _DaytonaApi:
             request.get("envs"),
             timeout_s,
             lambda chunk: frames.put_nowait(json.dumps(chunk, ensure_ascii=False)),
+            interrupt_after_s=websocket.scope.get(INTERRUPT_AFTER_S_KEY),
         )
         if outcome.control is not None:
             frames.put_nowait(_frame("control", outcome.control))
@@ -519,9 +539,16 @@ async def _send_frames(websocket: WebSocket, frames: asyncio.Queue[str | None]) 
             connected = False
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any], websocket: bool) -> None:
+async def _send_json(
+    send: Send,
+    status: int,
+    body: dict[str, Any],
+    websocket: bool,
+    headers: dict[str, str] | None = None,
+) -> None:
     prefix = "websocket.http.response" if websocket else "http.response"
     payload = json.dumps(body).encode()
+    extra = [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
     await send(
         {
             "type": f"{prefix}.start",
@@ -529,23 +556,60 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], websocket: b
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(payload)).encode()),
+                *extra,
             ],
         }
     )
     await send({"type": f"{prefix}.body", "body": payload})
 
 
+def _throttler(operation: str) -> str:
+    """The name of Daytona's throttler that counts ``operation`` (its API's guards)."""
+    if operation == "create":
+        return "sandbox-create"
+    return "sandbox-lifecycle" if operation in _LIFECYCLE else "authenticated"
+
+
+async def _throttled(
+    send: Send, operation: str, wait_s: float, calls: int, websocket: bool
+) -> None:
+    """Daytona's answer past a throttler's limit (NestJS's ``ThrottlerGuard``): the wait in
+    whole seconds in ``Retry-After-<throttler>`` (plain ``Retry-After`` is only a throttler
+    named ``default``'s)."""
+    name = _throttler(operation)
+    seconds = str(max(math.ceil(wait_s), 1))
+    headers = {
+        f"retry-after-{name}": seconds,
+        f"x-ratelimit-limit-{name}": str(calls),
+        f"x-ratelimit-remaining-{name}": "0",
+        f"x-ratelimit-reset-{name}": seconds,
+    }
+    body = {
+        "statusCode": 429,
+        "message": "ThrottlerException: Too Many Requests",
+        "error": "Too Many Requests",
+    }
+    await _send_json(send, 429, body, websocket, headers)
+
+
 class _Gate:
     """Outer ASGI layer: API key, sandbox activity, request records and injected faults."""
 
     def __init__(
-        self, app: ASGIApp, routes: list[BaseRoute], world: World, api_key: str, faults: FaultBook
+        self,
+        app: ASGIApp,
+        routes: list[BaseRoute],
+        world: World,
+        api_key: str,
+        faults: FaultBook,
+        limits: RateLimits,
     ) -> None:
         self.app = app
         self.routes = routes
         self.world = world
         self.authorization = f"Bearer {api_key}".encode()
         self.faults = faults
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -567,6 +631,11 @@ class _Gate:
             )
             return
         operation, sandbox_id = self._route_of(scope)
+        if operation is not None and (wait_s := self.limits.wait_s(operation)) is not None:
+            self.faults.record(scope, operation, sandbox_id, False)
+            calls = self.limits.limits.rates[operation].calls
+            await _throttled(send, operation, wait_s, calls, websocket)
+            return
         sandbox = self.world.find(sandbox_id) if sandbox_id else None
         active = sandbox is not None and (
             scope["path"].startswith("/toolbox/") or operation in _ACTIVITY

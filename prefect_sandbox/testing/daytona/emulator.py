@@ -1,4 +1,7 @@
-"""`DaytonaEmulator`: the Daytona emulator's server, on uvicorn in a thread of its own."""
+"""`DaytonaEmulator`: the Daytona emulator's server, on uvicorn in a thread of its own.
+
+Manual: docs/backends/daytona.md.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from starlette.types import ASGIApp
 from prefect_sandbox.testing.daytona.app import OPERATIONS, WEBSOCKET_OPERATIONS, build_app
 from prefect_sandbox.testing.daytona.state import World
 from prefect_sandbox.testing.faults import FaultBook
+from prefect_sandbox.testing.limits import FixedWindow, Limits, RateLimits
 from prefect_sandbox.testing.server import EmulatorServer
 
 __all__ = ["DaytonaEmulator"]
@@ -41,6 +45,10 @@ class DaytonaEmulator(EmulatorServer):
         port: the port to listen on; 0 for a free one.
         minute_s: seconds in one minute of the lifecycle settings (auto-stop, auto-delete,
             lifetime), so tests can see them act; 60 by default.
+        limits: rate limits and a quota of live sandboxes (Daytona's CPU quota, at 1 CPU a
+            sandbox), enforced and answered as Daytona's API does
+            (`prefect_sandbox.testing.limits`); none when None. What they refused is counted
+            in `limits`' ``refused``.
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class DaytonaEmulator(EmulatorServer):
         target: str = "us",
         port: int = 0,
         minute_s: float = 60.0,
+        limits: Limits | None = None,
     ) -> None:
         if minute_s <= 0:
             raise ValueError(f"minute_s must be positive, not {minute_s}")
@@ -59,6 +68,7 @@ class DaytonaEmulator(EmulatorServer):
         self.api_key = api_key or f"dtn_emulated_{secrets.token_hex(16)}"
         self.target = target
         self._minute_s = minute_s
+        self.limits = RateLimits(limits or Limits(), FixedWindow)
         self._root: Path | None = None
         self._world: World | None = None
 
@@ -89,6 +99,11 @@ class DaytonaEmulator(EmulatorServer):
 
         return self._on_loop(ids())
 
+    @property
+    def peak_live_sandboxes(self) -> int:
+        """The most sandboxes that existed at once since `start`."""
+        return self._require_world().peak_live
+
     def sandbox_state(self, sandbox_id: str) -> str | None:
         """A sandbox's state (``started``, ``stopped``); None once it is gone."""
 
@@ -115,7 +130,13 @@ class DaytonaEmulator(EmulatorServer):
         self._root = Path(tempfile.mkdtemp(prefix="prefect-sandbox-daytona-"))
         self._world = World(self._root, f"{self.base_url}/toolbox", self._minute_s)
         self._world.start_clock()
-        return build_app(self._world, api_key=self.api_key, target=self.target, faults=self.faults)
+        return build_app(
+            self._world,
+            api_key=self.api_key,
+            target=self.target,
+            faults=self.faults,
+            limits=self.limits,
+        )
 
     async def _close(self) -> None:
         if self._world is not None:

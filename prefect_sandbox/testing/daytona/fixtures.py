@@ -1,7 +1,7 @@
 """Pytest fixtures for the Daytona emulator.
 
 Use them with ``pytest_plugins = ["prefect_sandbox.testing.daytona.fixtures"]`` in a
-``conftest.py``.
+``conftest.py``. Manual: docs/development.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ runs: a plain Python worker process (`prefect_sandbox.testing.daytona.worker`, n
 kernel) started in the context's folder, fed one JSON command a line on its stdin, whose JSON
 chunks on stdout are read as the daemon reads them (a line of 1 MiB or more stops the reading
 for good; a line that is not JSON is dropped). Everything here runs on the emulator's event loop;
-nothing here knows HTTP.
+nothing here knows HTTP. Manual: docs/backends/daytona.md.
 """
 
 from __future__ import annotations
@@ -238,6 +238,8 @@ class EmulatedContext:
         envs: Mapping[str, str] | None,
         timeout_s: float | None,
         on_chunk: Callable[[dict[str, str]], None],
+        *,
+        interrupt_after_s: float | None = None,
     ) -> ExecOutcome:
         """Run code as the daemon does: one at a time, with its deadline, SIGINT, then kill.
 
@@ -247,6 +249,8 @@ class EmulatedContext:
             timeout_s: the deadline; None for none.
             on_chunk: called with each ``stdout``, ``stderr`` and ``error`` chunk (all five
                 frame keys) as the worker sends it.
+            interrupt_after_s: seconds into the execution at which a SIGINT reaches the
+                worker from outside the daemon (an injected fault); None for none.
         """
         async with self.lock:
             if self.closed:
@@ -256,11 +260,17 @@ class EmulatedContext:
             assert worker is not None
             running = _Running(worker, on_chunk)
             self.running = running
+            outside = None
+            if interrupt_after_s is not None:
+                loop = asyncio.get_running_loop()
+                outside = loop.call_later(interrupt_after_s, worker.signal, signal.SIGINT)
             try:
                 worker.send({"id": uuid.uuid4().hex, "code": code, "envs": dict(envs or {})})
                 ended = await self._wait(running, worker, timeout_s)
             finally:
                 self.running = None
+                if outside is not None:
+                    outside.cancel()
             if ended == "completed":
                 return ExecOutcome()
             if ended in ("interrupted", "timeout"):
@@ -434,6 +444,8 @@ class World:
         self.toolbox_url = toolbox_url
         self.minute_s = minute_s
         self.sandboxes: dict[str, EmulatedSandbox] = {}
+        self.peak_live = 0
+        """The most sandboxes that existed at once so far."""
         self._clock: asyncio.Task[None] | None = None
 
     def start_clock(self) -> None:
@@ -476,6 +488,7 @@ class World:
         sandbox.home.mkdir(parents=True)
         (sandbox.root / "tmp").mkdir()
         self.sandboxes[sandbox_id] = sandbox
+        self.peak_live = max(self.peak_live, len(self.sandboxes))
         return sandbox
 
     def find(self, id_or_name: str) -> EmulatedSandbox | None:

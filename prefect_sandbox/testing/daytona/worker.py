@@ -3,21 +3,12 @@ interpreter context (not a Jupyter kernel: no IPython, no magics, no ``!cmd``, n
 ``await``, no ``display``).
 
 Run as a script (``python worker.py``) in the context's working directory. It follows the
-protocol of Daytona's ``repl_worker.py``, our own code written from what the daemon does:
-
-- stdin: one JSON command a line, ``{"id", "code", "envs"?}``; each runs to its end before the
-  next is read, in one namespace kept for the life of the process.
-- stdout: one JSON chunk a line. While code runs, what it writes to ``sys.stdout`` and
-  ``sys.stderr`` goes out as ``{"type": "stdout"|"stderr", "text"}``, a chunk at each newline
-  or every 1024 characters. Then an ``{"type": "error", "name", "value", "traceback"}`` chunk if
-  it raised (the traceback keeps only the code's own frames, as ``File "<stdin>", line N``),
-  and last ``{"type": "control", "text": "completed"|"interrupted"}``.
-- ``envs`` are set in ``os.environ`` for the command and put back after it.
-- SIGINT raises KeyboardInterrupt in the running code (control ``interrupted``); ``SystemExit``
-  ends the command quietly; SIGTERM ends the process.
-
-Anything written to file descriptor 1 other than these lines (``os.write(1, ...)``, a child
-process's output) is not a chunk, and the daemon drops it.
+protocol of Daytona's ``repl_worker.py``, our own code written from what the daemon does: one
+JSON command a line on stdin (``{"id", "code", "envs"?}``), run in turn in one namespace; one
+JSON chunk a line on stdout (``stdout``/``stderr`` text at each newline or 1024 characters, an
+``error`` with the code's own frames, a last ``control`` chunk); SIGINT interrupts the code,
+SIGTERM ends the process; anything else written to fd 1 is dropped, as the daemon drops it. The
+protocol in full: docs/development.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 options are `E2BEmulator`'s).
 
 Prints ``E2B_API_KEY=...``, ``E2B_API_URL=...`` and ``E2B_SANDBOX_URL=...``, one per line, then
-serves until Ctrl-C or SIGTERM, which kill every emulated sandbox.
+serves until Ctrl-C or SIGTERM, which kill every emulated sandbox. Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations

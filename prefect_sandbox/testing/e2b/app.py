@@ -6,6 +6,7 @@ control plane checks ``X-API-KEY``; envd's files and ``/execute`` check the sand
 from envd and the code interpreter and 404 from the control plane. envd's Connect-RPC
 filesystem calls are served by the server stubs the SDK ships. An outer gate records each
 request and plays injected faults (`prefect_sandbox.testing.faults`).
+Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import email.parser
 import email.policy
 import json
+import math
 import os
 import shutil
 import urllib.parse
@@ -39,6 +41,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from prefect_sandbox.sandbox.errors import SandboxError
 from prefect_sandbox.sandbox.paths import is_utf8
 from prefect_sandbox.testing.e2b.state import (
     NOT_FOUND_MESSAGE,
@@ -50,7 +53,8 @@ from prefect_sandbox.testing.e2b.state import (
     World,
 )
 from prefect_sandbox.testing.e2b.wire import ROUTES
-from prefect_sandbox.testing.faults import FaultBook, serve_with_fault
+from prefect_sandbox.testing.faults import INTERRUPT_AFTER_S_KEY, FaultBook, serve_with_fault
+from prefect_sandbox.testing.limits import E2B_QUOTA_MESSAGE, RateLimits
 
 __all__ = ["build_app"]
 
@@ -87,25 +91,27 @@ def _sandbox_of(world: World, request: Request, *, needs_token: bool) -> Emulate
     return sandbox
 
 
-def build_app(world: World, *, api_key: str, faults: FaultBook) -> ASGIApp:
+def build_app(world: World, *, api_key: str, faults: FaultBook, limits: RateLimits) -> ASGIApp:
     """The emulator's ASGI app.
 
     Args:
         world: the emulated sandboxes.
         api_key: the only API key the control plane accepts.
         faults: faults to inject; requests are recorded there.
+        limits: the rate limits and quota to enforce (E2B's limiter, `Gcra`).
     """
-    routes = _E2BApi(world, api_key).routes()
-    return _Gate(Router(routes=routes), routes, faults)
+    routes = _E2BApi(world, api_key, limits).routes()
+    return _Gate(Router(routes=routes), routes, faults, limits)
 
 
 class _E2BApi:
     """The emulator's handlers over one `World`: the control plane (``/sandboxes``), each
     sandbox's envd (files, health) and its code interpreter (contexts, ``/execute``)."""
 
-    def __init__(self, world: World, api_key: str) -> None:
+    def __init__(self, world: World, api_key: str, limits: RateLimits) -> None:
         self.world = world
         self.api_key = api_key
+        self.limits = limits
 
     def unauthorized(self, request: Request) -> Response | None:
         if request.headers.get("x-api-key") != self.api_key:
@@ -124,7 +130,12 @@ class _E2BApi:
         if refused is not None:
             return refused
         body = await self.json_body(request)
-        sandbox = self.world.create(body, request.headers.get("idempotency-key"))
+        key = request.headers.get("idempotency-key")
+        quota = self.limits.limits.max_live_sandboxes
+        if self.world.made_for(key) is None and self.limits.over_quota(len(self.world.sandboxes)):
+            message = E2B_QUOTA_MESSAGE.format(quota=quota)
+            return JSONResponse(_error_json(429, message), status_code=429)
+        sandbox = self.world.create(body, key)
         return JSONResponse(sandbox.sandbox_json(), status_code=201)
 
     async def list_sandboxes(self, request: Request) -> Response:
@@ -316,10 +327,13 @@ class _E2BApi:
 class _Gate:
     """Outer ASGI layer: records each request and plays the fault that hits it."""
 
-    def __init__(self, app: ASGIApp, routes: list[Route], faults: FaultBook) -> None:
+    def __init__(
+        self, app: ASGIApp, routes: list[Route], faults: FaultBook, limits: RateLimits
+    ) -> None:
         self.app = app
         self.routes = routes
         self.faults = faults
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -334,12 +348,31 @@ class _Gate:
         headers = dict(scope["headers"])
         raw_id = headers.get(b"e2b-sandbox-id")
         sandbox_id = raw_id.decode("latin-1") if raw_id is not None else params.get("sid")
-        fault = self.faults.take(operation)
+        wait_s = self.limits.wait_s(operation)
+        fault = self.faults.take(operation) if wait_s is None else None
         self.faults.record(scope, operation, sandbox_id, fault is not None)
-        if fault is None:
+        if wait_s is not None:
+            await _rate_limited(send, wait_s, self.limits.limits.rates[operation or ""].calls)
+        elif fault is None:
             await self.app(scope, receive, send)
         else:
             await serve_with_fault(fault, self.app, scope, receive, send, error_body=_error_json)
+
+
+async def _rate_limited(send: Send, wait_s: float, burst: int) -> None:
+    """E2B's answer to a call past its route's rate limit (``middleware/ratelimit``): the wait
+    in whole seconds, 1 at least, truncated as Go's ``int()`` does."""
+    payload = json.dumps(_error_json(429, "Rate limit exceeded")).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"ratelimit-limit", str(burst).encode()),
+        (b"ratelimit-remaining", b"0"),
+        (b"ratelimit-reset", str(math.ceil(wait_s)).encode()),
+        (b"retry-after", str(max(int(wait_s), 1)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 class _FilesystemCalls:
@@ -386,19 +419,32 @@ class _Execute:
         streaming = asyncio.create_task(self._stream(lines, send))
         left = asyncio.create_task(self._disconnected(receive))
         killed = asyncio.create_task(sandbox.killed.wait())
+        outside = asyncio.create_task(self._interrupt_after(context, scope))
         try:
             done, _ = await asyncio.wait(
                 {streaming, left, killed}, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            for task in (streaming, left, killed):
+            for task in (streaming, left, killed, outside):
                 task.cancel()
-            await asyncio.wait({streaming, left, killed})
+            await asyncio.wait({streaming, left, killed, outside})
             await lines.aclose()
         if streaming in done:
             streaming.result()
         elif killed in done:
             raise _DroppedConnection("sandbox killed mid-execute")
+
+    @staticmethod
+    async def _interrupt_after(context: EmulatedContext, scope: Scope) -> None:
+        """Interrupt the context's kernel from outside when an injected fault says to
+        (`Fault.interrupt_after_s`), as Jupyter's interrupt from another client would."""
+        after_s = scope.get(INTERRUPT_AFTER_S_KEY)
+        if after_s is None:
+            return
+        await asyncio.sleep(after_s)
+        if context.kernel is not None:
+            with contextlib.suppress(SandboxError):  # it died meanwhile
+                await context.kernel.interrupt()
 
     @staticmethod
     async def _disconnected(receive: Receive) -> None:

@@ -3,26 +3,12 @@
 The real server (e2b-dev/code-interpreter, ``template/server/messaging.py``) holds one Jupyter
 websocket per context and turns the kernel's messages into ``/execute`` lines by rules this
 module reproduces, timing and ordering included, over jupyter_client's shell and iopub channels:
-
-- The first execution on each connection (made at context creation and again at every restart)
-  gets envd's ``GET /envs`` variables put before its code as ``import os; os.environ[k] = v``
-  lines and a blank line, indented like the code's first line; per-execution variables follow.
-- An execution ends on the kernel's ``idle`` status once its input was accepted
-  (``execute_input``, or ``busy`` for the server's own silent executions); what comes for it
-  after (a reply read after the idle: ``reply_after_idle``; a thread's output) is dropped, as
-  the server forgets a finished execution. A reply with status
-  ``aborted`` (what ipykernel sends for requests it drops after an error) ends nothing: the
-  server only knows ``abort``, so such a stream sends keepalives until the client leaves.
-- When the client leaves, the lock on the context is released at once and the kernel interrupt
-  (an HTTP call to Jupyter in the real server) lands ``interrupt_delay_s`` later, so a request
-  sent meanwhile reaches the kernel queued behind the running cell.
-- An error's traceback lines are joined with ``""``; only the first error of an execution is
-  passed on; ``display_data`` and ``execute_result`` become ``result`` lines; other messages
-  (``update_display_data``, ``clear_output``, the reply's payloads such as ``ask_exit``) are
-  dropped.
-- A kernel restart seen on the connection (Jupyter's restarter bringing back a dead kernel) ends
-  every running execution with a ``ContextRestarting`` error; closing the connection (a context
-  restart) ends them with ``UnexpectedEndOfExecution``.
+env-var lines before the first execution on each connection; an execution ended at the kernel's
+``idle`` and what comes after dropped; an ``aborted`` reply that ends nothing; the context's
+lock released when the client leaves, before the interrupt lands (``interrupt_delay_s``);
+tracebacks joined with ``""``, only the first error, displays as ``result`` lines, updates,
+clears and payloads dropped; ``ContextRestarting`` on a kernel restart and
+``UnexpectedEndOfExecution`` on a closed connection. The rules in full: docs/development.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`E2BEmulator`: the E2B emulator's server, on uvicorn in a thread of its own."""
+"""`E2BEmulator`: the E2B emulator's server, on uvicorn in a thread of its own.
+
+Manual: docs/backends/e2b.md.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from prefect_sandbox.testing.e2b.app import build_app
 from prefect_sandbox.testing.e2b.state import World
 from prefect_sandbox.testing.e2b.wire import ROUTES
 from prefect_sandbox.testing.faults import FaultBook
+from prefect_sandbox.testing.limits import Gcra, Limits, RateLimits
 from prefect_sandbox.testing.server import EmulatorServer
 
 __all__ = ["OPERATIONS", "E2BEmulator"]
@@ -48,6 +52,9 @@ class E2BEmulator(EmulatorServer):
             template's kernel, which tags a thread's output with the cell that started it.
         shared_ipython_dir: one IPython folder for all sandboxes' kernels, as E2B's server
             run on one machine has (see `prefect_sandbox.testing.e2b.state.World`).
+        limits: rate limits and a quota of live sandboxes, enforced and answered as E2B's API
+            does (`prefect_sandbox.testing.limits`, e.g. ``E2B_PRO``); none when None. What
+            they refused is counted in `limits`' ``refused``.
         log_level: uvicorn's log level.
     """
 
@@ -62,6 +69,7 @@ class E2BEmulator(EmulatorServer):
         reply_after_idle: bool = False,
         kernel_pythonpath: Path | None = None,
         shared_ipython_dir: bool = False,
+        limits: Limits | None = None,
         log_level: str = "warning",
     ) -> None:
         super().__init__(
@@ -75,6 +83,7 @@ class E2BEmulator(EmulatorServer):
         self._reply_after_idle = reply_after_idle
         self._kernel_pythonpath = kernel_pythonpath
         self._shared_ipython_dir = shared_ipython_dir
+        self.limits = RateLimits(limits or Limits(), Gcra)
         self._world: World | None = None
 
     @property
@@ -93,6 +102,11 @@ class E2BEmulator(EmulatorServer):
             return sorted(s.sandbox_id for s in self._require_world().listed(dict(labels or {})))
 
         return self._on_loop(ids())
+
+    @property
+    def peak_live_sandboxes(self) -> int:
+        """The most sandboxes alive at once since `start`."""
+        return self._require_world().peak_live
 
     def end_at(self, sandbox_id: str) -> datetime:
         """When the sandbox expires unless extended (UTC).
@@ -130,7 +144,7 @@ class E2BEmulator(EmulatorServer):
             shared_ipython_dir=self._shared_ipython_dir,
         )
         self._world.start_clock()
-        return build_app(self._world, api_key=self.api_key, faults=self.faults)
+        return build_app(self._world, api_key=self.api_key, faults=self.faults, limits=self.limits)
 
     async def _close(self) -> None:
         if self._world is not None:

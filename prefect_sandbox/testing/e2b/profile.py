@@ -8,6 +8,7 @@ or list, an ``e2b/data`` part to every displayed pandas DataFrame (columns as li
 in ISO format), and a ``display_data`` of the image to every ``PIL.Image.save(path)``. The
 emulator writes the same behaviour (our own code) into each sandbox's IPython folder. The
 template's ``e2b/chart`` part needs E2B's ``e2b_charts`` package and is left out.
+Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations

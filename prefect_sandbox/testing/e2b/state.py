@@ -10,6 +10,7 @@ first execution on each connection. Jupyter's restarter is played too: a kernel 
 found within ``dead_kernel_poll_s``, its running executions end with ``ContextRestarting`` and it
 is started again, at home (Jupyter's root folder), as is a kernel a context restart brings back.
 Everything here runs on the emulator's event loop; nothing here knows HTTP.
+Manual: docs/backends/e2b.md.
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ class World:
         self.kernel_pythonpath = kernel_pythonpath
         self.shared_ipython_dir = shared_ipython_dir
         self.sandboxes: dict[str, EmulatedSandbox] = {}
+        self.peak_live = 0
+        """The most sandboxes alive at once so far."""
         self._reaper: asyncio.Task[None] | None = None
 
     def start_clock(self) -> None:
@@ -239,10 +242,9 @@ class World:
     def create(self, body: Mapping[str, Any], idempotency_key: str | None) -> EmulatedSandbox:
         """A running sandbox from a create request's JSON body; the same one for a repeated
         ``Idempotency-Key``."""
-        if idempotency_key is not None:
-            for existing in self.sandboxes.values():
-                if existing.idempotency_key == idempotency_key and not existing.killed.is_set():
-                    return existing
+        existing = self.made_for(idempotency_key)
+        if existing is not None:
+            return existing
         sandbox_id = "i" + uuid.uuid4().hex[:19]
         now = datetime.now(UTC)
         root = self.root / sandbox_id
@@ -261,7 +263,17 @@ class World:
             idempotency_key=idempotency_key,
         )
         self.sandboxes[sandbox_id] = sandbox
+        self.peak_live = max(self.peak_live, len(self.sandboxes))
         return sandbox
+
+    def made_for(self, idempotency_key: str | None) -> EmulatedSandbox | None:
+        """The running sandbox a create with this ``Idempotency-Key`` made, if any."""
+        if idempotency_key is None:
+            return None
+        for existing in self.sandboxes.values():
+            if existing.idempotency_key == idempotency_key and not existing.killed.is_set():
+                return existing
+        return None
 
     def live(self, sandbox_id: str | None) -> EmulatedSandbox | None:
         """The running sandbox with this id, if any."""

@@ -1,5 +1,6 @@
 """Pure pieces of the E2B emulator: its routes and which call a request is, and MIME bundles
-as the code interpreter's ``result`` lines. No I/O."""
+as the code interpreter's ``result`` lines. No I/O. Manual: docs/backends/e2b.md.
+"""
 
 from __future__ import annotations
 

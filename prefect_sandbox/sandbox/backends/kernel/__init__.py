@@ -8,4 +8,5 @@
   `workdir` copies files out of a folder the kernel may change, `host` its runtime folders.
 
 Remote backends (`prefect_sandbox.sandbox.backends.e2b`, `.daytona`) import nothing from here.
+Manual: docs/backends/local.md.
 """

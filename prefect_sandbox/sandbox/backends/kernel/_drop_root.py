@@ -2,17 +2,13 @@
 
 Run as ``python -I -S _drop_root.py SPEC`` by a root process; SPEC is JSON with ``sources``
 (host paths), ``stage`` (a folder), ``uid``, ``gid`` and ``argv`` (bwrap's). Bubblewrap run by
-root maps the sandbox's user to host root (``uid_map`` ``0 0 1``); run by an unprivileged uid,
-it maps it to that uid, but then cannot reach what that uid may not (a Python under
-``/root``, the sandbox's private folders). So this script, still root:
-
-1. makes ``stage`` (an empty folder root alone may write, left in place for the next run)
-   and enters a mount namespace of its own, private (nothing it mounts is seen by the host);
-2. mounts a small tmpfs on ``stage`` there and bind-mounts source N on ``stage/N``;
-3. drops to ``uid:gid`` with no supplementary groups and executes ``argv``, which names
-   ``stage/N`` where it would name source N.
-
-Exit status 126 with a message on stderr when a step fails (no namespace, no mount rights).
+root maps the sandbox's user to host root; run by another uid it maps it to that uid, which then
+cannot reach what it may not (a Python under ``/root``, the sandbox's private folders). So this
+script, still root, (1) makes ``stage`` (empty, root-only, left for the next run) and enters a
+private mount namespace of its own; (2) mounts a small tmpfs on ``stage`` and bind-mounts source
+N on ``stage/N``; (3) drops to ``uid:gid`` with no supplementary groups and executes ``argv``,
+which names ``stage/N`` where it would name source N. Exit status 126 with a message on stderr
+when a step fails. Manual: docs/backends/local.md.
 """
 
 import contextlib

@@ -1,31 +1,15 @@
 """`DockerSandbox`: an ipykernel in a Docker container of its own, driven through jupyter_client.
 
-Needs the docker SDK (``pip install 'prefect-sandbox[docker]'``) and a daemon on this machine:
-the kernel's IPC sockets and working directory are bind mounts of host folders.
-
-Each sandbox is one container: no network by default (``network_mode="none"``), a read-only root,
-a fresh ``/tmp`` (tmpfs), all capabilities dropped, ``no-new-privileges``, a non-root user, and
-limits on memory, CPUs and processes. The container sees only the image, its working directory
-(``/work``, a host folder bind-mounted) and its kernel folder (``/run/prefect-sandbox``: the
-connection file, the IPC sockets and its IPython folder), and only the environment variables
-configured, plus ``HOME=/tmp`` and the image's own. Docker's init (tini) is PID 1, so orphans are
-reaped, signals reach the kernel, and a kernel killed by signal N exits the container with
-128+N.
-
-The host side keeps its own copy of the connection file (the same key; the sockets as links it
-pinned and checked in ``sock/``, never by their names in the kernel folder, which the container
-may replace) in the sandbox's private runtime folder (mode 0700), beside the kernel folder it
-mounts; the container can write only that kernel folder and ``/work``.
-Files go in through Docker's archive API (``put_archive``), which resolves paths inside the
-container, so a symlink the sandbox made never leads the host to write a host file; paths that
-leave ``/work`` are refused before that. Files come out, and are listed, through the bind mount
-as a local kernel's are (`kernel.workdir`): opened from folder descriptors,
-never through a link by name, checked before they are read, while the kernel may be swapping
-them.
-
-Containers carry the sandbox's labels and their handle as Docker labels, so `list_handles`
-finds them (for the flow's hooks and reapers) and ``kill`` removes them. A container outlives
-the process that made it: kill it, or let a reaper do it.
+Needs the docker SDK (the ``docker`` extra) and a daemon on this machine: the kernel's IPC
+sockets and working directory are bind mounts of host folders. Each container has no network by
+default, a read-only root, a fresh ``/tmp``, no capabilities, ``no-new-privileges``, a non-root
+user and limits; it sees the image, ``/work`` and its kernel folder, and the configured
+environment. tini is PID 1, so a kernel killed by signal N exits the container with 128+N. The
+host keeps its own connection file with the sockets as links it pinned, never by their names in
+the folder the container may replace. Files go in through ``put_archive`` (which resolves paths
+inside the container) and come out through the bind mount as a local kernel's do
+(`kernel.workdir`). Containers carry the sandbox's labels, so `list_handles` finds them; one
+outlives the process that made it (kill it, or let a reaper). Manual: docs/backends/docker.md.
 """
 
 from __future__ import annotations

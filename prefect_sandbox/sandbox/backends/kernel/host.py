@@ -4,6 +4,7 @@ bind mounts of host folders.
 
 Each sandbox has a private runtime folder (connection files, sockets, pid, labels) under
 `runtime_base`, and a working directory that it owns unless the caller gave one.
+Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations

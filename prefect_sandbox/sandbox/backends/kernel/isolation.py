@@ -1,22 +1,15 @@
 """Isolating a local kernel with bubblewrap (``bwrap``): what it sees, and the command line.
 
-A kernel under bubblewrap runs in new namespaces: its own network with only loopback (unless
-the sandbox asks for the network), its own PIDs with a fresh ``/proc`` (``/proc/sys``
-read-only), no capabilities. Its filesystem is an empty root holding, read-only, ``/usr``, the
-files of ``/etc`` a Python program needs (no folder that holds keys), and the Python
-environments the kernel runs from; a fresh ``/tmp``, ``/dev/shm`` and an empty ``HOME`` (each
-at most the memory limit); and, writable, only what the sandbox owns (its working directory,
-its sockets). Host paths keep their names inside, so the working directory is the same path on
-both sides.
-
-It never runs as host root: when this process is root, bwrap itself runs as a uid of the
-sandbox's own (`kernel.uids`), through `_drop_root.py`, which first makes the
-paths to mount reachable to that user; otherwise it runs as this process's user. Inside, the
-kernel is uid 0 of its own user namespace, mapped to that host uid alone (``uid_map`` ``0 UID
-1``).
-
+A kernel under bubblewrap runs in new namespaces (loopback-only network unless asked, its own
+PIDs with a fresh ``/proc``, no capabilities) on an empty root holding, read-only, ``/usr``, the
+files of ``/etc`` a Python program needs (no folder of keys) and its Python environments; a
+fresh ``/tmp``, ``/dev/shm`` and ``HOME`` (each at most the memory limit); and, writable, only
+what the sandbox owns. Host paths keep their names inside. It never runs as host root: when this
+process is root, bwrap runs as a uid of the sandbox's own (`kernel.uids`) through
+`_drop_root.py`, and the kernel is uid 0 of a user namespace mapped to that uid alone.
 `sandbox_view` looks at this machine's filesystem; `bwrap_command` and `staged_command` are
-pure; `check_bwrap` runs ``bwrap`` once per process to see that it can make namespaces here.
+pure; `check_bwrap` runs ``bwrap`` once per process to see it can make namespaces here. Manual:
+docs/backends/local.md.
 """
 
 from __future__ import annotations

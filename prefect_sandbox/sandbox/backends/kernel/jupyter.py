@@ -10,12 +10,14 @@ folders works the same way).
 Kernels write the ``stream`` messages we read; `write_ipython_startup` installs a startup file
 that bounds their size (`STREAM_MESSAGE_CHARS`) and keeps a process forked by a cell from
 answering for the kernel, for a launcher to put in the kernel's ``IPYTHONDIR``.
+Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -47,7 +49,7 @@ from prefect_sandbox.sandbox.base import (
     SandboxHandle,
 )
 from prefect_sandbox.sandbox.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
-from prefect_sandbox.sandbox.kernel_side import FORKED_CHILD_GUARD_CODE
+from prefect_sandbox.sandbox.kernel_side import run_code
 from prefect_sandbox.sandbox.outputs import (
     COMM_MSG_TYPES,
     OUTPUT_MSG_TYPES,
@@ -88,60 +90,17 @@ STARTUP_FILE_NAME = "00-prefect-sandbox.py"
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
 
-# ipykernel sends buffered stdout/stderr every 0.2 s, so a fast cell's 100 MB of prints reach
-# us as ONE 100 MB message, held whole in memory by jupyter_client. IPython runs this startup
-# file in every kernel of the sandbox (restarts too): a write that fills the buffer past the
-# limit waits for it to be sent, which bounds each message. It leaves no name behind.
-_STARTUP_CODE = (
-    f"""
-def _prefect_sandbox_bound_stream_messages(limit={STREAM_MESSAGE_CHARS}):
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        if not hasattr(stream, "pub_thread"):
-            continue  # not ipykernel's OutStream
-        unsent = [0]
-
-        def write(text, _write=stream.write, _stream=stream, _unsent=unsent):
-            count = _write(text)
-            _unsent[0] += len(text)
-            if _unsent[0] >= limit:
-                _unsent[0] = 0
-                _stream.flush()
-            return count
-
-        stream.write = write
-
-
-_prefect_sandbox_bound_stream_messages()
-del _prefect_sandbox_bound_stream_messages
-"""
-    + FORKED_CHILD_GUARD_CODE
-)
-
-
-# ipykernel's iopub socket keeps zmq's default send high-water mark of 1,000 messages: when our
-# reader falls behind (a loaded machine, thousands of flushed writes) the kernel silently DROPS
-# output past it. ipykernel has no setting for it, but it loads this config file before it
-# makes its sockets, so the context it makes there sends without a limit instead.
 # The history is kept in memory, as nbclient and papermill keep theirs: IPython's SQLite file
-# costs a commit per cell (~1 ms of a 4 ms trivial cell here), and a sandbox's history is
-# never read after it ends.
-_KERNEL_CONFIG_CODE = """
-get_config().HistoryManager.hist_file = ":memory:"
-
-import zmq
+# costs a commit per cell (~1 ms of a 4 ms trivial cell here), and a sandbox's history is never
+# read after it ends. IPython runs its config file with get_config() in its namespace.
+_HISTORY_IN_MEMORY = 'get_config().HistoryManager.hist_file = ":memory:"\n'
 
 
-class _UnboundedSendContext(zmq.Context):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.setsockopt(zmq.SNDHWM, 0)
-
-
-zmq.Context = _UnboundedSendContext
-del _UnboundedSendContext
-"""
+@functools.cache
+def _startup_code() -> str:
+    """Our startup file: bounded ``stream`` messages and the fork guard (kernel_side/)."""
+    bound = run_code("stream_bound", "main", {"limit": STREAM_MESSAGE_CHARS})
+    return bound + run_code("fork_guard", "main")
 
 
 def write_ipython_startup(ipython_dir: Path) -> list[Path]:
@@ -173,11 +132,13 @@ def write_ipython_startup(ipython_dir: Path) -> list[Path]:
             startup = _own_folder(profile, ipython_dir / "profile_default" / "startup", replaced)
             try:
                 startup_file = ipython_dir / "profile_default" / "startup" / STARTUP_FILE_NAME
-                _own_file(startup, startup_file, _STARTUP_CODE, replaced)
+                _own_file(startup, startup_file, _startup_code(), replaced)
             finally:
                 os.close(startup)
             config_file = ipython_dir / "profile_default" / "ipython_kernel_config.py"
-            _own_file(profile, config_file, _KERNEL_CONFIG_CODE, replaced)
+            _own_file(
+                profile, config_file, _HISTORY_IN_MEMORY + run_code("zmq_config", "main"), replaced
+            )
         finally:
             os.close(profile)
     finally:
@@ -219,7 +180,7 @@ def _own_file(parent: int, path: Path, text: str, replaced: list[Path]) -> None:
             replaced.append(path)
         _remove_entry(parent, path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    with open(os.open(path.name, flags, 0o644, dir_fd=parent), "w") as file:
+    with open(os.open(path.name, flags, 0o644, dir_fd=parent), "w", encoding="utf-8") as file:
         file.write(text)
 
 

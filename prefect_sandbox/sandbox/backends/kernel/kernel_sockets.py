@@ -7,7 +7,7 @@ there. Once the kernel has bound its sockets, `pin_sockets` hard-links each sock
 into a folder only the host writes, WITHOUT following links (a planted link stays a link),
 and `check_pinned` accepts a pinned name only if it is a socket owned by the sandbox's user:
 what the kernel made, never a file of the cell's choosing. Clients connect to the pinned names
-alone (the connection file the host reads names that folder).
+alone (the connection file the host reads names that folder). Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations

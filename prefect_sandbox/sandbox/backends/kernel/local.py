@@ -1,32 +1,16 @@
 """`LocalKernelSandbox`: an ipykernel on this machine, driven through jupyter_client.
 
-This module launches, watches and ends the kernel process; talking to the kernel (cells,
-handshake, late output) and the working directory's files are `JupyterKernelSandbox`'s.
-
-The kernel is launched with jupyter_client's launcher in a new process session, talks over IPC
-sockets (unique per kernel, so many kernels never clash on TCP ports), starts in the sandbox's
-working directory with no stdin and only an allow-list of the host's environment, and exits on
-its own when the process that started it dies (ipykernel's parent poller, via ``JPY_PARENT_PID``,
-or bwrap's ``--die-with-parent``; and a guard process for the kernel's children). By default
-it runs under bubblewrap (`kernel.isolation`).
-
-Everything needed to reach a kernel again lives in its runtime folder (connection file, pid,
-labels), so ``attach(handle)`` works from another thread or another process on this machine.
-The folder is private (mode 0700) and removed at kill; an isolated kernel sees of it only its
-connection file (``kernel.json``, read-only), its sockets' folder (``ipc/``) and its IPython
-folder. The host's own connection file (``connection.json``) names the sockets as links it
-pinned in ``sock/`` (`kernel.kernel_sockets`), so a cell that swaps
-its sockets never leads the host elsewhere.
-The folder also holds the kernel's own IPython folder (``IPYTHONDIR``), whose startup file bounds
-the size of each ``stream`` message (`write_ipython_startup`); a user's ``IPYTHONDIR`` in the
-configured env replaces it, and that bound with it. At a restart our files there are written
-anew without following any link the last kernel left. What the kernel's processes print to
-fds 1 and 2 goes to ``kernel.log``, at most `KERNEL_LOG_BYTES` of it.
-
-With ``warm_pool_size`` set, `LocalKernelSandbox.create` hands out a kernel that this process
-started ahead of time with the same settings (`kernel.warm_pool`):
-it was made exactly as a cold one, with only a kernel_info round trip and no code run, and
-carried the marker and ``prefect-sandbox-pool-owner`` labels until it got the caller's.
+This module launches, watches and ends the kernel process (by default under bubblewrap,
+`kernel.isolation`); the cells and the working directory's files are `JupyterKernelSandbox`'s.
+The kernel starts in a new session on IPC sockets unique to it (TCP ports clash when many start
+at once), with no stdin and an allow-list of the host's environment, and dies with the process
+that started it (ipykernel's parent poller, bwrap's ``--die-with-parent``, and a guard process,
+kernel_side/kernel_guard.py, for its children; it also caps ``kernel.log``). Everything needed
+to reach it again lives in its private runtime folder, so ``attach`` works from another process;
+the host reaches its sockets only through links it pinned (`kernel.kernel_sockets`), and
+rewrites its IPython folder's files at each restart without following links (a user's
+``IPYTHONDIR`` replaces that folder). A warm pool (`kernel.warm_pool`) hands out kernels made
+exactly as cold ones. Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations
@@ -89,6 +73,7 @@ from prefect_sandbox.sandbox.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from prefect_sandbox.sandbox.kernel_side import source
 from prefect_sandbox.sandbox.labels import MARKER_LABEL, POOL_OWNER_LABEL
 from prefect_sandbox.sandbox.paths import resolve_inside
 
@@ -122,51 +107,12 @@ logger = logging.getLogger(__name__)
 
 # Kernels this process launched, so that it can reap them (no zombies) and read exit codes.
 _launched: dict[str, subprocess.Popen[bytes]] = {}
-# One guard per kernel: it kills the kernel's whole process group if this process dies.
+# One guard per kernel (kernel_side/kernel_guard.py): it kills the kernel's whole process group
+# if this process dies, and writes kernel.log up to KERNEL_LOG_BYTES.
 _guards: dict[str, subprocess.Popen[bytes]] = {}
 
 KERNEL_LOG_BYTES = 1 << 20
 """The most a sandbox's ``kernel.log`` (what its processes write to fds 1 and 2) holds."""
-
-# ipykernel's parent poller ends the kernel when its parent dies, but not the kernel's own
-# children; this guard, in a session of its own, kills the whole group. Exits once it is gone.
-# It also writes what the kernel's processes print (on its stdin, a pipe) to kernel.log, up to
-# KERNEL_LOG_BYTES in all, and drops the rest, so that no cell can fill the host's disk there.
-_GUARD_CODE = """
-import os, select, signal, sys
-parent, group, log = int(sys.argv[1]), int(sys.argv[2]), open(sys.argv[3], "ab")
-room = int(sys.argv[4]) - os.fstat(log.fileno()).st_size
-def keep(data):
-    global room
-    if room > 0:
-        log.write(data[:room])
-        if len(data) >= room:
-            log.write(b"\\n[prefect-sandbox: kernel.log is full; the rest is not kept]\\n")
-        log.flush()
-    room -= len(data)
-reading = True
-while True:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        break
-    if os.getppid() != parent:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
-    if select.select([0] if reading else [], [], [], 0.5)[0]:
-        data = os.read(0, 1 << 16)
-        reading = bool(data)  # at the end, all writers gone: watch the group alone
-        keep(data)
-os.set_blocking(0, False)
-try:
-    while reading and (data := os.read(0, 1 << 16)):
-        keep(data)
-except BlockingIOError:
-    pass
-"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -839,9 +785,21 @@ def _launch(handle: SandboxHandle, config: LocalKernelConfig) -> KernelSpec:
         process = started.result()
         _launched[handle.sandbox_id] = process
         (runtime_dir / "kernel.pid").write_text(str(process.pid))
-        guard = [str(os.getpid()), str(process.pid), str(runtime_dir / "kernel.log")]
+        guard = {
+            "parent": os.getpid(),
+            "group": process.pid,
+            "log": str(runtime_dir / "kernel.log"),
+            "log_bytes": KERNEL_LOG_BYTES,
+        }
         _guards[handle.sandbox_id] = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, *guard, str(KERNEL_LOG_BYTES)],
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                source("kernel_guard"),
+                json.dumps(guard, ensure_ascii=False),
+            ],
             stdin=output,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

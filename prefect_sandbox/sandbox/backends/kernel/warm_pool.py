@@ -9,7 +9,7 @@ given, so it knows nothing of kernels.
 Pools live per process, found by key with `warm_pool` (one per configuration). `close_warm_pools`
 ends them all; it runs at the exit of a process that made one, so a process that ends
 normally leaves no idle sandbox behind. A forked child starts with no pool: its parent's
-idle sandboxes stay its parent's.
+idle sandboxes stay its parent's. Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ directory is read; never that a file outside it is.
 Refused, each with an error naming the file: a link that leads out of the working directory
 (`UnsafePathError`); anything but a regular file, a file over the size cap, and a sparse file,
 whose holes were never written by the cell but would be stored as bytes
-(`FileTransferError`).
+(`FileTransferError`). Manual: docs/backends/local.md.
 """
 
 from __future__ import annotations

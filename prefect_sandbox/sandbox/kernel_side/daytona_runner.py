@@ -1,38 +1,15 @@
 """Runs notebook cells inside a Daytona interpreter context as a Jupyter kernel would.
 
-`DaytonaSandbox` sends this file's source into the context (at start and after each restart) and
-then sends every cell through `Runner.run`. Daytona's interpreter streams only stdout, stderr and
-errors, so the runner reports what a notebook needs beyond that as *marker records* written to
-stdout: ``MARKER_START + json + MARKER_END``. The JSON holds no raw control characters, so a
-record ends at the first ``MARKER_END`` after its start. Records (``kind`` and its fields):
-
-- ``ready``: ``pid`` of the interpreter process; sent once, by `install`.
-- ``start``: ``count`` (the cell's execution count) and ``pid``; first record of every cell.
-- ``result``: ``count``, ``data``, ``metadata``: the value of the cell's last expression.
-- ``display``: ``data``, ``metadata``, and ``display_id`` when it has one: a ``display()`` call
-  or a matplotlib figure.
-- ``update``: ``data``, ``metadata``, ``display_id``: ``update_display()`` or a display handle's
-  ``update()``; what was shown with that id shows this instead.
-- ``clear``: ``wait``: ``clear_output()``.
-- ``error``: ``ename``, ``evalue``, ``traceback`` (lines): the exception the cell raised; with
-  ``shown``, one a ``display()`` showed (a formatter failed), which does not fail the cell.
-- ``exit``: ``code``: the cell called ``exit()`` or ``quit()``.
-- ``lost``: sent by the per-cell wrapper instead of running the cell when the interpreter has
-  been restarted behind our back, so its variables and this runner are gone.
-
-It also makes matplotlib figures into PNG ``display`` records as Jupyter's inline backend does
-(on ``plt.show()`` and for figures left open at the end of a cell), and formats values with
-IPython's formatters as a kernel does (pandas as in a kernel, SymPy's ``init_printing``).
-Cells take top-level ``await`` and the IPython syntax `PlainShell` honours.
-
-The runner's own channels are out of a cell's reach: records go to the streams the cell was
-started with, whatever it puts in ``sys.stdout``; the interpreter's stdin is the daemon's
-command pipe, so cells read an empty stdin, ``input()`` is refused and child processes get
-/dev/null; a process forked by a cell stops where its copy of the cell ends (it would end the
-cell and read the next commands). The daemon reads the interpreter's output in lines under
-1 MiB and reads no more after a longer one, so what a cell writes goes on in smaller pieces.
-Only the standard library is needed; IPython and matplotlib are used when present. Kept
-compatible with Python 3.9.
+`DaytonaSandbox` sends this file's source into the context (at start and after each restart),
+then every cell through `Runner.run`. What a notebook needs beyond Daytona's stdout, stderr and
+errors goes as *marker records* on stdout, ``MARKER_START + json + MARKER_END`` (the JSON holds
+no raw control character, so a record ends at the first ``MARKER_END``): ``ready``, ``start``,
+``result``, ``display``, ``update``, ``clear``, ``error``, ``exit``, ``lost``. It formats values
+with IPython's formatters where present, makes matplotlib figures PNG displays, takes top-level
+``await`` and the IPython syntax `PlainShell` honours. Its channels are out of a cell's reach
+(the streams a cell started with, an empty stdin, forks stopped at the cell's end), and it
+writes in pieces under the daemon's 1 MiB line. Standard library only; Python 3.9 and later.
+Records and facts: docs/development.md.
 """
 
 from __future__ import annotations
