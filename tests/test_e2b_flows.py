@@ -16,11 +16,20 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
 
 from prefect_sandbox import E2BBackend, E2BCredentials
 from prefect_sandbox.flows import PipelineFailedError, amodeling_pipeline, arun_notebook
-from prefect_sandbox.sandbox.errors import CellTimeoutError, SandboxNotFoundError
+from prefect_sandbox.results import StageResult
+from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.errors import (
+    CellTimeoutError,
+    SandboxNotFoundError,
+    SandboxUnavailableError,
+)
+from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
+from prefect_sandbox.tasks.sandbox import run_stage
 from prefect_sandbox.testing.e2b import E2BEmulator, Fault
 from tests.conftest import ROOT, max_alive_at_once
 
@@ -363,9 +372,9 @@ async def test_a_run_whose_sandbox_cannot_be_reached_for_its_first_cell_shows_wh
     e2b_emulator: E2BEmulator, tmp_path: Path
 ) -> None:
     test_id = uuid.uuid4().hex
-    # The first stage's attach (the SDK's connect) answers 500 at each of its 4 tries (3
-    # retries); the create before it is served, and the kill's attach after it too.
-    e2b_emulator.inject(Fault("connect", status=500, times=4))
+    # The stages use the connection the create made (no attach): the first cell's own first
+    # call, the lifetime's extension, answers 500 at each try; the create before it is served.
+    e2b_emulator.inject(Fault("set_timeout", status=500, times=None))
     try:
         with pytest.raises(PipelineFailedError) as failed:
             await amodeling_pipeline(
@@ -387,3 +396,31 @@ async def test_a_run_whose_sandbox_cannot_be_reached_for_its_first_cell_shows_wh
     cells = nbformat.read(run_dir / "executed.ipynb", as_version=4).cells
     assert [o["ename"] for o in cells[0].outputs] == ["SandboxUnavailableError"]
     assert e2b_emulator.sandbox_ids({"test-id": test_id}) == []
+
+
+async def test_a_stage_given_a_handle_it_cannot_attach_to_is_lost_in_its_first_cell(
+    e2b_emulator: E2BEmulator,
+) -> None:
+    # A stage task run with a handle alone (another process, a Dask worker) attaches first.
+    test_id = uuid.uuid4().hex
+    backend = _backend(e2b_emulator, test_id)
+    stage = StageSpec(name="first", cells=[CellSpec(index=0, source="x = 1")])
+
+    @flow
+    async def one_stage(handle: SandboxHandle) -> None:
+        await run_stage(backend, handle, stage)
+
+    sandbox = await backend.create({"test-id": test_id})
+    # The stage's attach (the SDK's connect) answers 500 at each of its 4 tries (3 retries).
+    e2b_emulator.inject(Fault("connect", status=500, times=4))
+    try:
+        with pytest.raises(SandboxUnavailableError) as lost:
+            await one_stage(sandbox.handle)
+    finally:
+        e2b_emulator.clear_faults()
+        await sandbox.kill()
+    assert (lost.value.stage, lost.value.cell_index) == ("first", 0)
+    partial = lost.value.partial_result
+    assert isinstance(partial, StageResult)
+    assert (partial.status, partial.failed_cell_index) == ("failed", 0)
+    assert [o["ename"] for o in partial.cells[0].result.outputs] == ["SandboxUnavailableError"]

@@ -86,12 +86,27 @@ async def test_state_persists_across_stage_tasks(tmp_path: Path) -> None:
     assert summary["status"] == "completed"
     # Each stage's task run waits for the one before, so Prefect draws them as a chain.
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
     async with get_client() as client:
         task_runs = await client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result.flow_run_id]))
         )
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[result.flow_run_id])
+            )
+        )
+    # The progress artifact's posts go beside the stages; all are in before the run ends.
+    progress = [a for a in artifacts if a.type == "progress"]
+    assert [(float(str(a.data)), a.description) for a in progress] == [
+        (100.0, "3 of 3 stage(s) done: check")
+    ]
     stages = {run.name: run for run in task_runs if run.name.startswith("run-stage-")}
     define, use, check = (stages[f"run-stage-{name}"] for name in ("define", "use", "check"))
     assert define.task_inputs.get("wait_for", []) == []

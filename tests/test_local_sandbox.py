@@ -103,10 +103,13 @@ async def test_one_sandboxs_history_is_not_visible_in_the_next() -> None:
     try:
         result = await second.run_cell("%history -g history-canary")
         own = await second.run_cell("import IPython; print(IPython.paths.get_ipython_dir())")
+        where = await second.run_cell("print(get_ipython().history_manager.hist_file)")
     finally:
         await second.kill()
     assert result.status == "ok"
     assert "f00d" not in stream_text(result.outputs)
+    # In memory, as nbclient keeps it: no SQLite commit per cell.
+    assert stream_text(where.outputs).strip() == ":memory:"
     assert stream_text(own.outputs).strip() == str(
         Path(second.handle.connection["runtime_dir"]) / "ipython"
     )

@@ -5,11 +5,11 @@ Each makes one sandbox for its flow run, uploads the inputs, runs the stages in 
 the artifacts, stores them with the executed notebook and ``summary.json``, and kills the
 sandbox. The run's life (staging, the cap's slot, the sandbox, every way out, the summary) is
 `PipelineRun.running`; these flows hold only their stages. Whatever way the run ends (a failed
-stage, a cancel, a signal, ``timeout_seconds``), what was made is stored and the sandbox killed;
-a flow retry runs the whole pipeline again in a fresh sandbox. The flows are async (a sync
-Prefect flow pays about 1 s joining its heartbeat thread); the sync twins run them from plain
-Python and, on a script's main thread, take SIGTERM as the CLI does (``SystemExit(143)`` after
-the run ends Cancelled). Manual: docs/concepts.md.
+stage, a cancel, a signal, ``timeout_seconds``), what was made is stored while the sandbox is
+killed; a flow retry runs the whole pipeline again in a fresh sandbox. The flows are async (a
+sync Prefect flow pays about 1 s joining its heartbeat thread); the sync twins run them from
+plain Python and, on a script's main thread, take SIGTERM as the CLI does
+(``SystemExit(143)`` after the run ends Cancelled). Manual: docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any, cast
 
 from nbformat import NotebookNode
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_progress_artifact
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Cancelled, Completed
 from prefect_aws import S3Bucket
@@ -36,6 +35,7 @@ from prefect_sandbox.flows.pipeline_run import (
     RESERVED_NAMES,
     SUMMARY_NAME,
     PipelineRun,
+    ProgressArtifact,
     new_run,
     own_names_kept,
     warnings_note,
@@ -115,9 +115,7 @@ async def _run_pipeline(
     parameters: dict[str, Any] | None = None,
 ) -> PipelineResult:
     run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
-    run.progress_id = await acreate_progress_artifact(
-        progress=0.0, description=f"0 of {len(stages)} stage(s) done"
-    )
+    run.progress = ProgressArtifact(len(stages))
     async with run.running(
         flow_run,
         inputs=inputs,

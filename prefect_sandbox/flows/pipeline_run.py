@@ -24,7 +24,11 @@ from uuid import UUID
 
 from nbformat import NotebookNode
 from prefect import get_run_logger
-from prefect.artifacts import acreate_markdown_artifact, aupdate_progress_artifact
+from prefect.artifacts import (
+    acreate_markdown_artifact,
+    acreate_progress_artifact,
+    aupdate_progress_artifact,
+)
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
 from prefect_aws import S3Bucket
@@ -38,7 +42,7 @@ from prefect_sandbox.flows.staging import remove_orphaned_staging_dirs, staging_
 from prefect_sandbox.flows.stopping import cancelled_from_api, sigint_honoured, take_cancellation
 from prefect_sandbox.markdown_text import escape_markdown
 from prefect_sandbox.results import PipelineResult, StageResult, StageSummary, StoredArtifact
-from prefect_sandbox.sandbox.base import SandboxHandle
+from prefect_sandbox.sandbox.base import Sandbox, SandboxHandle
 from prefect_sandbox.sandbox.errors import (
     FileTransferError,
     SandboxDiedError,
@@ -59,8 +63,10 @@ from prefect_sandbox.sandbox.paths import resolve_inside
 from prefect_sandbox.sandbox.retries import async_retrying
 from prefect_sandbox.settings import PrefectSandboxSettings
 from prefect_sandbox.tasks.sandbox import (
+    KeptConnections,
     create_sandbox,
     fetch_artifacts,
+    kept_connected,
     kill_sandbox,
     partial_stage_result,
     run_stage,
@@ -84,6 +90,7 @@ __all__ = [
     "SETUP_RETRY_DELAY_S",
     "SUMMARY_NAME",
     "PipelineRun",
+    "ProgressArtifact",
     "RunOutcome",
     "RunStatus",
     "SetUp",
@@ -240,6 +247,47 @@ def _write_notebook_files(
     return [*written, EXECUTED_NOTEBOOK_NAME]
 
 
+class ProgressArtifact:
+    """A pipeline's progress artifact, posted beside the run rather than in its way: made
+    while the sandbox starts, each stage's update sent while the next one runs, in order.
+    The run's summary waits for them (`settled`).
+
+    Args:
+        stages: how many stages the pipeline has.
+
+    Must be made inside the flow run, on its event loop.
+    """
+
+    def __init__(self, stages: int) -> None:
+        self._stages = stages
+        self._last: asyncio.Task[UUID] = asyncio.create_task(
+            acreate_progress_artifact(progress=0.0, description=f"0 of {stages} stage(s) done")
+        )
+
+    def stage_done(self, done: int, name: str) -> None:
+        """Post that ``done`` stages are done, the last named ``name``, once the posts before
+        are in."""
+        before = self._last
+
+        async def update() -> UUID:
+            artifact_id = await before
+            await aupdate_progress_artifact(
+                artifact_id,
+                progress=100.0 * done / self._stages,
+                description=f"{done} of {self._stages} stage(s) done: {escape_markdown(name)}",
+            )
+            return artifact_id
+
+        self._last = asyncio.create_task(update())
+
+    async def settled(self) -> None:
+        """Wait until every post is in; one that failed is a warning (the run goes on)."""
+        try:
+            await asyncio.shield(self._last)
+        except Exception as exc:
+            get_run_logger().warning("Progress artifact not posted: %s", exc)
+
+
 RunStatus = Literal["completed", "failed", "cancelled"]
 
 
@@ -312,7 +360,7 @@ class PipelineRun:
     backend: SandboxBackend
     store: ArtifactStore
     executed: ExecutedNotebook
-    progress_id: UUID | None = None
+    progress: ProgressArtifact | None = None
     """The pipeline's progress artifact; None for runs that post none (sessions)."""
     stage_results: list[StageResult] = field(default_factory=list)
     downloaded: list[str] = field(default_factory=list)
@@ -336,6 +384,8 @@ class PipelineRun:
     warnings: list[str] = field(default_factory=list)
     """What the run could not do without failing (an artifact not fetched), for
     ``summary.json`` and the flow run's state message."""
+    _kept: KeptConnections | None = None
+    """The connections the sandbox's create made, while it lives (`_sandbox`)."""
 
     @asynccontextmanager
     async def running(
@@ -352,8 +402,10 @@ class PipelineRun:
         made and set up within the run's live-sandbox slot (`_sandbox`), the block, the
         ``artifacts`` downloaded, the sandbox killed, what was made stored, then ``summary.json``
         stored and posted as the artifact ``summary`` (key, description) names, shielded from a
-        passed deadline. Within, the task is cancelled on the API's Cancelling
-        (`cancelled_from_api`) or a SIGINT inherited as ignored (`sigint_honoured`).
+        passed deadline. What was made is stored while the sandbox is killed, once the block
+        is left and the artifacts downloaded; ``summary.json`` waits for both. Within, the task
+        is cancelled on the API's Cancelling (`cancelled_from_api`) or a SIGINT inherited as
+        ignored (`sigint_honoured`).
 
         Every way out is recorded in `outcome` and none leaves here: what the block raised
         (`RunOutcome.raised`), a cancellation (taken as handled: `take_cancellation`), a
@@ -372,8 +424,12 @@ class PipelineRun:
                     sigint_honoured(),
                     cancelled_from_api(flow_run.id, poll_s=PrefectSandboxSettings().cancel_poll_s),
                 ):
+                    storing: asyncio.Task[None] | None = None
                     try:
-                        await asyncio.to_thread(plan_inputs, inputs, input_credentials(self.store))
+                        if inputs:
+                            await asyncio.to_thread(
+                                plan_inputs, inputs, input_credentials(self.store)
+                            )
                         async with self._sandbox(flow_run, staging, inputs) as handle:
                             yielded = True
                             try:
@@ -383,10 +439,13 @@ class PipelineRun:
                             except BaseException as exc:
                                 self._record(exc)
                             await self._collect_artifacts(handle, staging, artifacts)
+                            # All is made and fetched: it is stored while the sandbox is killed.
+                            storing = asyncio.create_task(self._store_made(outputs))
                     except (asyncio.CancelledError, SandboxError) as exc:
                         self._record(exc)  # while the sandbox was made or killed, or no slot
                     finally:
-                        await self._store_made(outputs)
+                        with shielded():
+                            await (storing or self._store_made(outputs))
             except asyncio.CancelledError as exc:
                 self._record(exc)  # while the files were stored
             if not yielded:
@@ -394,6 +453,8 @@ class PipelineRun:
             if not self.outcome.cancelled and deadline_passed():
                 self.outcome.time_out()  # it passed while the files were stored
             with shielded():
+                if self.progress is not None:
+                    await self.progress.settled()
                 result = await self.store_summary(
                     outputs, str(flow_run.id), flow_run.name, parameters
                 )
@@ -429,14 +490,18 @@ class PipelineRun:
         backend's live-sandbox limit when it has one, and of a sweep's limit in a sweep's
         branch (`run_limits`). Records its id and the UTC times bracketing its life. A slot
         that cannot be taken, or whose lease is lost while the sandbox lives (which stops it),
-        raises `SlotError`."""
+        raises `SlotError`. The tasks inside use the connection the create made
+        (`kept_connected`): no attach and handshake per task."""
         flow_run_id = str(flow_run.id)
         labels = flow_run_labels(flow_run_id, flow_run.name)
 
         async def set_up(handle: SandboxHandle) -> None:
             await self.begin(handle, staging, inputs)
 
-        async with live_sandbox_slot(run_limits(self.backend), flow_run_id):
+        async with (
+            live_sandbox_slot(run_limits(self.backend), flow_run_id),
+            kept_connected() as self._kept,
+        ):
             self.sandbox_created_at = datetime.now(UTC)
             try:
                 handle = await self.set_up_sandbox(flow_run_id, labels, set_up)
@@ -535,15 +600,20 @@ class PipelineRun:
         """Run the stages in order, posting the progress artifact after each, until one fails
         (raises its `SandboxError`) or the run is cancelled; inside `running`, which records
         either."""
+        assert self.progress is not None
         for done, stage in enumerate(self.stages, start=1):
             await self._run_stage(handle, stage, cell_timeout_s)
-            assert self.progress_id is not None
-            await aupdate_progress_artifact(
-                self.progress_id,
-                progress=100.0 * done / len(self.stages),
-                description=f"{done} of {len(self.stages)} stage(s) done: "
-                f"{escape_markdown(stage.name)}",
-            )
+            self.progress.stage_done(done, stage.name)
+
+    async def connected(self, handle: SandboxHandle) -> Sandbox:
+        """The run's sandbox, connected, for the caller to close: the connection its create
+        made, taken over from the run (`KeptConnections.take`), else attached now.
+
+        Raises:
+            SandboxError: as ``backend.attach`` raises.
+        """
+        kept = None if self._kept is None else self._kept.take(handle)
+        return kept or await self.backend.attach(handle)
 
     def add_stage(self, name: str) -> tuple[StageSpec, StageResult]:
         """A stage decided as the run goes (a session's step), added to the run with no cells

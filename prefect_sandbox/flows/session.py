@@ -537,7 +537,7 @@ async def _open_session(
         if handle is not None:
             session = SandboxSession(
                 run,
-                await run.backend.attach(handle),
+                await run.connected(handle),
                 cell_timeout_s=cell_timeout_s,
                 max_text_chars=max_text_chars,
                 max_idle_s=max_idle_s,

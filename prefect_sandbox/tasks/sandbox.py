@@ -69,11 +69,13 @@ __all__ = [
     "PROGRESS_LOG_INTERVAL_S",
     "ArtifactDownloads",
     "CellDone",
+    "KeptConnections",
     "StageProgress",
     "cell_failure",
     "create_sandbox",
     "download_artifacts",
     "fetch_artifacts",
+    "kept_connected",
     "kill_sandbox",
     "partial_stage_result",
     "prefect_api_id",
@@ -161,9 +163,93 @@ def reusing(sandbox: Sandbox) -> Iterator[None]:
         _reused.reset(token)
 
 
+class KeptConnections:
+    """The sandboxes create-sandbox made inside one `kept_connected` scope, still connected
+    (a Jupyter client's sockets and handshake, an SDK object), by id, with the event loop
+    their clients belong to."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._by_id: dict[str, Sandbox] = {}
+
+    def keep(self, sandbox: Sandbox) -> bool:
+        """Keep ``sandbox`` connected; False (not kept) off this scope's event loop."""
+        if asyncio.get_running_loop() is not self._loop:
+            return False
+        self._by_id[sandbox.handle.sandbox_id] = sandbox
+        return True
+
+    def get(self, handle: SandboxHandle) -> Sandbox | None:
+        """The kept sandbox of ``handle``, on this scope's event loop; else None."""
+        if asyncio.get_running_loop() is not self._loop:
+            return None
+        return self._by_id.get(handle.sandbox_id)
+
+    def take(self, handle: SandboxHandle) -> Sandbox | None:
+        """Hand the kept sandbox of ``handle`` over to the caller, who closes it; None when
+        there is none (`get`)."""
+        sandbox = self.get(handle)
+        if sandbox is not None:
+            del self._by_id[handle.sandbox_id]
+        return sandbox
+
+    async def close(self) -> None:
+        """Close every sandbox still kept (the sandboxes keep running)."""
+        while self._by_id:
+            _, sandbox = self._by_id.popitem()
+            await sandbox.close()
+
+
+_kept: ContextVar[KeptConnections | None] = ContextVar("prefect_sandbox_kept", default=None)
+
+
+@contextlib.asynccontextmanager
+async def kept_connected() -> AsyncIterator[KeptConnections]:
+    """Keep the sandboxes create-sandbox makes inside connected, for the tasks here awaited
+    inside (in this process, on this event loop) to use instead of attaching anew and closing
+    after: a pipeline's inputs, stages, artifacts and kill all go through the client its
+    create made and handshook. kill-sandbox drops what it kills; what is still kept is closed
+    on exit.
+
+    Yields:
+        The kept sandboxes, for a caller that takes one over (`KeptConnections.take`).
+    """
+    kept = KeptConnections()
+    token = _kept.set(kept)
+    try:
+        yield kept
+    finally:
+        _kept.reset(token)
+        with shielded():
+            await kept.close()
+
+
+def _kept_connection(handle: SandboxHandle) -> Sandbox | None:
+    """The sandbox of ``handle`` kept by the enclosing `kept_connected`, if any.
+
+    A function of its own, as `_leave_progress`: a task's code names no `ContextVar`.
+    """
+    kept = _kept.get()
+    return None if kept is None else kept.get(handle)
+
+
+def _keep_connected(sandbox: Sandbox) -> bool:
+    """Keep ``sandbox`` in the enclosing `kept_connected`; False when there is none here."""
+    kept = _kept.get()
+    return kept is not None and kept.keep(sandbox)
+
+
+def _drop_kept(handle: SandboxHandle) -> None:
+    """Forget the kept sandbox of ``handle`` (it was killed, which closed it)."""
+    kept = _kept.get()
+    if kept is not None:
+        kept.take(handle)
+
+
 @contextlib.asynccontextmanager
 async def _attached(backend: SandboxBackend, handle: SandboxHandle) -> AsyncIterator[Sandbox]:
-    """The sandbox of ``handle``: the one `reusing` names, else attached now and closed after.
+    """The sandbox of ``handle``: the one `reusing` names, or `kept_connected` keeps, else
+    attached now and closed after.
 
     Raises:
         SandboxError: as ``backend.attach`` raises.
@@ -174,6 +260,10 @@ async def _attached(backend: SandboxBackend, handle: SandboxHandle) -> AsyncIter
         if loop is asyncio.get_running_loop() and sandbox.handle.sandbox_id == handle.sandbox_id:
             yield sandbox
             return
+    kept = _kept_connection(handle)
+    if kept is not None:
+        yield kept
+        return
     sandbox = await backend.attach(handle)
     try:
         yield sandbox
@@ -210,7 +300,8 @@ async def create_sandbox(backend: SandboxBackend, labels: dict[str, str]) -> San
         SandboxError: the backend could not make it.
     """
     sandbox = await backend.create(with_created_at({**labels, API_LABEL: prefect_api_id()}))
-    await sandbox.close()
+    if not _keep_connected(sandbox):
+        await sandbox.close()
     get_run_logger().info("Sandbox %s started", sandbox.handle.sandbox_id)
     return sandbox.handle
 
@@ -252,12 +343,9 @@ async def upload_inputs(
     logger = get_run_logger()
     for line in skipped:
         logger.warning("Input link skipped: %s", line)
-    sandbox = await backend.attach(handle)
-    try:
+    async with _attached(backend, handle) as sandbox:
         for source, dest in pairs:
             await sandbox.upload(source, dest)
-    finally:
-        await sandbox.close()
     logger.info("Uploaded %d input file(s)", len(pairs))
     return [dest for _, dest in pairs]
 
@@ -302,8 +390,14 @@ class _OutputLog:
     `CellError`, whatever the budget.
     """
 
-    def __init__(self, stage: str, cell: CellSpec, budget_chars: int | None) -> None:
-        self._logger = get_run_logger()
+    def __init__(
+        self,
+        stage: str,
+        cell: CellSpec,
+        budget_chars: int | None,
+        logger: logging.Logger | LoggingAdapter,
+    ) -> None:
+        self._logger = logger
         self._prefix = f"[{stage} {cell.label}]"
         self._budget_chars = budget_chars
         self._logged = 0
@@ -370,10 +464,12 @@ class _OutputLog:
             )
 
 
-def _log_cell_done(stage: str, cell: CellSpec, result: CellResult) -> None:
+def _log_cell_done(
+    logger: logging.Logger | LoggingAdapter, stage: str, cell: CellSpec, result: CellResult
+) -> None:
     """The run-log record that a cell ended, carrying a `CellDone`."""
     done = CellDone(stage, cell.number, result.status, result.duration_s)
-    get_run_logger().info(
+    logger.info(
         "[%s %s] %s in %.2f s",
         stage,
         cell.label,
@@ -547,9 +643,11 @@ def _death_result(
 
 class _StageRecorder:
     """A running stage's record: its cells' results so far and the late outputs seen, from
-    which it builds the stage's result, whole or partial."""
+    which it builds the stage's result, whole or partial; ``logger`` is the task run's, got
+    once per stage (Prefect builds a new adapter at each ``get_run_logger``)."""
 
     def __init__(self, stage: StageSpec) -> None:
+        self.logger = get_run_logger()
         self.stage = stage
         self.start = time.monotonic()
         self.records: list[CellRecord] = []
@@ -595,7 +693,7 @@ class _StageRecorder:
             asyncio.CancelledError: the run was cancelled or timed out during it; the stage so
                 far is left in the enclosing `stage_progress` (`cancelled_in`).
         """
-        output_log = _OutputLog(self.stage.name, cell, max_chars)
+        output_log = _OutputLog(self.stage.name, cell, max_chars, self.logger)
         on_output, seen = _keeping(output_log, max_chars or _PARTIAL_OUTPUT_CHARS)
         started_at, cell_start = datetime.now(UTC), time.monotonic()
         try:
@@ -689,7 +787,7 @@ async def run_stage(
             ) from exc
         for cell in stage.cells:
             result = await recorder.run_cell(sandbox, cell, timeout_s, backend.max_output_chars)
-            _log_cell_done(stage.name, cell, result)
+            _log_cell_done(recorder.logger, stage.name, cell, result)
             tolerated = allow_errors or RAISES_EXCEPTION_TAG in cell.tags
             if result.status == "ok" or (result.status == "error" and tolerated):
                 continue
@@ -804,8 +902,7 @@ async def _fetch(
     settings = PrefectSandboxSettings()
     retries = _TransferRetries(settings.transfer_retry_budget_s)
     collector = _Collector(Path(staging_dir), settings, logger, retries)
-    sandbox = await backend.attach(handle)
-    try:
+    async with _attached(backend, handle) as sandbox:
         for pattern in patterns:
             try:
                 matches = await retries.call(
@@ -822,8 +919,6 @@ async def _fetch(
                 logger.warning("Artifact pattern %r matched no file", pattern)
             for remote in matches:
                 await collector.collect(sandbox, remote)
-    finally:
-        await sandbox.close()
     logger.info("Downloaded %d artifact(s)", len(collector.downloaded))
     return ArtifactDownloads(collector.downloaded, collector.not_fetched)
 
@@ -923,12 +1018,15 @@ async def kill_sandbox(backend: SandboxBackend, handle: SandboxHandle) -> bool:
     Returns:
         True if this call ended it, False if it was already gone.
     """
+    kept = _kept_connection(handle)
     try:
-        sandbox = await backend.attach(handle)
+        sandbox = kept or await backend.attach(handle)
     except SandboxNotFoundError:
         killed = False
     else:
         killed = await sandbox.kill()
+        if kept is not None:
+            _drop_kept(handle)  # the kill closed it
     get_run_logger().info(
         "Sandbox %s %s", handle.sandbox_id, "killed" if killed else "already gone"
     )

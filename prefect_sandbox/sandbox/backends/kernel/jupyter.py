@@ -90,6 +90,11 @@ STARTUP_FILE_NAME = "00-prefect-sandbox.py"
 STREAM_MESSAGE_CHARS = 256 * 1024
 """Characters of stdout/stderr after which the kernel sends them as one ``stream`` message."""
 
+# The history is kept in memory, as nbclient and papermill keep theirs: IPython's SQLite file
+# costs a commit per cell (~1 ms of a 4 ms trivial cell here), and a sandbox's history is never
+# read after it ends. IPython runs its config file with get_config() in its namespace.
+_HISTORY_IN_MEMORY = 'get_config().HistoryManager.hist_file = ":memory:"\n'
+
 
 @functools.cache
 def _startup_code() -> str:
@@ -131,7 +136,9 @@ def write_ipython_startup(ipython_dir: Path) -> list[Path]:
             finally:
                 os.close(startup)
             config_file = ipython_dir / "profile_default" / "ipython_kernel_config.py"
-            _own_file(profile, config_file, run_code("zmq_config", "main"), replaced)
+            _own_file(
+                profile, config_file, _HISTORY_IN_MEMORY + run_code("zmq_config", "main"), replaced
+            )
         finally:
             os.close(profile)
     finally:
