@@ -5,14 +5,10 @@ without pulling from any registry: ``debootstrap`` writes a minimal Debian root 
 machine's Debian mirror, ``docker import`` turns it into a base image, and a container of that
 image pip-installs wheels downloaded on the host (mounted, never copied into a layer). The root
 tarball and the wheels are cached (`default_cache_dir`), and an image whose tag (a hash of the
-recipe) exists is never rebuilt.
-
-`DockerDaemon` starts ``dockerd`` when none answers; processes that use it at once (the test
-workers) share it, and the last to leave stops one that any of them started.
-
-Run ``python -m prefect_sandbox.testing.docker`` to build the image and print its tag.
-Needs root (debootstrap), ``debootstrap``, a Docker daemon and pip's access to its index.
-Manual: docs/backends/docker.md.
+recipe) exists is never rebuilt. `DockerDaemon` starts ``dockerd`` when none answers; processes
+using it at once (the test workers) share it, and the last to leave stops one they started.
+``python -m prefect_sandbox.testing.docker`` builds the image and prints its tag (needs root,
+``debootstrap``, a Docker daemon and pip's access to its index). Manual: docs/backends/docker.md.
 """
 
 from __future__ import annotations
