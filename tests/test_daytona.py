@@ -475,3 +475,38 @@ async def test_a_forked_child_stopped_at_its_cells_end_ends_with_the_interpreter
     # Killed with the interpreter, not left stopped and reparented for good.
     child.wait(timeout=30)
     assert not child.is_running()
+
+
+_SIGINT_AFTER_A_CELL = """
+import asyncio, os, signal
+from prefect_sandbox import DaytonaBackend
+
+received = []
+signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+
+async def main():
+    box = await DaytonaBackend().create({"prefect-sandbox": "true", "suite": "daytona"})
+    try:
+        await box.run_cell("x = 1")
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.5)
+        print("after", (await box.run_cell("print(x)")).outputs[0]["text"].strip(), received)
+    finally:
+        await box.kill()
+
+asyncio.run(main())
+"""
+
+
+def test_the_sdks_event_stream_leaves_sigint_to_the_process(daytona_env: DaytonaEmulator) -> None:
+    # The SDK's client starts its socket.io connection as it is made; engineio would then put a
+    # handler on the loop that cancels every task and stops the loop on Ctrl-C, ahead of the
+    # process's own (a run's orderly stop, the CLI's).
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGINT_AFTER_A_CELL],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "after 1 [2]"

@@ -82,8 +82,12 @@ class _Sandboxes:
         self.fail_from = fail_from
         self.release = threading.Event()
         self.release.set()
+        self.waiting = threading.Event()
+        """Set once a start waits on ``release``."""
 
     def start(self) -> SandboxHandle:
+        if not self.release.is_set():
+            self.waiting.set()
         self.release.wait(10)
         if self.fail_from is not None and len(self.started) >= self.fail_from:
             raise RuntimeError("cannot start")
@@ -132,7 +136,8 @@ def test_closing_a_pool_ends_idle_sandboxes_and_the_one_being_started() -> None:
     assert pool.wait_full(10)
     sandboxes.release.clear()
     assert pool.take() is not None
-    pool.refill()  # its thread now waits inside start()
+    pool.refill()
+    assert sandboxes.waiting.wait(10)  # the refill's thread waits inside start()
     threading.Timer(0.2, sandboxes.release.set).start()
     assert pool.close(timeout_s=10) == 1
     assert [h.sandbox_id for h in sandboxes.ended] == ["s1", "s2"]

@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from prefect_sandbox.sandbox._compat import keep_sigint_from_socketio
 from prefect_sandbox.sandbox.backends import (
     cancel_and_wait,
     import_extra,
@@ -122,12 +123,15 @@ _LOST_RECORD = MARKER_START + json.dumps({"kind": "lost"}) + MARKER_END
 
 
 def import_sdk() -> types.ModuleType:
-    """Import the daytona SDK.
+    """Import the daytona SDK, its socket.io client kept from taking SIGINT over
+    (`keep_sigint_from_socketio`).
 
     Raises:
         BackendNotInstalledError: it is not installed; the message names the extra to install.
     """
-    return import_extra("daytona", extra="daytona", backend="Daytona")
+    sdk = import_extra("daytona", extra="daytona", backend="Daytona")
+    keep_sigint_from_socketio()
+    return sdk
 
 
 def _bootstrap_code() -> str:
