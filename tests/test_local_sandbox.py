@@ -216,10 +216,10 @@ async def test_cpu_time_limit_ends_the_kernel_and_says_so(isolation: Isolation) 
         LocalKernelConfig(cpu_time_limit_s=3, isolation=isolation)
     )
     try:
-        start = time.monotonic()
+        # The limit ends the kernel, not the cell's timeout (which returns a timeout result);
+        # no bound on the wall time: 3 s of CPU took 27-32 s with two CPU burners beside.
         with pytest.raises(SandboxDiedError) as info:
-            await box.run_cell("while True: pass", timeout_s=60)
-        assert time.monotonic() - start < 15
+            await box.run_cell("while True: pass", timeout_s=600)
         assert info.value.signal in (signal.SIGXCPU, signal.SIGKILL)
     finally:
         await box.kill()
