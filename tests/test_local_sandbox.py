@@ -559,3 +559,28 @@ async def test_other_kernels_output_keeps_flowing_while_a_kernel_launches(
         during = [started, *(t for t in stamps if started < t < ended), ended]
         longest_gap = max(later - earlier for earlier, later in itertools.pairwise(during))
         assert longest_gap < launch_s / 3, (longest_gap, launch_s)
+
+
+def test_a_kill_goes_on_past_a_kernel_slow_to_exit_and_the_next_launch_reaps_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prefect_sandbox.sandbox.backends.kernel import local
+
+    monkeypatch.setattr(local, "_REAP_WAIT_S", 0.2)
+    # In this process's own group, so the kill's SIGKILL to the kernel's group misses it: it
+    # stands for a killed kernel that a loaded host has not run to its exit yet.
+    slow = subprocess.Popen(["sleep", "60"])
+    monkeypatch.setitem(local._launched, "local-slow", slow)
+    try:
+        local._kill_process_group("local-slow", slow.pid)  # raised TimeoutExpired before
+        assert "local-slow" not in local._launched and slow in local._slow_to_exit
+        assert f"kernel of sandbox local-slow (pid {slow.pid}) had not exited" in caplog.text
+        slow.kill()
+        deadline = time.monotonic() + 10
+        while slow in local._slow_to_exit and time.monotonic() < deadline:
+            local._forget_killed_elsewhere()
+            time.sleep(0.05)
+        assert slow not in local._slow_to_exit and slow.returncode == -signal.SIGKILL
+    finally:
+        slow.kill()
+        slow.wait()

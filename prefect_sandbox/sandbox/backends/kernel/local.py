@@ -110,6 +110,9 @@ _launched: dict[str, subprocess.Popen[bytes]] = {}
 # One guard per kernel (kernel_side/kernel_guard.py): it kills the kernel's whole process group
 # if this process dies, and writes kernel.log up to KERNEL_LOG_BYTES.
 _guards: dict[str, subprocess.Popen[bytes]] = {}
+# Kernels and guards sent SIGKILL that had not exited when their kill stopped waiting (one outlived
+# 10 s at load 12-14): kept so that the next launch reaps them, not waited for again.
+_slow_to_exit: list[subprocess.Popen[bytes]] = []
 
 KERNEL_LOG_BYTES = 1 << 20
 """The most a sandbox's ``kernel.log`` (what its processes write to fds 1 and 2) holds."""
@@ -860,7 +863,23 @@ def _forget_killed_elsewhere() -> None:
             guard = _guards.pop(sandbox_id, None)
             if guard is not None:
                 guard.kill()
-                guard.wait(timeout=_REAP_WAIT_S)
+                _wait_after_kill(guard, f"guard of sandbox {sandbox_id}")
+    _slow_to_exit[:] = [process for process in _slow_to_exit if process.poll() is None]
+
+
+def _wait_after_kill(process: subprocess.Popen[bytes], what: str) -> None:
+    """Wait up to 10 s for ``process``, sent SIGKILL, to exit. Past that it is logged and kept
+    for the next launch to reap: a kill goes on to the sandbox's cgroup and uid rather than fail."""
+    try:
+        process.wait(timeout=_REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning(
+            "The %s (pid %d) had not exited %.0f s after SIGKILL; going on",
+            what,
+            process.pid,
+            _REAP_WAIT_S,
+        )
+        _slow_to_exit.append(process)
 
 
 @functools.cache
@@ -904,10 +923,10 @@ def _kill_process_group(sandbox_id: str, pid: int) -> None:
     guard = _guards.pop(sandbox_id, None)
     if guard is not None:
         guard.kill()
-        guard.wait(timeout=_REAP_WAIT_S)
+        _wait_after_kill(guard, f"guard of sandbox {sandbox_id}")
     process = _launched.pop(sandbox_id, None)
     if process is not None:
-        process.wait(timeout=_REAP_WAIT_S)
+        _wait_after_kill(process, f"kernel of sandbox {sandbox_id}")
         return
     deadline = time.monotonic() + _REAP_WAIT_S
     while _process_state(pid) not in (None, "Z") and time.monotonic() < deadline:
