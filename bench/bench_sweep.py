@@ -106,10 +106,11 @@ def sandbox_roots(me: Any) -> tuple[list[Any], list[Any]]:
             parent = process.ppid()
         except psutil.Error:
             continue
-        if "ipykernel" in cmdline:
-            mentions.append((process, parent))
-        elif GUARD_MARK in cmdline:
+        # The guard's source (its command line) names ipykernel too: asked first.
+        if GUARD_MARK in cmdline:
             guards.append(process)
+        elif "ipykernel" in cmdline:
+            mentions.append((process, parent))
     # bwrap's command line names ipykernel too: the kernel is the last one down the tree.
     wrappers = {parent for _, parent in mentions}
     kernels = [process for process, _ in mentions if process.pid not in wrappers]
