@@ -15,38 +15,25 @@ from pathlib import Path
 import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.blocks.daytona import DaytonaBackend
-from prefect_sandbox.blocks.e2b import E2BBackend, E2BCredentials
 from prefect_sandbox.flows import amodeling_pipeline
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.testing.daytona import DaytonaEmulator
 from prefect_sandbox.testing.e2b import E2BEmulator
 from prefect_sandbox.testing.faults import Fault
+from tests.test_emulator_faults import SET_UP_FAULTS as PER_KIND_FAULTS
+from tests.test_emulator_faults import Vendor
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
-# Each makes the faults of one run: transient, and each hitting the set-up only.
+# Each makes the faults of one run: transient, and each hitting the set-up only. The suite's
+# per-kind test meets the first three; a create refused and a first execution dropped alone too.
 SET_UP_FAULTS: dict[str, Callable[[], list[Fault]]] = {
+    **PER_KIND_FAULTS,
     "503-create": lambda: [Fault("create", status=503)],
     "429-create": lambda: [Fault("create", status=429, retry_after_s=1, times=2)],
-    "502-context": lambda: [Fault("create_context", status=502)],
     "dropped-first-execution": lambda: [Fault("run_code", drop=True)],
-    "dropped-first-execution-then-500-kill": lambda: [
-        Fault("run_code", drop=True),
-        Fault("delete", status=500),
-    ],
-    "503-upload": lambda: [Fault("upload", status=503, times=4)],
 }
 RUNS_PER_VENDOR = 12
-
-
-def _backend(emulator: E2BEmulator | DaytonaEmulator) -> SandboxBackend:
-    if isinstance(emulator, E2BEmulator):
-        credentials = E2BCredentials(
-            api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
-        )
-        return E2BBackend(credentials=credentials, lifetime_s=60, interrupt_grace_s=2.0)
-    return DaytonaBackend(interrupt_grace_s=2.0)  # found through the DAYTONA_* variables
 
 
 async def _pipeline(backend: SandboxBackend, given: Path, out: Path) -> Path:
@@ -87,6 +74,7 @@ async def test_every_run_survives_one_set_up_fault(
 ) -> None:
     fixture = "e2b_emulator" if vendor == "e2b" else "daytona_env"
     emulator: E2BEmulator | DaytonaEmulator = request.getfixturevalue(fixture)
+    backend = Vendor(vendor, emulator).backend
     chooser = random.Random(f"chaos-{vendor}")
     given = tmp_path / "given.txt"
     given.write_text("input")
@@ -98,7 +86,7 @@ async def test_every_run_survives_one_set_up_fault(
         emulator.inject(*SET_UP_FAULTS[fault]())
         start = time.monotonic()
         try:
-            folder = await run(_backend(emulator), given, out)
+            folder = await run(backend(), given, out)
         finally:
             emulator.clear_faults()
         assert any(r.faulted for r in emulator.requests if r.at >= start), (fault, mode)

@@ -571,6 +571,7 @@ def test_a_kill_goes_on_past_a_kernel_slow_to_exit_and_the_next_launch_reaps_it(
     # stands for a killed kernel that a loaded host has not run to its exit yet.
     slow = subprocess.Popen(["sleep", "60"])
     monkeypatch.setitem(local._launched, "local-slow", slow)
+    monkeypatch.setattr(local, "_slow_to_exit", [])
     try:
         local._kill_process_group("local-slow", slow.pid)  # raised TimeoutExpired before
         assert "local-slow" not in local._launched and slow in local._slow_to_exit
