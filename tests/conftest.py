@@ -7,6 +7,7 @@ import contextlib
 import copyreg
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -107,6 +108,12 @@ def _signal_handlers_as_they_were() -> Iterator[None]:
         if handler is not None and signal.getsignal(signum) is not handler:
             signal.signal(signum, handler)
 
+
+STOPPING_GRACE_S = 8.0
+"""``interrupt_grace_s`` for a test that asserts a cell stopped by SIGINT kept its state: a kernel
+acts on SIGINT within milliseconds on a quiet machine, but beside two CPU burners it took over the
+suite's usual 2 s, so its kernel was restarted and the state lost. A kernel that stops is not
+held up by a longer grace; one that ignores SIGINT waits all of it for its restart."""
 
 SUBPROCESS_TEST_TIMEOUT_S = 400
 """pytest-timeout for a test whose CLI or script runs start Prefect's temporary server or a Dask
@@ -274,6 +281,19 @@ def python_stdout(
     done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, timeout=timeout_s)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     return done.stdout.decode()
+
+
+SUITE_LOAD_PER_CORE = 4.0
+"""The load per core the suite makes of itself (two xdist workers per core; up to 4 seen), at
+which the flow timeouts here leave room enough for a sandbox to start."""
+
+
+def load_scaled(seconds: float) -> int:
+    """``seconds`` stretched by how far this machine's load per core (its last minute) is over
+    `SUITE_LOAD_PER_CORE`, rounded up: for a flow timeout that a sandbox's set-up must not
+    outlast. Beside two CPU burners a session's set-up took 24 s, past its 20 s timeout."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return math.ceil(seconds * max(1.0, per_core / SUITE_LOAD_PER_CORE))
 
 
 FLOW_TIMEOUT_S = 20

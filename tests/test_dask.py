@@ -9,6 +9,7 @@ the whole module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -27,6 +28,7 @@ import dask
 import psutil
 import pytest
 from distributed import Client, LocalCluster
+from distributed.comm.core import CommClosedError
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -120,13 +122,23 @@ def workers(cluster: Client) -> Iterator[Workers]:
     test's tasks would queue behind them. A worker an earlier test killed is back first (its
     nanny restarts it under a new address)."""
     cluster.wait_for_workers(2, timeout=WORKER_START_S)
-    yield Workers(cluster.scheduler.address, cluster.run(os.getpid))
+    pids: dict[str, int] = cluster.run(os.getpid)
+    yield Workers(cluster.scheduler.address, pids)
+    if gone := {address: pid for address, pid in pids.items() if not psutil.pid_exists(pid)}:
+        # A worker that died unasked strands what was pinned to it; what Dask knows of why.
+        print(f"workers gone: {gone}; Dask's events: {cluster.get_events()}", file=sys.stderr)
     if any(cluster.processing().values()):
         # Where the left tasks stand, for the report of the test that left them.
-        for worker, tasks in cluster.call_stack().items():
-            for key, frames in tasks.items():
-                print(f"left on {worker}: {key}\n{''.join(frames)}", file=sys.stderr)
+        with contextlib.suppress(CommClosedError):
+            for worker, tasks in cluster.call_stack().items():
+                for key, frames in tasks.items():
+                    print(f"left on {worker}: {key}\n{''.join(frames)}", file=sys.stderr)
         cluster.restart(timeout=WORKER_START_S)
+
+
+STAGE_WAIT_S = 120
+"""How long `staged` waits for each task: one pinned to a worker that died would wait for ever
+(its replacement has another address)."""
 
 
 def _stage(name: str, index: int, source: str) -> StageSpec:
@@ -140,23 +152,27 @@ def staged(
     """Create, upload and define on worker ``first``; use, download and kill on ``second``."""
     labels = flow_run_labels(str(flow_run.id), str(flow_run.name))
     with dask.annotate(workers=[first]):
-        handle = create_sandbox.submit(backend, labels).result()
-        uploaded = upload_inputs.submit(backend, handle, [input_file], staging_dir).result()
+        handle = create_sandbox.submit(backend, labels).result(timeout=STAGE_WAIT_S)
+        uploaded = upload_inputs.submit(backend, handle, [input_file], staging_dir).result(
+            timeout=STAGE_WAIT_S
+        )
         define = run_stage.submit(
             backend,
             handle,
             _stage("define", 0, "word = open('word.txt').read().strip()\nimport os"),
         )
-        define.result()
+        define.result(timeout=STAGE_WAIT_S)
     with dask.annotate(workers=[second]):
         use = run_stage.submit(
             backend,
             handle,
             _stage("use", 1, "print(word * 2)\nopen('out.txt', 'w').write(word.upper())"),
         )
-        used: StageResult = use.result()
-        downloaded = download_artifacts.submit(backend, handle, ["out.txt"], staging_dir).result()
-        killed = kill_sandbox.submit(backend, handle).result()
+        used: StageResult = use.result(timeout=STAGE_WAIT_S)
+        downloaded = download_artifacts.submit(backend, handle, ["out.txt"], staging_dir).result(
+            timeout=STAGE_WAIT_S
+        )
+        killed = kill_sandbox.submit(backend, handle).result(timeout=STAGE_WAIT_S)
     ran_on = {
         name: [
             worker
@@ -178,8 +194,8 @@ def staged(
 @flow(name="dask-create-and-kill")
 def _create_and_kill(backend: SandboxBackend, worker: str) -> bool:
     with dask.annotate(workers=[worker]):
-        handle = create_sandbox.submit(backend, {}).result()
-        killed: bool = kill_sandbox.submit(backend, handle).result()
+        handle = create_sandbox.submit(backend, {}).result(timeout=STAGE_WAIT_S)
+        killed: bool = kill_sandbox.submit(backend, handle).result(timeout=STAGE_WAIT_S)
     return killed
 
 

@@ -30,6 +30,7 @@ from prefect_sandbox.sandbox.backends.kernel.local import LocalKernelConfig, Loc
 from prefect_sandbox.sandbox.errors import CellTimeoutError, NotebookError, SandboxDiedError
 from tests.conftest import (
     ROOT,
+    STOPPING_GRACE_S,
     SUBPROCESS_TEST_TIMEOUT_S,
     cli_usage_error,
     flow_run_logs,
@@ -664,7 +665,7 @@ async def test_timeout_in_a_task_on_the_thread_pool_runner(tmp_path: Path) -> No
     from prefect_sandbox.sandbox.notebook import CellSpec, StageSpec
     from prefect_sandbox.tasks import create_sandbox, kill_sandbox, run_stage
 
-    backend = LocalKernelBackend(interrupt_grace_s=2.0)
+    backend = LocalKernelBackend(interrupt_grace_s=STOPPING_GRACE_S)
     stage = StageSpec(name="spin", cells=[CellSpec(index=0, source="while True: pass")])
 
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
@@ -688,7 +689,7 @@ async def test_timeout_in_a_task_on_the_thread_pool_runner(tmp_path: Path) -> No
     assert isinstance(error, CellTimeoutError)
     assert (error.stage, error.cell_index, error.timeout_s) == ("spin", 0, 0.5)
     assert error.interrupted and not error.state_lost
-    assert elapsed < 0.5 + 2.0 + 5.0
+    assert elapsed < 0.5 + STOPPING_GRACE_S + 5.0
 
 
 async def test_huge_output_is_capped_in_notebook_and_logs(tmp_path: Path) -> None:

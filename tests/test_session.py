@@ -54,7 +54,7 @@ from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
 from prefect_sandbox.sandbox.model_text import NO_OUTPUT, cell_text
 from prefect_sandbox.sandbox.outputs import error_output
 from prefect_sandbox.testing.e2b import E2BEmulator
-from tests.conftest import ROOT, kernel_processes
+from tests.conftest import ROOT, kernel_processes, load_scaled
 from tests.test_reaper import _reap, _sigkill, _start_victim, e2b_backend
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -304,7 +304,7 @@ def test_a_sync_flow_that_raises_still_stores_and_kills_and_its_error_leaves_as_
 
 
 _SESSION_TIMEOUT_S = 20
-"""A session flow's timeout: room for its kernel to start on a busy machine."""
+"""A session flow's timeout on a quiet machine: room for its kernel to start (`load_scaled`)."""
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
@@ -314,14 +314,15 @@ def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
     out = tmp_path / "out"
     sleeper = "import time\nprint('sleeping', flush=True)\ntime.sleep(600)"
     before = {p.pid for p in kernel_processes()}
+    timeout_s = load_scaled(_SESSION_TIMEOUT_S)
 
-    @flow(timeout_seconds=_SESSION_TIMEOUT_S)
+    @flow(timeout_seconds=timeout_s)
     async def async_agent() -> None:
         async with sandbox_session(storage=str(out), artifacts=["*.txt"]) as session:
             await session.run_cell("open('kept.txt', 'w').write('kept')")
             await session.run_cell(sleeper)
 
-    @flow(timeout_seconds=_SESSION_TIMEOUT_S)
+    @flow(timeout_seconds=timeout_s)
     def sync_agent() -> None:
         with sandbox_session(storage=str(out), artifacts=["*.txt"]) as session:
             session.run_cell("open('kept.txt', 'w').write('kept')")
@@ -335,7 +336,7 @@ def test_a_session_flow_past_its_timeout_stores_everything_and_ends_timed_out(
     summary = _summary(out)
     assert summary["status"] == "failed"
     assert summary["error"].startswith(
-        f"timed out (the flow run's timeout_seconds, {float(_SESSION_TIMEOUT_S)} s) during "
+        f"timed out (the flow run's timeout_seconds, {float(timeout_s)} s) during "
         "stage 'cell-2', cell 1"
     )
     assert [s["status"] for s in summary["stages"]] == ["ok", "failed"]

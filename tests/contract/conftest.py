@@ -67,6 +67,16 @@ LIMITS: dict[str, frozenset[str]] = {
 }
 
 
+GRACE_S = 2.0
+"""The contract backends' ``interrupt_grace_s``, short so that a kernel that ignores SIGINT is
+restarted soon; a test marked ``interrupt_grace(seconds)`` gets that instead."""
+
+
+def _interrupt_grace_s(request: pytest.FixtureRequest) -> float:
+    marker = request.node.get_closest_marker("interrupt_grace")
+    return GRACE_S if marker is None else float(marker.args[0])
+
+
 def cannot(sandbox: Sandbox, what: str) -> bool:
     """Whether the sandbox's backend cannot observe ``what`` (a key of `LIMITS`)."""
     return what in LIMITS.get(sandbox.handle.backend, frozenset())
@@ -92,24 +102,27 @@ def backend(request: pytest.FixtureRequest) -> SandboxBackend:
     session's offline emulators; ``docker`` runs the offline-built test kernel image on this
     machine's daemon.
     """
+    grace_s = _interrupt_grace_s(request)
     if request.param == "local":
-        return LocalKernelBackend(interrupt_grace_s=2.0)
+        return LocalKernelBackend(interrupt_grace_s=grace_s)
     if request.param == "local-none":
-        return LocalKernelBackend(interrupt_grace_s=2.0, isolation="none")
+        return LocalKernelBackend(interrupt_grace_s=grace_s, isolation="none")
     if request.param == "local-pooled":
-        return LocalKernelBackend(interrupt_grace_s=2.0, warm_pool_size=1)
+        return LocalKernelBackend(interrupt_grace_s=grace_s, warm_pool_size=1)
     if request.param == "e2b":
         emulator = request.getfixturevalue("e2b_emulator")
         credentials = E2BCredentials(
             api_key=emulator.api_key, api_url=emulator.url, sandbox_url=emulator.url
         )
-        return E2BBackend(credentials=credentials, interrupt_grace_s=2.0, lifetime_s=120)
+        return E2BBackend(credentials=credentials, interrupt_grace_s=grace_s, lifetime_s=120)
     if request.param == "daytona":
         # The real daytona SDK against the emulator, found through DAYTONA_* variables.
         request.getfixturevalue("daytona_env")
-        return DaytonaBackend(interrupt_grace_s=2.0)
+        return DaytonaBackend(interrupt_grace_s=grace_s)
     if request.param == "docker":
-        return DockerBackend(image=request.getfixturevalue("docker_image"), interrupt_grace_s=2.0)
+        return DockerBackend(
+            image=request.getfixturevalue("docker_image"), interrupt_grace_s=grace_s
+        )
     raise AssertionError(f"unknown backend {request.param}")
 
 

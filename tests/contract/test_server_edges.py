@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from prefect_sandbox.sandbox.base import CellResult, Sandbox
-from tests.conftest import stream_text
+from tests.conftest import STOPPING_GRACE_S, stream_text
 from tests.contract.conftest import cannot
 
 
@@ -38,11 +38,13 @@ async def _timed_out_cells_keep_the_state(sandbox: Sandbox, times: int) -> None:
             assert stopped.execution_count == after.execution_count - 1, attempt
 
 
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_a_timed_out_cell_that_stops_keeps_the_state(sandbox: Sandbox) -> None:
     await _timed_out_cells_keep_the_state(sandbox, times=1)
 
 
 @pytest.mark.slow
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_a_timed_out_cell_that_stops_keeps_the_state_ten_times_in_a_row(
     sandbox: Sandbox,
 ) -> None:

@@ -21,6 +21,7 @@ from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.flows import CellRun, SandboxSession, sandbox_session
 from prefect_sandbox.flows.tools import dispatch_tool_call
 from prefect_sandbox.sandbox.labels import FLOW_RUN_ID_LABEL
+from tests.conftest import STOPPING_GRACE_S
 
 pytestmark = [pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(300)]
 
@@ -42,6 +43,7 @@ FIGURE = (
 )
 
 
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_a_scripted_agent_fixes_an_error_and_a_timeout_and_everything_is_stored(
     backend: SandboxBackend, tmp_path: Path
 ) -> None:
@@ -166,6 +168,7 @@ async def _abandon(session: SandboxSession, code: str, marker: str) -> None:
         await call
 
 
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_an_abandoned_call_stops_its_cell_and_the_next_call_runs_on_the_old_state(
     backend: SandboxBackend, tmp_path: Path
 ) -> None:

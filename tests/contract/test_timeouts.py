@@ -9,13 +9,13 @@ import pytest
 
 from prefect_sandbox.blocks.base import SandboxBackend
 from prefect_sandbox.sandbox.base import Sandbox
-from tests.conftest import stream_text
-from tests.contract.conftest import cannot
+from tests.conftest import STOPPING_GRACE_S, stream_text
+from tests.contract.conftest import GRACE_S, cannot
 
-GRACE_S = 2.0  # the contract backends' interrupt_grace_s
 RESTART_BUDGET_S = 30.0
 
 
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_h01_infinite_loop_is_interrupted_and_state_survives(sandbox: Sandbox) -> None:
     await sandbox.run_cell("x = 41")
     start = time.monotonic()
@@ -23,7 +23,7 @@ async def test_h01_infinite_loop_is_interrupted_and_state_survives(sandbox: Sand
     elapsed = time.monotonic() - start
     assert result.status == "timeout"
     assert result.interrupted and not result.state_lost
-    assert 1.0 <= elapsed < 1.0 + GRACE_S
+    assert 1.0 <= elapsed < 1.0 + STOPPING_GRACE_S
     assert result.error is not None and result.error.ename == "CellTimeoutError"
     assert "1.0 s" in result.error.evalue and "interrupted" in result.error.evalue
     stopped_by = "CellTimeoutError" if cannot(sandbox, "interrupt_output") else "KeyboardInterrupt"
