@@ -89,8 +89,13 @@ def _interrupt(signum: int, frame: object) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM stops the run as Ctrl-C does: pytest prints its summary and tears the session's
     fixtures down (the Prefect servers, moto, the emulators), which SIGTERM's default action
-    (the process ends at once) leaves running in sessions of their own."""
+    (the process ends at once) leaves running in sessions of their own. SIGINT is Python's
+    own even where the suite inherited it ignored (started with ``&`` by a shell without job
+    control, as ``nohup ./dev.sh test &``): the tests of Ctrl-C send it to this process and its
+    children, who would ignore it too."""
     signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,15 @@ def test_probe_holds_a_prefect_server(server: object) -> None:
 
 
 def _left_running(pids: set[int], session_id: int) -> list[psutil.Process]:
-    """The processes still running of ``pids`` and of the session ``session_id``."""
+    """The processes still running of ``pids`` and of the session ``session_id``, once those
+    that are exiting have had 10 s to (one read as running became a zombie a moment later)."""
+    deadline = time.monotonic() + 10
+    while (left := _running_now(pids, session_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _running_now(pids: set[int], session_id: int) -> list[psutil.Process]:
     left = []
     for process in psutil.process_iter():
         try:
@@ -47,7 +55,9 @@ def test_dev_sh_test_stops_with_its_summary_and_leaves_nothing_running(
     marker = tmp_path / "server.pid"
     probe = f"{Path(__file__).relative_to(ROOT)}::{test_probe_holds_a_prefect_server.__name__}"
     run = subprocess.Popen(
-        [str(ROOT / "dev.sh"), "test", probe, "-p", "no:cacheprovider", "--durations=0"],
+        # One xdist worker: the controller and a worker stopped, as in a full run, without
+        # starting three more for the one probe.
+        [str(ROOT / "dev.sh"), "test", probe, "-n", "1", "-p", "no:cacheprovider", "--durations=0"],
         cwd=ROOT,
         env={**os.environ, PROBE: str(marker)},
         stdout=subprocess.PIPE,
