@@ -37,6 +37,9 @@ __all__ = [
 
 PREFECT = [sys.executable, "-m", "prefect"]
 _STOP_TIMEOUT_S = 20.0
+_SECOND_SIGTERM_S = 5.0
+"""When a process group still there after SIGTERM gets a second: Prefect's worker and server
+take the first as Ctrl-C (a worker waits for its flow runs) and the second as SIGKILL."""
 # PostgreSQL refuses to run as root; as root, the cluster runs as this user when it exists.
 _POSTGRES_USER = "postgres"
 _DEBIAN_PG_ROOT = Path("/usr/lib/postgresql")
@@ -254,17 +257,16 @@ class PrefectServer(StopsOnExit):
         raise RuntimeError((self.home / "server.log").read_text()[-3000:])
 
     def stop_started(self) -> None:
-        """End every process `start_process` started, with its process group (SIGTERM, then
-        SIGKILL after 20 s); the server goes on, for others to share."""
-        for process in self.others:
-            _end_group(process)
+        """End every process `start_process` started, with its process group, all at once
+        (`_end_groups`); the server goes on, for others to share."""
+        _end_groups(self.others)
         self.others = []
 
     def stop(self) -> None:
         """End every process `start_process` started, then the server, with their process
-        groups (SIGTERM, then SIGKILL after 20 s)."""
+        groups (`_end_groups`)."""
         self.stop_started()
-        _end_group(self.server)
+        _end_groups([self.server])
 
     def __enter__(self) -> Self:
         try:
@@ -275,11 +277,19 @@ class PrefectServer(StopsOnExit):
         return self
 
 
-def _end_group(process: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=_STOP_TIMEOUT_S)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def _end_groups(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process's group at once; a second SIGTERM to a group whose process is
+    still there after `_SECOND_SIGTERM_S`, SIGKILL after `_STOP_TIMEOUT_S` in all."""
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for signum, until in (
+        (signal.SIGTERM, time.monotonic() + _SECOND_SIGTERM_S),
+        (signal.SIGTERM, deadline),
+        (signal.SIGKILL, None),
+    ):
+        for process in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signum)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(None if until is None else max(0.0, until - time.monotonic()))
