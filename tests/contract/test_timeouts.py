@@ -95,6 +95,7 @@ async def test_invalid_timeout_is_a_value_error(sandbox: Sandbox) -> None:
     assert (result.status, result.outputs[0]["text"]) == ("ok", "no deadline\n")
 
 
+@pytest.mark.interrupt_grace(STOPPING_GRACE_S)
 async def test_timeout_in_a_worker_thread(backend: SandboxBackend, sandbox: Sandbox) -> None:
     def in_thread() -> tuple[str, float]:
         async def go() -> tuple[str, float]:
@@ -110,7 +111,7 @@ async def test_timeout_in_a_worker_thread(backend: SandboxBackend, sandbox: Sand
 
     status, elapsed = await asyncio.to_thread(in_thread)
     assert status == "timeout"
-    assert 0.5 <= elapsed < 0.5 + GRACE_S
+    assert 0.5 <= elapsed < 0.5 + STOPPING_GRACE_S
 
 
 async def test_an_awaiting_cell_stops_at_its_deadline_and_stays_stopped(sandbox: Sandbox) -> None:
