@@ -450,6 +450,27 @@ async def test_a_forked_child_stopped_at_its_cells_end_ends_with_a_restart() -> 
         await box.kill()
 
 
+async def test_a_kernel_slow_to_end_after_exit_is_reported_ended_until_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Beside two CPU burners a pooled kernel took over 5 s to end after exit(); the cell then
+    # returned as if it ran, and the next cell went to a kernel whose loop had stopped.
+    monkeypatch.setattr("prefect_sandbox.sandbox.backends.kernel.jupyter._EXIT_WAIT_S", 1.0)
+    box = await LocalKernelSandbox.create(LocalKernelConfig(isolation="none"))
+    try:
+        slow_exit = "import atexit, time; atexit.register(time.sleep, 20); exit()"
+        with pytest.raises(SandboxDiedError, match=r"called exit\(\).*not ended 1 s later"):
+            await box.run_cell(slow_exit, timeout_s=60)
+        assert _kernel_process(box).is_running()
+        with pytest.raises(SandboxDiedError, match="called exit"):
+            await box.run_cell("print('after')", timeout_s=60)
+        await box.restart()
+        result = await box.run_cell("print('fresh')", timeout_s=60)
+        assert stream_text(result.outputs) == "fresh\n"
+    finally:
+        await box.kill()
+
+
 async def test_a_tmpdir_too_long_for_ipc_sockets_is_named_in_a_sandbox_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

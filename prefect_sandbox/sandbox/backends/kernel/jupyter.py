@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 _LIVENESS_POLL_S = 0.5
-_EXIT_WAIT_S = 5.0
+_EXIT_WAIT_S = 30.0
 _HANDSHAKE_POLL_S = 0.2
 _REPLY_WAIT_S = 5.0
 # ipykernel publishes the idle status through its IOPub thread, its reply from the main thread:
@@ -271,6 +271,7 @@ class JupyterKernelSandbox(Sandbox):
         self._socket_owner = socket_owner
         self._client = _new_client(connection_file)
         self._ready = False
+        self._exit_called = False
         self._late: dict[str, OutputCollector] = {}
         cap = config.max_output_chars
         self._iopub_bytes_bound = (
@@ -334,6 +335,8 @@ class JupyterKernelSandbox(Sandbox):
 
     async def _prepare_cell(self) -> None:
         await self._check_alive()
+        if self._exit_called:
+            raise self._still_ending()
         if not self._ready:
             await self._handshake()
 
@@ -420,11 +423,28 @@ class JupyterKernelSandbox(Sandbox):
         return late
 
     async def _wait_for_exit(self) -> None:
-        """The cell called ``exit()``: wait for the kernel to end, then report it."""
+        """The cell called ``exit()``: wait for the kernel to end, then report it.
+
+        A kernel still running `_EXIT_WAIT_S` seconds later (a machine under load) is reported
+        as ended all the same: its event loop has stopped, so it takes no more cells, and only
+        `restart` gives a kernel again.
+
+        Raises:
+            SandboxDiedError: always, with the exit status once the process has ended.
+        """
+        self._exit_called = True
         deadline = time.monotonic() + _EXIT_WAIT_S
         while time.monotonic() < deadline:
             await self._check_alive("the cell called exit()")
             await asyncio.sleep(0.02)
+        raise self._still_ending()
+
+    def _still_ending(self) -> SandboxDiedError:
+        return SandboxDiedError(
+            f"kernel of sandbox {self._handle.sandbox_id} died (the cell called exit(), and "
+            f"its process had not ended {_EXIT_WAIT_S:g} s later); its state is lost",
+            sandbox_id=self._handle.sandbox_id,
+        )
 
     async def _poll_execute_reply(self, msg_id: str) -> dict[str, Any] | None:
         """The cell's ``execute_reply`` if it has arrived, without waiting; else None."""
@@ -529,6 +549,7 @@ class JupyterKernelSandbox(Sandbox):
         await self.close()
         self._client = _new_client(self._connection_file)
         self._ready = False
+        self._exit_called = False
         await self._handshake()
 
     async def close(self) -> None:
