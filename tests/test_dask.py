@@ -29,6 +29,7 @@ import psutil
 import pytest
 from distributed import Client, LocalCluster
 from distributed.comm.core import CommClosedError
+from distributed.core import Status
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -85,10 +86,12 @@ SECRET = "e2b_dask_secret_0123456789"
 
 
 class Workers:
-    """The module's cluster: its scheduler's address and each worker's address and pid."""
+    """The module's cluster: its client, its scheduler's address and each worker's address and
+    pid."""
 
-    def __init__(self, address: str, pids: dict[str, int]) -> None:
-        self.address = address
+    def __init__(self, client: Client, pids: dict[str, int]) -> None:
+        self.client = client
+        self.address = client.scheduler.address
         self.pids = pids
 
 
@@ -97,43 +100,77 @@ WORKER_START_S = 120
 default 30 s ran out once at load 5 ("Cluster closed without starting up"; 25 s at load 6)."""
 
 
+class Cluster:
+    """Two single-thread worker processes and a client of theirs; the client is not Dask's
+    default, so a sweep with ``task_runner="dask"`` starts its own cluster rather than queueing
+    behind these workers."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._local, self.client = self._start()
+
+    def _start(self) -> tuple[LocalCluster, Client]:
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(
+            dask.config.set({"distributed.comm.timeouts.connect": f"{WORKER_START_S}s"})
+        )
+        local = self._stack.enter_context(
+            LocalCluster(
+                n_workers=2,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                scheduler_kwargs={"dashboard_address": ":0"},
+            )
+        )
+        client = self._stack.enter_context(
+            Client(local, set_as_default=False, timeout=WORKER_START_S)
+        )
+        return local, client
+
+    def ready(self) -> Client:
+        """The client, once both workers run. Where a nanny has closed for good, the cluster
+        starts again whole: beside two CPU burners, a nanny restarting the worker a test had
+        killed closed as the new worker registered, and the next test waited 120 s for it."""
+        if any(nanny.status == Status.closed for nanny in self._local.workers.values()):
+            print("a nanny of the module's cluster closed; starting it again", file=sys.stderr)
+            self.close()
+            self._local, self.client = self._start()
+        self.client.wait_for_workers(2, timeout=WORKER_START_S)
+        return self.client
+
+    def close(self) -> None:
+        """Stop the client, the workers and the scheduler."""
+        self._stack.close()
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Client]:
-    """Two single-thread worker processes; the client is not Dask's default, so a sweep with
-    ``task_runner="dask"`` starts its own cluster rather than queueing behind these workers."""
-    with (
-        dask.config.set({"distributed.comm.timeouts.connect": f"{WORKER_START_S}s"}),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            scheduler_kwargs={"dashboard_address": ":0"},
-        ) as local,
-        Client(local, set_as_default=False, timeout=WORKER_START_S) as client,
-    ):
-        yield client
+def cluster() -> Iterator[Cluster]:
+    """The module's `Cluster`."""
+    started = Cluster()
+    yield started
+    started.close()
 
 
 @pytest.fixture
-def workers(cluster: Client) -> Iterator[Workers]:
+def workers(cluster: Cluster) -> Iterator[Workers]:
     """The module's cluster, idle: a test that ends with tasks still on a single-thread worker
     (one timed out, or a branch Dask cannot stop) has its workers restarted, or every later
     test's tasks would queue behind them. A worker an earlier test killed is back first (its
     nanny restarts it under a new address)."""
-    cluster.wait_for_workers(2, timeout=WORKER_START_S)
-    pids: dict[str, int] = cluster.run(os.getpid)
-    yield Workers(cluster.scheduler.address, pids)
+    client = cluster.ready()
+    pids: dict[str, int] = client.run(os.getpid)
+    yield Workers(client, pids)
     if gone := {address: pid for address, pid in pids.items() if not psutil.pid_exists(pid)}:
         # A worker that died unasked strands what was pinned to it; what Dask knows of why.
-        print(f"workers gone: {gone}; Dask's events: {cluster.get_events()}", file=sys.stderr)
-    if any(cluster.processing().values()):
+        print(f"workers gone: {gone}; Dask's events: {client.get_events()}", file=sys.stderr)
+    if any(client.processing().values()):
         # Where the left tasks stand, for the report of the test that left them.
         with contextlib.suppress(CommClosedError):
-            for worker, tasks in cluster.call_stack().items():
+            for worker, tasks in client.call_stack().items():
                 for key, frames in tasks.items():
                     print(f"left on {worker}: {key}\n{''.join(frames)}", file=sys.stderr)
-        cluster.restart(timeout=WORKER_START_S)
+        client.restart(timeout=WORKER_START_S)
 
 
 STAGE_WAIT_S = 120
@@ -571,7 +608,7 @@ async def test_a_cancelled_dask_sweep_kills_the_sandboxes_its_running_branches_h
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("vendor", ["e2b", "daytona", "local"])
 async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
-    cluster: Client, workers: Workers, tmp_path: Path, vendor: str, request: pytest.FixtureRequest
+    workers: Workers, tmp_path: Path, vendor: str, request: pytest.FixtureRequest
 ) -> None:
     """SIGKILL of the Dask worker running a branch mid-cell: Dask would run the branch again
     on another worker (its cells twice, its first flow run left Running with its sandbox
@@ -595,9 +632,7 @@ async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
             await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)  # into the cell
     async with asyncio.timeout(60):
-        while (
-            len(running := [address for address, keys in cluster.processing().items() if keys]) != 1
-        ):
+        while len(running := _busy_workers(workers.client)) != 1:
             await asyncio.sleep(0.1)
     os.kill(workers.pids[running[0]], signal.SIGKILL)
     with pytest.raises(SweepFailedError, match="Dask worker process running it died"):
@@ -618,6 +653,11 @@ async def test_a_branch_whose_worker_dies_is_ended_by_the_sweep_not_run_again(
         )
     assert run.state is not None and run.state.type == StateType.CRASHED
     assert [other.id for other in runs] == [run.id]
+
+
+def _busy_workers(client: Client) -> list[str]:
+    """The addresses of the workers holding tasks now."""
+    return [address for address, keys in client.processing().items() if keys]
 
 
 def _vendor_under_test(
