@@ -482,7 +482,7 @@ class E2BSandbox(Sandbox):
         self._dead = False
         self._last_count: int | None = None
         self._running: asyncio.Task[Any] | None = None
-        self._interrupted_at: float | None = None
+        self._interrupted = False
 
     @property
     def handle(self) -> SandboxHandle:
@@ -691,11 +691,17 @@ class E2BSandbox(Sandbox):
 
     async def _prepare_cell(self) -> None:
         self._check_alive()
-        if self._interrupted_at is not None:
+        if self._interrupted:
             # E2B interrupts late: a cell sent before it lands would be aborted, never answered.
-            settled_at = self._interrupted_at + self._config.interrupt_settle_s
-            self._interrupted_at = None
-            await asyncio.sleep(max(settled_at - time.monotonic(), 0.0))
+            # Probes tell when it has (beside two CPU burners it landed past a fixed 0.5 s); one
+            # still unanswered after the grace leaves the cell to its own deadline.
+            self._interrupted = False
+            with (
+                _translated("run_cell", sandbox_id=self._id, in_cell=True),
+                contextlib.suppress(TimeoutError),
+            ):
+                async with asyncio.timeout(self._config.interrupt_grace_s):
+                    await _probe_until_idle(self, await self._code_context())
         await self._extend_lifetime(in_cell=True)
 
     async def _start_cell(
@@ -874,12 +880,13 @@ class E2BSandbox(Sandbox):
         """Interrupt the cell this object is running, by closing its execute stream.
 
         E2B has no interrupt call: the code interpreter interrupts a cell whose client left,
-        late; the next cell is sent ``interrupt_settle_s`` after this call. A cell run through
-        another attachment is not reached.
+        late; the next cell is sent once a probe runs (``interrupt_settle_s`` after this call,
+        doubling), or ``interrupt_grace_s`` after it when none has. A cell run through another
+        attachment is not reached.
         """
         if self._running is not None:
             self._running.cancel()
-            self._interrupted_at = time.monotonic()
+            self._interrupted = True
 
     async def restart(self) -> None:
         """Restart the code context: same sandbox and files, variables and imports lost.
@@ -916,6 +923,33 @@ class E2BSandbox(Sandbox):
 
     async def close(self) -> None:
         """Nothing to release: the SDK's connections are pooled per event loop."""
+
+
+async def _probe_until_idle(sandbox: E2BSandbox, context: Any) -> Any:
+    """Send probes in ``context`` until one runs; returns its ``Execution``.
+
+    Each waits for the interrupt of the last closed stream to have landed. One unanswered
+    for as long as that wait was aborted by ipykernel (it came before the interrupt) or
+    queued behind a cell still running: it is closed, which interrupts again, and the next
+    waits twice as long. One that a late interrupt hit (``KeyboardInterrupt``) found the
+    kernel idle; another follows it. Runs until cancelled.
+    """
+    settle_s = sandbox._config.interrupt_settle_s
+    while True:
+        await asyncio.sleep(settle_s)
+        probe = asyncio.create_task(
+            sandbox._sdk.run_code(run_code("forget_cell", "main"), context=context, timeout=0)
+        )
+        try:
+            done, _ = await asyncio.wait({probe}, timeout=settle_s)
+        finally:
+            if not probe.done():
+                await cancel_and_wait(probe)
+        if done:
+            execution = probe.result()
+            if execution.error is None or execution.error.name != "KeyboardInterrupt":
+                return execution
+        settle_s *= 2
 
 
 class _E2BCell(RunningCell):
@@ -1005,35 +1039,7 @@ class _E2BCell(RunningCell):
     async def interrupt(self, attempt: int) -> None:
         self._execution.cancel()
         await asyncio.wait({self._execution})
-        self._probe = asyncio.create_task(self._probe_until_idle())
-
-    async def _probe_until_idle(self) -> Any:
-        """Send probes until one runs; returns its ``Execution``.
-
-        Each waits for the interrupt of the last closed stream to have landed. One unanswered
-        for as long as that wait was aborted by ipykernel (it came before the interrupt) or
-        queued behind a cell still running: it is closed, which interrupts again, and the next
-        waits twice as long. One that a late interrupt hit (``KeyboardInterrupt``) found the
-        kernel idle; another follows it. Runs until cancelled (`abandon`, at the grace's end).
-        """
-        settle_s = self._sandbox._config.interrupt_settle_s
-        while True:
-            await asyncio.sleep(settle_s)
-            probe = asyncio.create_task(
-                self._sandbox._sdk.run_code(
-                    run_code("forget_cell", "main"), context=self._context, timeout=0
-                )
-            )
-            try:
-                done, _ = await asyncio.wait({probe}, timeout=settle_s)
-            finally:
-                if not probe.done():
-                    await cancel_and_wait(probe)
-            if done:
-                execution = probe.result()
-                if execution.error is None or execution.error.name != "KeyboardInterrupt":
-                    return execution
-            settle_s *= 2
+        self._probe = asyncio.create_task(_probe_until_idle(self._sandbox, self._context))
 
     async def abandon(self) -> None:
         self._sandbox._running = None
