@@ -106,15 +106,14 @@ class Cluster:
     behind these workers."""
 
     def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
-        self._local, self.client = self._start()
+        self._start()
 
-    def _start(self) -> tuple[LocalCluster, Client]:
+    def _start(self) -> None:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(
             dask.config.set({"distributed.comm.timeouts.connect": f"{WORKER_START_S}s"})
         )
-        local = self._stack.enter_context(
+        self._local = self._stack.enter_context(
             LocalCluster(
                 n_workers=2,
                 threads_per_worker=1,
@@ -123,10 +122,9 @@ class Cluster:
                 scheduler_kwargs={"dashboard_address": ":0"},
             )
         )
-        client = self._stack.enter_context(
-            Client(local, set_as_default=False, timeout=WORKER_START_S)
+        self.client = self._stack.enter_context(
+            Client(self._local, set_as_default=False, timeout=WORKER_START_S)
         )
-        return local, client
 
     def ready(self) -> Client:
         """The client, once both workers run. Where a nanny has closed for good, the cluster
@@ -135,7 +133,7 @@ class Cluster:
         if any(nanny.status == Status.closed for nanny in self._local.workers.values()):
             print("a nanny of the module's cluster closed; starting it again", file=sys.stderr)
             self.close()
-            self._local, self.client = self._start()
+            self._start()
         self.client.wait_for_workers(2, timeout=WORKER_START_S)
         return self.client
 
