@@ -6,6 +6,7 @@ told or once idle, and a failed start names the fix. Real servers, each test in 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import nbformat
 import psutil
 import pytest
 
-from prefect_sandbox.local_server import LocalServer, configured_api_url
+from prefect_sandbox.local_server import LocalServer, ServerState, configured_api_url
 from prefect_sandbox.local_server.serve import Activity
 from tests.conftest import SUBPROCESS_TEST_TIMEOUT_S, local_servers_under
 
@@ -142,6 +143,28 @@ def test_two_concurrent_first_runs_share_one_server(home: Path, tmp_path: Path) 
     pid = _state(home)["pid"]
     assert all(f"pid {pid}, answering" in output for output in outputs), outputs
     assert [p.pid for p in local_servers_under(home)] == [pid]
+
+
+def test_the_state_names_its_server_by_pid_and_start_time_not_by_command_line(
+    home: Path,
+) -> None:
+    # A server's /proc/PID/cmdline reads empty for a while after Popen returned (its exec has
+    # not set up its arguments yet); judged by it, a second run beside two CPU burners took the
+    # first's new server for dead and started another on the same database.
+    server = LocalServer(home)
+    server.folder.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        ticks = int(Path(f"/proc/{other.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        state = ServerState(other.pid, 1, time.time(), None, pid_started=ticks)
+        server.write_state(state)
+        assert server.running() == state
+        server.write_state(dataclasses.replace(state, pid_started=ticks - 1))  # a reused pid
+        assert server.running() is None
+    finally:
+        server.state_path.unlink()
+        other.kill()
+        other.wait()
 
 
 def test_the_server_stops_itself_once_idle(home: Path, tmp_path: Path) -> None:

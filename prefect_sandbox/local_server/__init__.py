@@ -72,12 +72,16 @@ class ServerState:
         port: the TCP port it listens on, on 127.0.0.1.
         started_at: when it was started, seconds since the epoch.
         idle_stop_s: seconds without use after which it stops itself; None: never.
+        pid_started: when the process started, in clock ticks since boot (``/proc/PID/stat``'s
+            22nd field); with ``pid`` it names the process, as a reused pid has another.
+            None where ``/proc`` cannot be read.
     """
 
     pid: int
     port: int
     started_at: float
     idle_stop_s: float | None
+    pid_started: int | None = None
 
     @property
     def url(self) -> str:
@@ -205,7 +209,7 @@ class LocalServer:
     def running(self) -> ServerState | None:
         """The state of the server that runs now: its process alive and ours; None else."""
         state = self.read_state()
-        if state is None or not _is_our_server(state.pid):
+        if state is None or not _is_our_server(state):
             return None
         return state
 
@@ -274,7 +278,7 @@ class LocalServer:
         finally:
             listener.close()
         _children.append(process)
-        state = ServerState(process.pid, port, time.time(), idle_stop_s)
+        state = ServerState(process.pid, port, time.time(), idle_stop_s, _start_ticks(process.pid))
         self.write_state(state)
         self.last_port_path.write_text(str(port))
         return state
@@ -387,16 +391,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_our_server(pid: int) -> bool:
-    """Whether ``pid`` is a live local server process (its command line is checked where
-    ``/proc`` tells it, so a reused pid is not taken for the server)."""
-    if not _alive(pid):
-        return False
+def _is_our_server(state: ServerState) -> bool:
+    """Whether the server ``state`` names still runs: its pid alive and started when the state
+    says (a reused pid is not taken for it). Its command line would not do: ``/proc/PID/cmdline``
+    reads empty until the new program has set up its arguments, some time after ``Popen``
+    returned, so a second run could start a second server (seen beside two CPU burners)."""
+    return _alive(state.pid) and _start_ticks(state.pid) == state.pid_started
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot, from ``/proc``; None where that
+    cannot be read."""
     try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc here: trust the state file
-    return b"prefect_sandbox.local_server.serve" in command
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _stall_limit_s(blind: bool) -> float:
