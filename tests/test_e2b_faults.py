@@ -57,6 +57,24 @@ def _requests(emulator: E2BEmulator, operation: str, since: float) -> list[float
     return [r.at for r in emulator.requests if r.operation == operation and r.at >= since]
 
 
+async def test_a_create_whose_answer_is_lost_is_sent_again_and_gives_the_sandbox_it_made(
+    e2b_emulator: E2BEmulator, e2b_backend: E2BBackend, labels: dict[str, str]
+) -> None:
+    # The SDK retries neither a lost answer nor a pooled connection reset under the request
+    # (seen: "Connection reset by peer" on a create beside a busy suite).
+    start = time.monotonic()
+    e2b_emulator.inject(Fault("create", drop=True))
+    sandbox = await e2b_backend.create(labels)
+    try:
+        assert e2b_emulator.sandbox_ids(labels) == [sandbox.handle.sandbox_id]
+        tries = [r for r in e2b_emulator.requests if r.operation == "create" and r.at >= start]
+        assert len(tries) == 2
+        assert len({r.headers["idempotency-key"] for r in tries}) == 1
+        assert (await sandbox.run_cell("print('one')")).status == "ok"
+    finally:
+        await sandbox.kill()
+
+
 async def test_file_call_that_stays_rate_limited_gives_up_with_429(
     e2b_emulator: E2BEmulator, box: E2BSandbox, tmp_path: Path
 ) -> None:

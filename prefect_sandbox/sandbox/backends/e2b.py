@@ -203,7 +203,8 @@ class E2BConfig(SandboxConfig):
         allow_internet_access: False to cut the sandbox off the internet; None for the default.
         workdir: the working directory inside the sandbox; made if missing.
         request_retries: retries of an idempotent file or context call that met a transient
-            error (retries after the first try, as Prefect's ``retries``).
+            error, and of a create that got no answer (retries after the first try, as
+            Prefect's ``retries``).
         retry_backoff_s: the first wait between those retries, doubled each time (see
             `prefect_sandbox.sandbox.retries`).
         interrupt_settle_s: seconds from closing a timed-out cell's stream to the probe that
@@ -429,16 +430,24 @@ async def _retrying(
     operation: str,
     call: Callable[[], Awaitable[T]],
     *,
-    sandbox_id: str,
+    sandbox_id: str | None,
     path: str | None = None,
     in_cell: bool = False,
+    unanswered_only: bool = False,
 ) -> T:
     """Run an idempotent call, retrying transient errors ``config.request_retries`` times with
     `async_retrying`'s backoff from ``config.retry_backoff_s``; errors translated as
-    `_translated` does."""
+    `_translated` does. ``unanswered_only``: retry only a call that got no answer (a transport
+    error: the SDK retries the HTTP statuses it deems transient itself)."""
+
+    def transient(error: BaseException) -> bool:
+        return isinstance(error, SandboxUnavailableError) and not (
+            unanswered_only and error.status_code is not None
+        )
+
     retrying = async_retrying(
         attempts=config.request_retries + 1,
-        retry_if=lambda error: isinstance(error, SandboxUnavailableError),
+        retry_if=transient,
         first_delay_s=config.retry_backoff_s,
         what=f"E2B {operation}",
     )
@@ -512,16 +521,24 @@ class E2BSandbox(Sandbox):
         """
         client = config.new_client()
         metadata = {**config.metadata, **(labels or {})}
-        # The key makes a create that the SDK retries after a lost answer return the same sandbox.
-        with _translated("create"):
-            sdk_sandbox = await client.AsyncSandbox.create(
+        # One key for every try: a create sent again after a lost answer, or after a pooled
+        # connection was reset under it (neither of which the SDK retries), returns the sandbox
+        # the first made, if it made one.
+        idempotency_key = uuid.uuid4().hex
+        sdk_sandbox = await _retrying(
+            config,
+            "create",
+            lambda: client.AsyncSandbox.create(
                 template=config.template,
                 timeout=config.lifetime_s,
                 metadata=metadata,
                 envs=dict(config.env),
                 allow_internet_access=config.allow_internet_access,
-                idempotency_key=uuid.uuid4().hex,
-            )
+                idempotency_key=idempotency_key,
+            ),
+            sandbox_id=None,
+            unanswered_only=True,
+        )
         handle = SandboxHandle(
             backend=BACKEND_SLUG,
             sandbox_id=sdk_sandbox.sandbox_id,
