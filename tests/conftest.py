@@ -54,22 +54,30 @@ ast.parse = functools.partial(retry_ast_race, ast.parse)
 
 
 LONGEST_MODULES_FIRST = (
-    "test_limits.py",
-    "test_emulator_faults.py",
     "test_deployments.py",
-    "test_flows.py",
+    "test_emulator_faults.py",
+    "contract/test_session.py",
+    "test_isolation.py",
+    "test_interrupts.py",
     "test_sweep.py",
     "contract/test_timeouts.py",
-    "test_interrupts.py",
-    "test_isolation.py",
+    "test_limits.py",
+    "test_flows.py",
+    "test_docs_snippets.py",
     "test_local_server.py",
     "test_cli.py",
-    "contract/test_session.py",
+    "test_agent_clients.py",
+    "test_dev_sh.py",
     "test_dask.py",
+    "test_session.py",
+    "contract/test_fidelity.py",
+    "test_local_sandbox.py",
 )
-"""The modules that take longest (their tests' time on 4 workers, 2026-12-05: 98-177 s each),
-longest first: pytest-xdist's ``loadscope`` hands modules out in collection order, and one of
-them started last would leave the other workers idle at the end."""
+"""The modules that take longest (their tests' time on 6 workers, 2026-12-06: 122-325 s each),
+longest first: pytest-xdist's ``loadscope`` hands modules out in collection order (with
+``--no-loadscope-reorder``: by default it hands out the modules with most tests first, which
+started test_deployments, 7 tests and 325 s, at 550 s of 875), and one of them started last
+would leave the other workers idle at the end."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -289,7 +297,7 @@ def python_stdout(
 
 
 SUITE_LOAD_PER_CORE = 4.0
-"""The load per core the suite makes of itself (two xdist workers per core; up to 4 seen), at
+"""The load per core the suite makes of itself (three xdist workers per core; 4-4.6 seen), at
 which the flow timeouts here leave room enough for a sandbox to start."""
 
 
