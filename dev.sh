@@ -1,7 +1,7 @@
 #!/bin/sh
 # Set-up and everyday commands. Needs only Python 3.11+ with venv and pip.
 #   ./dev.sh main    run the main job: the CO2 forecast notebook on a local kernel
-#   ./dev.sh test    run the test suite, on three pytest-xdist workers per core (-n 0: in one process)
+#   ./dev.sh test    run the test suite, on two pytest-xdist workers per core (-n 0: in one process)
 #   ./dev.sh lint    mypy and ruff
 #   ./dev.sh docs    build the documentation site into site/ (strict: a broken link fails)
 #   ./dev.sh bench   slow scale tests, then benchmarks (bench/README.md)
@@ -95,8 +95,9 @@ setup() {
     fi
 }
 
-# pytest-xdist's options for `test`: three workers per core (the tests mostly wait on kernels,
-# servers and subprocesses: on 2 cores, 2 workers kept them 52% busy, 4 workers 74%), each taking
+# pytest-xdist's options for `test`: two workers per core (the tests mostly wait on kernels,
+# servers and subprocesses: on 2 cores, 2 workers kept them 52% busy, 4 workers 74%; 6 workers
+# beside two CPU burners took longer, 1722 s, and failed 11 timing checks), each taking
 # a test module at a time (so a module's fixtures are made once) in collection order, where
 # tests/conftest.py puts the longest first, unless the arguments already say how many workers
 # (-n 0: none).
@@ -108,7 +109,7 @@ workers() {
                 ;;
         esac
     done
-    echo "-n $((3 * $(nproc))) --dist loadscope --no-loadscope-reorder"
+    echo "-n $((2 * $(nproc))) --dist loadscope --no-loadscope-reorder"
 }
 
 command="${1:-}"

@@ -73,7 +73,7 @@ LONGEST_MODULES_FIRST = (
     "contract/test_fidelity.py",
     "test_local_sandbox.py",
 )
-"""The modules that take longest (their tests' time on 6 workers, 2026-12-06: 122-325 s each),
+"""The modules that take longest (their tests' time on six workers, 2026-12-06: 122-325 s each),
 longest first: pytest-xdist's ``loadscope`` hands modules out in collection order (with
 ``--no-loadscope-reorder``: by default it hands out the modules with most tests first, which
 started test_deployments, 7 tests and 325 s, at 550 s of 875), and one of them started last
@@ -297,7 +297,7 @@ def python_stdout(
 
 
 SUITE_LOAD_PER_CORE = 4.0
-"""The load per core the suite makes of itself (three xdist workers per core; 4-4.6 seen), at
+"""The load per core the suite makes of itself (two xdist workers per core; up to 4 seen), at
 which the flow timeouts here leave room enough for a sandbox to start."""
 
 
