@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import docker
@@ -50,3 +52,70 @@ def test_image_has_the_kernel_and_the_examples_libraries(docker_image: str) -> N
         remove=True,
     )
     assert output == b"ok\n"
+
+
+# A session with the plugin whose daemon and build are stand-ins: the build takes 3 s.
+_SLOW_BUILD_CONFTEST = """
+import time
+from pathlib import Path
+
+import prefect_sandbox.testing.docker_fixtures as plugin
+
+class Daemon:
+    client = None
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc_info):
+        pass
+
+def build(client):
+    time.sleep(3)
+    Path("built").write_text(str(time.time()))
+    return "kernel:test"
+
+plugin.DockerDaemon = Daemon
+plugin.build_test_image = build
+"""
+
+_TESTS = """
+import time
+from pathlib import Path
+
+import pytest
+
+def test_a_plain_test_runs_during_the_build():
+    Path("plain").write_text(str(time.time()))
+
+@pytest.mark.docker
+@pytest.mark.timeout(1)
+def test_a_docker_test_waits_for_the_build_outside_its_timeout(docker_image):
+    assert docker_image == "kernel:test"
+"""
+
+
+def test_the_image_builds_while_other_tests_run_and_a_docker_test_waits_outside_its_timeout(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "conftest.py").write_text(_SLOW_BUILD_CONFTEST)
+    (tmp_path / "test_plugin.py").write_text(_TESTS)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "prefect_sandbox.testing.docker_fixtures",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "test_plugin.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    assert float((tmp_path / "plain").read_text()) < float((tmp_path / "built").read_text())

@@ -2,9 +2,10 @@
 
 Use it with ``pytest_plugins = ["prefect_sandbox.testing.docker_fixtures"]``. When the
 collected tests include one marked ``docker`` (or using the ``docker_image`` fixture), the
-daemon is started if none answers and the image is built if missing, once, after collection:
-outside any test's timeout, since a first build takes minutes. A daemon started here is stopped
-at the end of the session.
+daemon is started if none answers and the image is built if missing, once, in a thread started
+after collection: other tests run meanwhile (a first build takes a minute or more, on every fresh
+CI machine), and a Docker test waits for it before its timeout starts. A daemon started here is
+stopped at the end of the session.
 
 Where Docker cannot run, those tests skip with the reason; with ``PREFECT_SANDBOX_REQUIRE_DOCKER=1``
 (CI sets it) they fail instead, so a machine that should run them never passes silently.
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -33,6 +35,12 @@ class _DockerState:
         self.daemon: DockerDaemon | None = None
         self.image: str | None = None
         self.problem: str | None = None
+        self.setting_up: threading.Thread | None = None
+
+    def wait(self) -> None:
+        """Wait until the daemon and image are set up, or known not to be."""
+        if self.setting_up is not None:
+            self.setting_up.join()
 
 
 _STATE_KEY = pytest.StashKey[_DockerState]()
@@ -53,6 +61,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(_wants_docker(item) for item in session.items):
         return
     state = session.config.stash[_STATE_KEY]
+    state.setting_up = threading.Thread(
+        target=_set_up, args=(state,), name="prefect-sandbox-docker-set-up", daemon=True
+    )
+    state.setting_up.start()
+
+
+def _set_up(state: _DockerState) -> None:
+    """Start or join the daemon and build the image, recording either or why not (a thread)."""
     daemon = DockerDaemon()
     try:
         daemon.__enter__()
@@ -73,9 +89,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         state.problem = f"the test kernel image cannot be built: {exc}"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    # Outside pytest-timeout's wrapper, whose timer starts with the test's set-up: the wait for
+    # a first build is not the test's time.
+    if _wants_docker(item):
+        item.config.stash[_STATE_KEY].wait()
+    return (yield)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE_KEY, None)
-    if state is not None and state.daemon is not None:
+    if state is None:
+        return
+    state.wait()
+    if state.daemon is not None:
         state.daemon.__exit__(None, None, None)
 
 
@@ -87,6 +115,7 @@ def docker_image(request: pytest.FixtureRequest) -> Iterator[str]:
     is set.
     """
     state = request.config.stash[_STATE_KEY]
+    state.wait()
     if state.image is None:
         reason = f"Docker cannot run here: {state.problem or 'not set up'}"
         if os.environ.get(REQUIRE_VARIABLE):
