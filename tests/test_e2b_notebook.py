@@ -20,7 +20,7 @@ from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.sandbox.notebook import WIDGET_STATE_MIME, ExecutedNotebook
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import stream_text
-from tests.contract.test_execution import START_THREAD
+from tests.contract.test_execution import RELEASE_THREAD, START_THREAD, START_WAITING_THREAD
 
 LABELS = {"prefect-sandbox": "true", "suite": "e2b-notebook"}
 TEMPLATE_IPYKERNEL = "6.31.0"  # what e2b-dev/code-interpreter's template/requirements.txt pins
@@ -225,8 +225,8 @@ async def test_on_the_templates_ipykernel_a_threads_output_is_kept_as_on_local(
         assert version.outputs[0]["data"]["text/plain"] == repr(TEMPLATE_IPYKERNEL)
         start_thread = START_THREAD
         # Printed while a later cell runs: in that cell, as ipykernel 7 and local give it.
-        await sandbox.run_cell(start_thread.format(text="during next", delay=0.2))
-        during = await sandbox.run_cell("import time; time.sleep(0.8); print('cell two')")
+        await sandbox.run_cell(START_WAITING_THREAD.format(text="during next"))
+        during = await sandbox.run_cell(RELEASE_THREAD + "print('cell two')")
         assert stream_text(during.outputs) == "during next\ncell two\n"
         # Printed while no cell runs: the server drops it (it owns no running execution).
         first = await sandbox.run_cell(start_thread.format(text="between cells", delay=0.2))

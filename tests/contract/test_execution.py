@@ -198,6 +198,21 @@ START_THREAD = (
 )
 """A cell that starts a thread printing ``text`` after ``delay`` seconds (``str.format``)."""
 
+START_WAITING_THREAD = (
+    "import threading\n"
+    "release = threading.Event()\n"
+    "def later(text):\n"
+    "    release.wait()\n"
+    "    print(text, flush=True)\n"
+    "printer = threading.Thread(target=later, args=({text!r},))\n"
+    "printer.start()\n"
+    "print('started')"
+)
+"""A cell that starts a thread printing ``text`` once a later cell begins with `RELEASE_THREAD`:
+printed during that cell however late it starts (a fixed delay raced the next cell under load)."""
+
+RELEASE_THREAD = "release.set(); printer.join()\n"
+
 
 async def test_background_thread_output_is_recorded_once(sandbox: Sandbox) -> None:
     start_thread = START_THREAD
@@ -215,8 +230,8 @@ async def test_background_thread_output_is_recorded_once(sandbox: Sandbox) -> No
         assert stream_text(late[first.msg_id]) == "between cells\n"
     assert await sandbox.take_late_outputs() == {}
     # Printed while a later cell runs: the kernel tags it with that cell, where it is kept.
-    await sandbox.run_cell(start_thread.format(text="during next", delay=0.2))
-    third = await sandbox.run_cell("import time; time.sleep(0.8); print('cell four')")
+    await sandbox.run_cell(START_WAITING_THREAD.format(text="during next"))
+    third = await sandbox.run_cell(RELEASE_THREAD + "print('cell four')")
     assert stream_text(third.outputs) == "during next\ncell four\n"
     assert await sandbox.take_late_outputs() == {}
 
