@@ -302,13 +302,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _deploy(args)
     if args.json and not args.verbose:
         args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
+    _signals_received.clear()
     previous = {signum: signal.signal(signum, _interrupt) for signum in _STOP_SIGNALS}
     try:
         return _run_command(args)
     except _Interrupted as exc:
-        name = signal.Signals(exc.signum).name
-        print(f"prefect-sandbox: interrupted by {name} before the flow run began", file=sys.stderr)
-        return 128 + exc.signum
+        return _interrupted_before_the_flow_run(exc.signum)
+    except Exception:
+        # A library our handler's raise went through may hand it on as an error of its own
+        # (pydantic wraps one raised in a serializer: Prefect's settings, as it is imported).
+        if not _signals_received:
+            raise
+        return _interrupted_before_the_flow_run(_signals_received[0])
     finally:
         # As the command (argv None), Prefect's exit may follow (its log and event workers
         # draining): a signal then ends the process at once, with the status a shell expects.
@@ -329,8 +334,22 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
+_signals_received: list[int] = []
+"""The signals `_interrupt` took, first first: what ended the command even where the exception
+it raised was caught or changed on its way out."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _signals_received.append(signum)
     raise _Interrupted(signum)
+
+
+def _interrupted_before_the_flow_run(signum: int) -> int:
+    """End the kernel started ahead, say why the command ends; its exit status."""
+    _end_kernel_started_ahead()
+    name = signal.Signals(signum).name
+    print(f"prefect-sandbox: interrupted by {name} before the flow run began", file=sys.stderr)
+    return 128 + signum
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
@@ -371,6 +390,8 @@ def _run_command(args: argparse.Namespace) -> int:
         return _usage_error(str(exc))
     # Before Prefect is imported (seconds): a local server that must start overlaps it.
     args.local_server = _early_local_server(settings.local_server, args.quiet)
+    if args.command == "run" and not args.backend_block:
+        _start_local_kernel_ahead(args.backend, settings.backend_block)
     from prefect_sandbox.flows.errors import GridError
 
     parameters: dict[str, Any] = {}
@@ -394,6 +415,8 @@ def _run_command(args: argparse.Namespace) -> int:
         _quiet_prefect_console(logging.WARNING)
     from prefect_sandbox.flows.stopping import SignalStop
 
+    if _signals_received:  # raised, and swallowed on the way
+        raise _Interrupted(_signals_received[0])
     stop = SignalStop(on_signal=_quiet_prefect_console)
     with _stdout_to_stderr(args.json), stop as stopper, _console_filter(args):
         outcome = _run_flow(args, parameters, grid, stopper)
@@ -866,6 +889,29 @@ def _early_local_server(mode: str, quiet: bool) -> ServerState | None:
             f"{server.log_path})"
         )
     return state
+
+
+def _start_local_kernel_ahead(backend: str | None, backend_block: str | None) -> None:
+    """Start the run's local kernel now, while Prefect is still being imported and the flow run
+    created (most of a second), when the run will use the default local backend: ``--backend
+    local``, or no ``--backend`` and no ``PREFECT_SANDBOX_BACKEND_BLOCK``. Its create takes it
+    (`LocalKernelBackend.start_kernel_ahead`)."""
+    if backend not in (None, "local") or (backend is None and backend_block is not None):
+        return
+    from prefect_sandbox.blocks.local import LocalKernelBackend
+
+    LocalKernelBackend().start_kernel_ahead()
+
+
+def _end_kernel_started_ahead() -> None:
+    """End the kernel `_start_local_kernel_ahead` started, if it has started, without the exit's
+    wait for one still starting: a signal ends the command within a second or two. One still
+    starting dies with this process (as every local kernel does), and the next run that starts
+    one sweeps its folders (`kill_orphaned_pool_kernels`)."""
+    if "prefect_sandbox.sandbox.backends.kernel.warm_pool" in sys.modules:
+        from prefect_sandbox.sandbox.backends.kernel.warm_pool import close_warm_pools
+
+        close_warm_pools(timeout_s=0)
 
 
 def _local_server_problem(args: argparse.Namespace) -> str | None:

@@ -638,6 +638,34 @@ def test_a_run_on_a_terminal_draws_a_progress_bar(tmp_path: Path) -> None:
     assert "Stored 1 file(s) and summary.json in " in shown
 
 
+def test_a_signal_whose_exception_a_library_wraps_still_ends_the_run_as_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM while pydantic serializes (as Prefect's settings are, while it is imported):
+    the handler's exception comes out as pydantic's own error, and is still the signal's."""
+    import signal
+
+    import pydantic
+
+    from prefect_sandbox import cli
+
+    class Settings(pydantic.BaseModel):
+        @pydantic.model_serializer(mode="wrap")
+        def _serialize(self, handler: pydantic.SerializerFunctionWrapHandler) -> object:
+            signal.raise_signal(signal.SIGTERM)
+            return handler(self)
+
+    def serializing(mode: str, quiet: bool) -> None:
+        Settings().model_dump()
+
+    monkeypatch.setattr(cli, "_early_local_server", serializing)
+    notebook = _notebook(tmp_path / "two.ipynb")
+    assert cli.main(["run", str(notebook)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "prefect-sandbox: interrupted by SIGTERM before the flow run began"
+    )
+
+
 def test_main_called_as_a_function_gives_the_callers_signal_handlers_back(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

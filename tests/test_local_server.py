@@ -6,6 +6,7 @@ told or once idle, and a failed start names the fix. Real servers, each test in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -229,6 +230,53 @@ def test_sigterm_during_start_up_ends_the_cli_within_2_s_with_143_and_nothing_le
         assert stderr.strip().splitlines()[-1] == (
             "prefect-sandbox: interrupted by SIGTERM before the flow run began"
         )
+
+
+def test_a_signal_while_the_kernel_started_ahead_starts_ends_the_cli_and_the_kernel(
+    home: Path, tmp_path: Path
+) -> None:
+    """SIGTERM as soon as the kernel the CLI starts ahead (while it imports Prefect) is there:
+    the CLI still ends within 2 s with 143, and the kernel ends too."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect_sandbox.cli", "run", str(_notebook(tmp_path))],
+        env=_env(home), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        kernels = _kernels_of(process.pid, timeout_s=60)
+    finally:
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    took_s = time.monotonic() - sent
+    assert process.returncode == 143, stderr
+    assert took_s < 2, f"took {took_s:.1f} s"
+    deadline = time.monotonic() + 10
+    while any(map(_alive, kernels)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [kernel for kernel in kernels if _alive(kernel)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kernels_of(pid: int, timeout_s: float) -> list[psutil.Process]:
+    """The ipykernel processes under process ``pid``, once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = []
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "ipykernel" in " ".join(child.cmdline()):
+                    found.append(child)
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"no kernel under the CLI after {timeout_s} s")
 
 
 def _session_of(pid: int) -> int | None:

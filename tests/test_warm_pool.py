@@ -1,4 +1,5 @@
-"""The local backend's warm pool: ready kernels handed out once each, as fresh as cold ones.
+"""The local backend's warm pool and its kernel started ahead: ready kernels handed out once
+each, as fresh as cold ones.
 
 How fast a pooled create is, is measured by bench/bench_warm_pool.py, not asserted here.
 """
@@ -475,3 +476,55 @@ async def test_a_flow_run_takes_a_pooled_kernel_and_kills_it_after(tmp_path: Pat
     await backend.fill_warm_pool(timeout_s=60)
     (refilled,) = await backend.list_sandboxes(OWNER)
     assert refilled.sandbox_id != pooled.sandbox_id
+
+
+# --- a kernel started ahead (the command line's, while it imports Prefect) ---------------------
+
+
+async def _idle_kernels(backend: LocalKernelBackend, count: int) -> list[SandboxHandle]:
+    """This process's idle (pooled or started-ahead) kernels, once ``count`` are there."""
+    deadline = time.monotonic() + 60
+    while len(idle := await backend.list_sandboxes(OWNER)) < count:
+        assert time.monotonic() < deadline, f"{len(idle)} of {count} kernels started"
+        await asyncio.sleep(0.1)
+    return idle
+
+
+async def test_a_kernel_started_ahead_is_taken_once_by_a_create_of_its_settings() -> None:
+    backend = LocalKernelBackend(isolation="none")
+    backend.start_kernel_ahead()
+    backend.start_kernel_ahead()  # the second does nothing
+    (ahead,) = await _idle_kernels(backend, 1)
+    other = await LocalKernelBackend(isolation="none", env={"SEED": "2"}).create({"run": "other"})
+    try:
+        assert other.handle.sandbox_id != ahead.sandbox_id
+    finally:
+        await other.kill()
+    run = flow_run_labels(str(uuid.uuid4()), "first")
+    box = await backend.create(run)
+    try:
+        assert box.handle.sandbox_id == ahead.sandbox_id
+        assert box.handle.labels == run
+        assert (await box.run_cell("1 + 1")).outputs[0]["data"] == {"text/plain": "2"}
+        # Not refilled: the next create starts its own kernel, and none is left idle.
+        again = await backend.create({"run": "second"})
+        await again.kill()
+        assert again.handle.sandbox_id != ahead.sandbox_id
+        assert await backend.list_sandboxes(OWNER) == []
+    finally:
+        await box.kill()
+
+
+async def test_a_kernel_started_ahead_and_never_taken_ends_with_its_process() -> None:
+    script = textwrap.dedent(
+        """
+        import time
+        from prefect_sandbox import LocalKernelBackend
+
+        LocalKernelBackend().start_kernel_ahead()
+        time.sleep(0.2)  # the kernel is starting as the process exits
+        """
+    )
+    owner = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    assert await asyncio.wait_for(owner.wait(), 60) == 0
+    assert await LocalKernelBackend().list_sandboxes({POOL_OWNER_LABEL: str(owner.pid)}) == []

@@ -180,6 +180,14 @@ class LocalKernelBackend(SandboxBackend):
         """
         return await LocalKernelSandbox.fill_warm_pool(self._config(), timeout_s)
 
+    def start_kernel_ahead(self) -> None:
+        """Start the kernel of this process's next `create` with this block's settings now, in
+        the background (`LocalKernelSandbox.start_ahead`), for a process with other work to do
+        first; that `create` takes it. Nothing when ``max_live_sandboxes`` is set (a kernel
+        must not be live before its slot) or ``warm_pool_size`` is (the pool serves)."""
+        if self.max_live_sandboxes is None:
+            LocalKernelSandbox.start_ahead(self._config())
+
     def _config(self) -> LocalKernelConfig:
         return LocalKernelConfig(
             **self._common_settings(),

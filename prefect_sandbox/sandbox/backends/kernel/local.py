@@ -67,7 +67,7 @@ from prefect_sandbox.sandbox.backends.kernel.jupyter import (
     write_ipython_startup,
 )
 from prefect_sandbox.sandbox.backends.kernel.uids import DEFAULT_UID_RANGE, claim_uid, release_uid
-from prefect_sandbox.sandbox.backends.kernel.warm_pool import WarmPool, warm_pool
+from prefect_sandbox.sandbox.backends.kernel.warm_pool import WarmPool, found_warm_pool, warm_pool
 from prefect_sandbox.sandbox.base import KernelInfo, SandboxHandle, is_python_language
 from prefect_sandbox.sandbox.errors import (
     SandboxError,
@@ -220,7 +220,8 @@ class LocalKernelSandbox(JupyterKernelSandbox):
 
         With ``config.warm_pool_size``, take a ready kernel of the same settings from this
         process's warm pool instead (it gets ``labels`` in place of the pool's), and refill
-        the pool in the background; start one only when none is ready.
+        the pool in the background; start one only when none is ready. Without, take the
+        kernel `start_ahead` started for the same settings, if there is one.
 
         Args:
             config: the sandbox settings.
@@ -237,20 +238,19 @@ class LocalKernelSandbox(JupyterKernelSandbox):
                 kernel's IPC socket paths.
         """
         if not config.warm_pool_size:
+            started = await _kernel_started_ahead(config)
+            if started is not None:
+                sandbox = await cls._handed_out_or_none(started, config, labels)
+                if sandbox is not None:
+                    logger.debug("Took kernel %s, started ahead", sandbox.handle.sandbox_id)
+                    return sandbox
             return await cls._start(config, labels)
         pool = _warm_pool(cls, config)
         while (handle := pool.take()) is not None:
-            try:
-                sandbox = await cls._hand_out(handle, config, labels)
-            except Exception:
-                logger.warning(
-                    "Warm pool: kernel %s failed as it was handed out (ended); trying another",
-                    handle.sandbox_id,
-                    exc_info=True,
-                )
-                continue
-            pool.refill()
-            return sandbox
+            sandbox = await cls._handed_out_or_none(handle, config, labels)
+            if sandbox is not None:
+                pool.refill()
+                return sandbox
         # The first create, or one that drained the pool: a cold start, then the refill, so
         # that the two do not compete for the CPU.
         sandbox = await cls._start(config, labels)
@@ -280,6 +280,39 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         pool.refill()
         await asyncio.to_thread(pool.wait_full, timeout_s)
         return len(pool.idle)
+
+    @classmethod
+    def start_ahead(cls, config: LocalKernelConfig) -> None:
+        """Start one kernel of ``config`` in a background thread, for this process's next
+        `create` of the same settings: a warm pool of one that is not refilled.
+
+        For a process that knows it will create one sandbox and has other work first (the
+        command line imports Prefect and creates the flow run meanwhile). That `create` waits
+        for the kernel if it is still starting; with other settings, or if it failed to start,
+        `create` starts one as without it. Unused, it is ended at the process's exit. A second
+        call for the same settings does nothing. A no-op when ``config.warm_pool_size`` is set
+        (the warm pool serves instead).
+        """
+        if config.warm_pool_size:
+            return
+        pool, made = warm_pool(_ahead_key(config), functools.partial(_one_ahead, cls, config))
+        if made:
+            pool.refill()
+
+    @classmethod
+    async def _handed_out_or_none(
+        cls, handle: SandboxHandle, config: LocalKernelConfig, labels: Mapping[str, str] | None
+    ) -> LocalKernelSandbox | None:
+        """`_hand_out`, or None (logged; the kernel ended) if the kernel fails as it is."""
+        try:
+            return await cls._hand_out(handle, config, labels)
+        except Exception:
+            logger.warning(
+                "Kernel %s, started ahead, failed as it was handed out (ended); not using it",
+                handle.sandbox_id,
+                exc_info=True,
+            )
+            return None
 
     @classmethod
     async def _hand_out(
@@ -601,6 +634,29 @@ def _warm_pool(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> Warm
 
     pool, _ = warm_pool(_pool_key(config), make)
     return pool
+
+
+def _ahead_key(config: LocalKernelConfig) -> tuple[object, ...]:
+    return ("started ahead", _pool_key(config))
+
+
+def _one_ahead(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> WarmPool:
+    return WarmPool(
+        1,
+        start=lambda: asyncio.run(_start_pooled(cls, config)),
+        destroy=_destroy,
+        alive=_kernel_alive,
+    )
+
+
+async def _kernel_started_ahead(config: LocalKernelConfig) -> SandboxHandle | None:
+    """The kernel `LocalKernelSandbox.start_ahead` started for ``config``, once it has started
+    (waiting up to ``startup_timeout_s``); None if there is none, or it failed to start."""
+    pool = found_warm_pool(_ahead_key(config))
+    if pool is None:
+        return None
+    await asyncio.to_thread(pool.wait_full, config.startup_timeout_s)
+    return pool.take()
 
 
 async def _start_pooled(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> SandboxHandle:

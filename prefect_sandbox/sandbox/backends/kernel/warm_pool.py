@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 from prefect_sandbox.sandbox._compat import register_before_threads_join
 from prefect_sandbox.sandbox.base import SandboxHandle
 
-__all__ = ["WarmPool", "close_warm_pools", "warm_pool"]
+__all__ = ["WarmPool", "close_warm_pools", "found_warm_pool", "warm_pool"]
 
 _CLOSE_WAIT_S = 30.0
 """Seconds `close_warm_pools` waits for a sandbox being started to be started, to end it."""
@@ -194,6 +194,12 @@ def warm_pool(key: Hashable, make: Callable[[], WarmPool]) -> tuple[WarmPool, bo
         _close_at_exit()
         pool = _pools[key] = make()
         return pool, True
+
+
+def found_warm_pool(key: Hashable) -> WarmPool | None:
+    """This process's pool for ``key``; None if none was made (see `warm_pool`)."""
+    with _pools_lock:
+        return _pools.get(key)
 
 
 def _forget_pools_in_child() -> None:
