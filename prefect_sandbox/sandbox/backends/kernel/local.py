@@ -289,15 +289,12 @@ class LocalKernelSandbox(JupyterKernelSandbox):
         For a process that knows it will create one sandbox and has other work first (the
         command line imports Prefect and creates the flow run meanwhile). That `create` waits
         for the kernel if it is still starting; with other settings, or if it failed to start,
-        `create` starts one as without it. Unused, it is ended at the process's exit. A second
-        call for the same settings does nothing. A no-op when ``config.warm_pool_size`` is set
-        (the warm pool serves instead).
+        `create` starts one as without it. Unused, it is ended at the process's exit. A call
+        while one of the same settings is ready or starting does nothing; so does one with
+        ``config.warm_pool_size`` set (the warm pool serves instead).
         """
-        if config.warm_pool_size:
-            return
-        pool, made = warm_pool(_ahead_key(config), functools.partial(_one_ahead, cls, config))
-        if made:
-            pool.refill()
+        if not config.warm_pool_size:
+            _warm_pool(cls, config, ahead=True).refill()
 
     @classmethod
     async def _handed_out_or_none(
@@ -308,7 +305,8 @@ class LocalKernelSandbox(JupyterKernelSandbox):
             return await cls._hand_out(handle, config, labels)
         except Exception:
             logger.warning(
-                "Kernel %s, started ahead, failed as it was handed out (ended); not using it",
+                "Kernel %s, started before it was asked for, failed as it was handed out "
+                "(ended); not using it",
                 handle.sandbox_id,
                 exc_info=True,
             )
@@ -623,30 +621,25 @@ def _pool_key(config: LocalKernelConfig) -> tuple[object, ...]:
     return (tuple(settings), host_env, tempfile.gettempdir())
 
 
-def _warm_pool(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> WarmPool:
-    """This process's warm pool of kernels for ``config``."""
+def _warm_pool(
+    cls: type[LocalKernelSandbox], config: LocalKernelConfig, *, ahead: bool = False
+) -> WarmPool:
+    """This process's warm pool of kernels for ``config``; ``ahead``: its pool of one for
+    `LocalKernelSandbox.start_ahead`, kept apart (`_ahead_key`)."""
 
     def start() -> SandboxHandle:
         return asyncio.run(_start_pooled(cls, config))
 
     def make() -> WarmPool:
-        return WarmPool(config.warm_pool_size, start=start, destroy=_destroy, alive=_kernel_alive)
+        size = 1 if ahead else config.warm_pool_size
+        return WarmPool(size, start=start, destroy=_destroy, alive=_kernel_alive)
 
-    pool, _ = warm_pool(_pool_key(config), make)
+    pool, _ = warm_pool(_ahead_key(config) if ahead else _pool_key(config), make)
     return pool
 
 
 def _ahead_key(config: LocalKernelConfig) -> tuple[object, ...]:
     return ("started ahead", _pool_key(config))
-
-
-def _one_ahead(cls: type[LocalKernelSandbox], config: LocalKernelConfig) -> WarmPool:
-    return WarmPool(
-        1,
-        start=lambda: asyncio.run(_start_pooled(cls, config)),
-        destroy=_destroy,
-        alive=_kernel_alive,
-    )
 
 
 async def _kernel_started_ahead(config: LocalKernelConfig) -> SandboxHandle | None:
