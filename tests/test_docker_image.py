@@ -77,14 +77,22 @@ plugin.DockerDaemon = Daemon
 plugin.build_test_image = build
 """
 
-_TESTS = """
+_PLAIN_MODULE = """
+import time
+from pathlib import Path
+
+def test_a_plain_test_runs_during_the_build():
+    Path("plain").write_text(str(time.time()))
+"""
+
+_DOCKER_MODULE = """
 import time
 from pathlib import Path
 
 import pytest
 
-def test_a_plain_test_runs_during_the_build():
-    Path("plain").write_text(str(time.time()))
+def test_a_plain_test_beside_a_docker_test_waits_for_the_build():
+    Path("beside").write_text(str(time.time()))
 
 @pytest.mark.docker
 @pytest.mark.timeout(1)
@@ -93,29 +101,21 @@ def test_a_docker_test_waits_for_the_build_outside_its_timeout(docker_image):
 """
 
 
-def test_the_image_builds_while_other_tests_run_and_a_docker_test_waits_outside_its_timeout(
+def test_the_image_builds_while_other_modules_run_and_a_docker_module_waits_outside_timeouts(
     tmp_path: Path,
 ) -> None:
+    """A module with a Docker test waits before its first test (its shared sandboxes of other
+    backends would sit idle through the build, and expire); the others run meanwhile."""
     (tmp_path / "conftest.py").write_text(_SLOW_BUILD_CONFTEST)
-    (tmp_path / "test_plugin.py").write_text(_TESTS)
+    (tmp_path / "test_plain.py").write_text(_PLAIN_MODULE)
+    (tmp_path / "test_with_docker.py").write_text(_DOCKER_MODULE)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "prefect_sandbox.testing.docker_fixtures",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "test_plugin.py",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+        [sys.executable, "-m", "pytest", "-p", "prefect_sandbox.testing.docker_fixtures",
+         "-p", "no:cacheprovider", "-q", "test_plain.py", "test_with_docker.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout
-    assert float((tmp_path / "plain").read_text()) < float((tmp_path / "built").read_text())
+    assert "3 passed" in done.stdout
+    built = float((tmp_path / "built").read_text())
+    assert float((tmp_path / "plain").read_text()) < built
+    assert float((tmp_path / "beside").read_text()) > built

@@ -4,8 +4,8 @@ Use it with ``pytest_plugins = ["prefect_sandbox.testing.docker_fixtures"]``. Wh
 collected tests include one marked ``docker`` (or using the ``docker_image`` fixture), the
 daemon is started if none answers and the image is built if missing, once, in a thread started
 after collection: other tests run meanwhile (a first build takes a minute or more, on every fresh
-CI machine), and a Docker test waits for it before its timeout starts. A daemon started here is
-stopped at the end of the session.
+CI machine), and a module with a Docker test waits for it before its first test, outside that
+test's timeout. A daemon started here is stopped at the end of the session.
 
 Where Docker cannot run, those tests skip with the reason; with ``PREFECT_SANDBOX_REQUIRE_DOCKER=1``
 (CI sets it) they fail instead, so a machine that should run them never passes silently.
@@ -36,6 +36,10 @@ class _DockerState:
         self.image: str | None = None
         self.problem: str | None = None
         self.setting_up: threading.Thread | None = None
+        self.modules: set[str] = set()
+        """The test modules (node ids) with a Docker test: each waits for the set-up before its
+        first test, so that nothing a module set up (a shared sandbox of another backend, with
+        a lifetime) sits idle through a build."""
 
     def wait(self) -> None:
         """Wait until the daemon and image are set up, or known not to be."""
@@ -61,6 +65,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(_wants_docker(item) for item in session.items):
         return
     state = session.config.stash[_STATE_KEY]
+    state.modules = {_module(item) for item in session.items if _wants_docker(item)}
     state.setting_up = threading.Thread(
         target=_set_up, args=(state,), name="prefect-sandbox-docker-set-up", daemon=True
     )
@@ -93,9 +98,14 @@ def _set_up(state: _DockerState) -> None:
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     # Outside pytest-timeout's wrapper, whose timer starts with the test's set-up: the wait for
     # a first build is not the test's time.
-    if _wants_docker(item):
-        item.config.stash[_STATE_KEY].wait()
+    state = item.config.stash[_STATE_KEY]
+    if _module(item) in state.modules:
+        state.wait()
     return (yield)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
