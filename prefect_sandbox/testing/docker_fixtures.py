@@ -62,10 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not any(_wants_docker(item) for item in session.items):
-        return
     state = session.config.stash[_STATE_KEY]
     state.modules = {_module(item) for item in session.items if _wants_docker(item)}
+    if not state.modules:
+        return
     state.setting_up = threading.Thread(
         target=_set_up, args=(state,), name="prefect-sandbox-docker-set-up", daemon=True
     )
