@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import faulthandler
 import json
 import os
 import pickle
@@ -28,7 +29,6 @@ import dask
 import psutil
 import pytest
 from distributed import Client, LocalCluster
-from distributed.comm.core import CommClosedError
 from distributed.core import Status
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -99,6 +99,10 @@ WORKER_START_S = 120
 """How long the module's worker processes may take to start and reach the scheduler: Dask's
 default 30 s ran out once at load 5 ("Cluster closed without starting up"; 25 s at load 6)."""
 
+NANNY_RESTART_S = 60
+"""How long a nanny may take to bring back the worker a test killed before the cluster starts
+again whole."""
+
 
 class Cluster:
     """Two single-thread worker processes and a client of theirs; the client is not Dask's
@@ -127,15 +131,41 @@ class Cluster:
         )
 
     def ready(self) -> Client:
-        """The client, once both workers run. Where a nanny has closed for good, the cluster
-        starts again whole: beside two CPU burners, a nanny restarting the worker a test had
-        killed closed as the new worker registered, and the next test waited 120 s for it."""
-        if any(nanny.status == Status.closed for nanny in self._local.workers.values()):
-            print("a nanny of the module's cluster closed; starting it again", file=sys.stderr)
-            self.close()
-            self._start()
-        self.client.wait_for_workers(2, timeout=WORKER_START_S)
+        """The client, once both workers run. A nanny restarting the worker a test killed may
+        close, or hang, instead (beside two CPU burners: it closed as the new worker registered,
+        once before this check and once during the wait, and the next test's set-up waited
+        120 s for it); after `NANNY_RESTART_S` without both workers the cluster starts again
+        whole, once."""
+        deadline = time.monotonic() + NANNY_RESTART_S
+        started_again = False
+        while self._running_workers() < 2:
+            nanny_closed = any(
+                nanny.status == Status.closed for nanny in self._local.workers.values()
+            )
+            if nanny_closed or time.monotonic() > deadline:
+                if started_again:
+                    raise TimeoutError("the module's cluster has not 2 workers after a restart")
+                print(
+                    f"the module's cluster lost a worker (a nanny closed: {nanny_closed}); "
+                    "starting it again",
+                    file=sys.stderr,
+                )
+                self.close()
+                self._start()
+                started_again = True
+                deadline = time.monotonic() + WORKER_START_S
+            time.sleep(0.2)
+        self._register_stack_dumps()
         return self.client
+
+    def _running_workers(self) -> int:
+        workers = self.client.scheduler_info()["workers"].values()
+        return sum(worker["status"] == Status.running.name for worker in workers)
+
+    def _register_stack_dumps(self) -> None:
+        """Each worker process writes its threads' stacks to its stderr on SIGUSR1, even with
+        its event loop blocked (a worker once sent no heartbeat for 568 s mid-task)."""
+        self.client.run(faulthandler.register, signal.SIGUSR1, all_threads=True)
 
     def close(self) -> None:
         """Stop the client, the workers and the scheduler."""
@@ -163,11 +193,12 @@ def workers(cluster: Cluster) -> Iterator[Workers]:
         # A worker that died unasked strands what was pinned to it; what Dask knows of why.
         print(f"workers gone: {gone}; Dask's events: {client.get_events()}", file=sys.stderr)
     if any(client.processing().values()):
-        # Where the left tasks stand, for the report of the test that left them.
-        with contextlib.suppress(CommClosedError):
-            for worker, tasks in client.call_stack().items():
-                for key, frames in tasks.items():
-                    print(f"left on {worker}: {key}\n{''.join(frames)}", file=sys.stderr)
+        # Where the left tasks stand, for the report of the test that left them: faulthandler
+        # answers where the worker's event loop cannot (call_stack would wait on a stalled one).
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # the dumps are written by the workers, not by this process
         client.restart(timeout=WORKER_START_S)
 
 
