@@ -302,24 +302,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _deploy(args)
     if args.json and not args.verbose:
         args.quiet = True  # stderr as -q has it; stdout is the JSON object's alone anyway
+    if argv is None:
+        # Registered before Prefect is imported, so it runs after Prefect's exit handlers.
+        atexit.register(_exit_without_teardown)
     _signals_received.clear()
     previous = {signum: signal.signal(signum, _interrupt) for signum in _STOP_SIGNALS}
     try:
-        return _run_command(args)
+        status = _run_command(args)
     except _Interrupted as exc:
-        return _interrupted_before_the_flow_run(exc.signum)
+        status = _interrupted_before_the_flow_run(exc.signum)
     except Exception:
         # A library our handler's raise went through may hand it on as an error of its own
         # (pydantic wraps one raised in a serializer: Prefect's settings, as it is imported).
         if not _signals_received:
             raise
-        return _interrupted_before_the_flow_run(_signals_received[0])
+        status = _interrupted_before_the_flow_run(_signals_received[0])
     finally:
         # As the command (argv None), Prefect's exit may follow (its log and event workers
         # draining): a signal then ends the process at once, with the status a shell expects.
         # Called as a function, the caller's handlers come back.
         for signum in _STOP_SIGNALS:
             signal.signal(signum, _exit_at_once if argv is None else previous[signum])
+    _exit_status.append(status)
+    return status
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -350,6 +355,28 @@ def _interrupted_before_the_flow_run(signum: int) -> int:
     name = signal.Signals(signum).name
     print(f"prefect-sandbox: interrupted by {name} before the flow run began", file=sys.stderr)
     return 128 + signum
+
+
+_exit_status: list[int] = []
+"""The status `main` returned, as the command: what `_exit_without_teardown` exits with."""
+
+
+def _exit_without_teardown() -> None:
+    """The command's last exit handler: end the process without the interpreter's teardown of
+    its modules and objects, about 0.5 s of CPU after a run with Prefect imported (measured
+    with strace: no system call between the last exit handler and ``exit_group``).
+
+    Prefect's log and event workers have drained by now (``threading``'s exit hooks run before
+    ``atexit``'s), and so has every handler registered after this one; of those registered
+    before it, only logging's shutdown is known (and called here). Does nothing where `main`
+    did not return (an error's traceback, ``SystemExit`` from argparse): Python ends those."""
+    if not _exit_status:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or file: nothing to add
+            stream.flush()
+    os._exit(_exit_status[-1])
 
 
 def _exit_at_once(signum: int, frame: object) -> None:

@@ -445,6 +445,49 @@ def test_json_is_the_only_thing_on_stdout_and_shows_a_completed_run(tmp_path: Pa
     assert " ok in " not in "".join(set(done.stderr.splitlines()) - set(progress))
 
 
+_TEARDOWN_WITNESS = """
+import sys
+from prefect_sandbox import cli
+
+class Witness:
+    def __del__(self):
+        print("torn down", file=sys.stderr)
+
+witness = Witness()  # freed by the interpreter's teardown, where there is one
+called_as = sys.argv.pop(1)
+sys.exit(cli.main() if called_as == "command" else cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("called_as", ["command", "function"])
+def test_the_command_ends_without_the_interpreters_teardown_keeping_status_and_output(
+    tmp_path: Path, called_as: str
+) -> None:
+    """As the command, a run ends its process after the exit handlers, without the teardown
+    of Prefect's modules (about 0.5 s of CPU); its status and its JSON are whole. Called as a
+    function, Python's own exit follows (the witness of the teardown)."""
+    import json
+
+    from prefect.settings import PREFECT_API_URL
+
+    _metrics_notebook(tmp_path / "m.ipynb", fail=False)
+    (tmp_path / "witness.py").write_text(_TEARDOWN_WITNESS)
+    args = ["run", "m.ipynb", "--json", "--artifact", "metrics.json", "--out", "out"]
+    done = subprocess.run(
+        [sys.executable, "witness.py", called_as, *args],
+        env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["status"] == "completed" and result["metrics"]["mae"] == 0.2
+    assert ("torn down" in done.stderr.splitlines()) is (called_as == "function")
+
+
 @pytest.mark.usefixtures("prefect_api")
 def test_json_shows_a_failed_run_with_its_stages_files_and_metrics(tmp_path: Path) -> None:
     import json
