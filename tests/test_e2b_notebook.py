@@ -4,6 +4,7 @@ formatter fails, a thread's output, widget state (``metadata.widgets``)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +21,12 @@ from prefect_sandbox.sandbox.errors import SandboxDiedError
 from prefect_sandbox.sandbox.notebook import WIDGET_STATE_MIME, ExecutedNotebook
 from prefect_sandbox.testing.e2b import E2BEmulator
 from tests.conftest import stream_text
-from tests.contract.test_execution import RELEASE_THREAD, START_THREAD, START_WAITING_THREAD
+from tests.contract.test_execution import (
+    RELEASE_THREAD,
+    START_RELEASED_THREAD,
+    START_WAITING_THREAD,
+    release_printer,
+)
 
 LABELS = {"prefect-sandbox": "true", "suite": "e2b-notebook"}
 TEMPLATE_IPYKERNEL = "6.31.0"  # what e2b-dev/code-interpreter's template/requirements.txt pins
@@ -217,21 +223,21 @@ def template_emulator(template_ipykernel: Path) -> Iterator[E2BEmulator]:
 
 
 async def test_on_the_templates_ipykernel_a_threads_output_is_kept_as_on_local(
-    template_emulator: E2BEmulator,
+    template_emulator: E2BEmulator, tmp_path: Path
 ) -> None:
     sandbox = await _backend(template_emulator).create(LABELS)
     try:
         version = await sandbox.run_cell("import ipykernel; ipykernel.__version__")
         assert version.outputs[0]["data"]["text/plain"] == repr(TEMPLATE_IPYKERNEL)
-        start_thread = START_THREAD
         # Printed while a later cell runs: in that cell, as ipykernel 7 and local give it.
         await sandbox.run_cell(START_WAITING_THREAD.format(text="during next"))
         during = await sandbox.run_cell(RELEASE_THREAD + "print('cell two')")
         assert stream_text(during.outputs) == "during next\ncell two\n"
         # Printed while no cell runs: the server drops it (it owns no running execution).
-        first = await sandbox.run_cell(start_thread.format(text="between cells", delay=0.2))
+        first = await sandbox.run_cell(START_RELEASED_THREAD.format(text="between cells"))
         assert stream_text(first.outputs) == "started\n"
-        await sandbox.run_cell("import time; time.sleep(0.8)")
+        await release_printer(sandbox, tmp_path)
+        await asyncio.sleep(0.8)  # the thread prints; nothing shows that it was dropped
         after = await sandbox.run_cell("print('last')")
         assert stream_text(after.outputs) == "last\n"
         assert await sandbox.take_late_outputs() == {}
