@@ -282,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     SIGINT and SIGTERM end ``run`` and ``sweep`` at any moment: before the flow run begins at
     once (``128 + N``), during it as `SignalStop` says; with ``argv`` None (the command itself)
-    also after it, at once.
+    also after it, at once. As the command, ``run`` and ``sweep`` end the process after its exit
+    handlers, without the interpreter's teardown (`_exit_without_teardown`).
 
     Args:
         argv: the arguments after the program name; None for ``sys.argv[1:]``, as the command.
