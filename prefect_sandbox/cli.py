@@ -324,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Called as a function, the caller's handlers come back.
         for signum in _STOP_SIGNALS:
             signal.signal(signum, _exit_at_once if argv is None else previous[signum])
-    _exit_status.append(status)
+    if argv is None:
+        _exit_status.append(status)
     return status
 
 

@@ -164,7 +164,8 @@ class Cluster:
 
     def _register_stack_dumps(self) -> None:
         """Each worker process writes its threads' stacks to its stderr on SIGUSR1, even with
-        its event loop blocked (a worker once sent no heartbeat for 568 s mid-task)."""
+        its event loop blocked (a worker once sent no heartbeat for 568 s mid-task). Done at
+        each `ready`: a worker a nanny restarted is a new process."""
         self.client.run(faulthandler.register, signal.SIGUSR1, all_threads=True)
 
     def close(self) -> None:
