@@ -346,8 +346,13 @@ class DockerSandbox(JupyterKernelSandbox):
         docker_client = await asyncio.to_thread(_client, config)
         try:
             with _translated("list"):
+                # docker-py inspects each listed container; one killed meanwhile (another
+                # process's sandbox) would fail the whole list with NotFound.
                 containers = await asyncio.to_thread(
-                    docker_client.containers.list, all=True, filters={"label": filters}
+                    docker_client.containers.list,
+                    all=True,
+                    filters={"label": filters},
+                    ignore_removed=True,
                 )
         finally:
             docker_client.close()
