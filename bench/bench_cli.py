@@ -60,7 +60,8 @@ MODE_NAMES = {
 }
 SERVER_START_S = 180.0
 
-# The CLI through a wrapper that notes when its module starts and when it checks the API.
+# The CLI through a wrapper that notes when its module starts and when it checks the API; main()
+# without argv (it reads sys.argv[1:]) ends the process as the installed command does.
 _WRAPPER = """
 import sys, time
 started = time.time()
@@ -75,7 +76,8 @@ if check is not None:
             print(f"BENCH-API {began} {time.time()}", file=sys.stderr, flush=True)
     cli._api_problem = timed_check
 print(f"BENCH-START {started}", file=sys.stderr, flush=True)
-sys.exit(cli.main(sys.argv[1:]))
+sys.exit(cli.main())
+
 """
 _LOG_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) \| \w+ +\| (.*)$")
 
