@@ -22,7 +22,7 @@ from pathlib import Path
 from boto3.s3.transfer import TransferConfig
 from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
 
-from prefect_sandbox.tasks.storage import (
+from prefect_sandbox.tasks.s3_storage import (
     MULTIPART_CHUNK_BYTES,
     MULTIPART_THRESHOLD_BYTES,
     S3Store,

@@ -527,15 +527,21 @@ def _call_flow(
     """Call the command's flow (a run with its progress shown) under ``stopper``; it raises
     what the flow raises."""
     if args.command == "run":
-        # Only the flow it runs: `prefect_sandbox.flows` imports each on first use.
-        from prefect_sandbox.flows import arun_notebook
         from prefect_sandbox.progress import progress_mode, shown_progress
+
+        if isinstance(storage, str):
+            # run-notebook with text storage: a run to a folder imports no prefect-aws.
+            from prefect_sandbox.flows.notebook_run import (
+                arun_notebook_text_storage as run_notebook_flow,
+            )
+        else:
+            from prefect_sandbox.flows import arun_notebook as run_notebook_flow
 
         mode = progress_mode(args.quiet, sys.stderr)
         plan = _cell_plan(args.notebook, parameters, args.stage_heading_level)
         with shown_progress(mode, plan, sys.stderr):
             return stopper.run(
-                lambda: arun_notebook(
+                lambda: run_notebook_flow(
                     notebook=args.notebook,
                     inputs=args.input,
                     artifacts=args.artifact,

@@ -384,6 +384,72 @@ def test_the_run_command_imports_the_pipeline_flows_only() -> None:
     assert python_stdout("-c", code).strip() == "[]"
 
 
+@pytest.mark.timeout(SUBPROCESS_TEST_TIMEOUT_S)
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_to_a_folder_imports_neither_prefect_aws_nor_boto3(tmp_path: Path) -> None:
+    """prefect-aws and boto3 cost about 0.5 s to import: a run whose storage is a folder runs
+    ``run-notebook`` with text storage and never loads them; one to ``s3://`` does."""
+    from prefect.settings import PREFECT_API_URL
+
+    _notebook(tmp_path / "nb.ipynb")
+    code = (
+        "import sys\n"
+        "from prefect_sandbox.cli import main\n"
+        "status = main(sys.argv[1:])\n"
+        "aws = {'prefect_aws', 'boto3', 'botocore'}\n"
+        "print(status, sorted(aws & set(sys.modules)))\n"
+    )
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    loaded_by = {}
+    for out in ("out", "s3://no-such-bucket/runs"):
+        done = subprocess.run(
+            [sys.executable, "-c", code, "run", "nb.ipynb", "--out", out, "-q"],
+            cwd=tmp_path,
+            env={**env, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"},
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TEST_TIMEOUT_S,
+        )
+        status, loaded_by[out] = done.stdout.splitlines()[-1].split(" ", 1)
+        assert status == ("0" if out == "out" else "1"), done.stderr
+    assert loaded_by == {
+        "out": "[]",
+        "s3://no-such-bucket/runs": "['boto3', 'botocore', 'prefect_aws']",
+    }
+    run_dir = next((tmp_path / "out").iterdir())
+    assert nbformat.read(run_dir / "executed.ipynb", as_version=4).cells[1].outputs
+
+
+def test_the_clis_run_notebook_flow_is_the_public_one_with_text_storage() -> None:
+    """The CLI's flow (`arun_notebook_text_storage`) cannot drift from `arun_notebook`: same
+    name, hooks, parameters and defaults; only ``storage`` differs, and the public flow's
+    schema still offers a saved S3Bucket block (the UI's block selector)."""
+    import inspect
+
+    from prefect_sandbox.flows import arun_notebook
+    from prefect_sandbox.flows.notebook_run import arun_notebook_text_storage
+
+    public = inspect.signature(arun_notebook.fn).parameters
+    text = inspect.signature(arun_notebook_text_storage.fn).parameters
+    assert list(public) == list(text)
+    assert [p.default for p in public.values()] == [p.default for p in text.values()]
+    differing = [n for n in public if public[n].annotation != text[n].annotation]
+    assert differing == ["storage"]
+    assert (arun_notebook.name, arun_notebook.on_crashed_hooks) == (
+        arun_notebook_text_storage.name,
+        arun_notebook_text_storage.on_crashed_hooks,
+    )
+    assert arun_notebook.on_cancellation_hooks == arun_notebook_text_storage.on_cancellation_hooks
+    storage = arun_notebook.parameters.model_dump()["properties"]["storage"]
+    slugs = [
+        definition.get("block_type_slug")
+        for definition in arun_notebook.parameters.model_dump()["definitions"].values()
+    ]
+    assert "s3-bucket" in slugs, storage
+    text_storage = arun_notebook_text_storage.parameters.model_dump()["properties"]["storage"]
+    assert "$ref" not in str(text_storage)
+
+
 def _api_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The CLI against the session's Prefect API (stdout and stderr are pipes)."""
     from prefect.settings import PREFECT_API_URL

@@ -6,7 +6,9 @@ the artifacts, stores them with the executed notebook and ``summary.json``, and 
 sandbox. The run's life (staging, the cap's slot, the sandbox, every way out, the summary) is
 `PipelineRun.running`; these flows hold only their stages. Whatever way the run ends (a failed
 stage, a cancel, a signal, ``timeout_seconds``), what was made is stored while the sandbox is
-killed; a flow retry runs the whole pipeline again in a fresh sandbox. The flows are async (a
+killed; a flow retry runs the whole pipeline again in a fresh sandbox. Their body is
+`prefect_sandbox.flows.notebook_run`'s, which also holds the CLI's ``run-notebook``, whose
+``storage`` is text so that a run to a folder imports no prefect-aws. The flows are async (a
 sync Prefect flow pays about 1 s joining its heartbeat thread); the sync twins run them from
 plain Python and, on a script's main thread, take SIGTERM as the CLI does
 (``SystemExit(143)`` after the run ends Cancelled). Manual: docs/concepts.md.
@@ -14,45 +16,24 @@ plain Python and, on a script's main thread, take SIGTERM as the CLI does
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from nbformat import NotebookNode
-from prefect import flow, get_run_logger
-from prefect.client.schemas.objects import FlowRun
-from prefect.states import Cancelled, Completed
+from prefect import flow
 from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks import BackendBlock
-from prefect_sandbox.blocks.base import SandboxBackend
-from prefect_sandbox.flows.errors import PipelineFailedError
 from prefect_sandbox.flows.hooks import kill_run_sandboxes
+from prefect_sandbox.flows.notebook_run import checked_run, run_notebook_flow
 from prefect_sandbox.flows.pipeline_run import (
     EXECUTED_NOTEBOOK_NAME,
     METRICS_NAME,
     RESERVED_NAMES,
     SUMMARY_NAME,
-    PipelineRun,
-    ProgressArtifact,
-    new_run,
     own_names_kept,
-    warnings_note,
 )
-from prefect_sandbox.flows.policy import check_deployment_run
 from prefect_sandbox.flows.stopping import sync_twin
-from prefect_sandbox.options import RunOptions, check_options
 from prefect_sandbox.results import PipelineResult
-from prefect_sandbox.sandbox.errors import SandboxError
-from prefect_sandbox.sandbox.notebook import (
-    StageSpec,
-    inject_parameters,
-    notebook_from_stages,
-    read_notebook,
-    split_stages,
-    undeclared_parameters,
-)
+from prefect_sandbox.sandbox.notebook import notebook_from_stages
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",
@@ -65,107 +46,6 @@ __all__ = [
     "own_names_kept",
     "run_notebook",
 ]
-
-
-async def _checked_run(
-    notebook: str | None,
-    make_source: Callable[[], NotebookNode],
-    inputs: list[str] | None,
-    artifacts: list[str] | None,
-    backend: SandboxBackend | None,
-    storage: S3Bucket | str | None,
-    cell_timeout_s: float | None,
-    parameters: dict[str, Any] | None = None,
-    stage_heading_level: int = 1,
-) -> PipelineResult:
-    """The pipeline flows' common path, given their parameters: refuse a deployment run's or a
-    bad parameter (before any sandbox starts), make the notebook with ``make_source``, then run
-    it with `_run_pipeline` (the flows' docstrings list the errors raised)."""
-    await check_deployment_run()
-    check_options(
-        RunOptions,
-        notebook=notebook,
-        inputs=inputs,
-        artifacts=artifacts,
-        storage=storage,
-        cell_timeout_s=cell_timeout_s,
-    )
-    source = make_source()
-    return await _run_pipeline(
-        source,
-        split_stages(source, stage_heading_level),
-        inputs=inputs or [],
-        artifacts=artifacts or [],
-        backend=backend,
-        storage=storage,
-        cell_timeout_s=cell_timeout_s,
-        parameters=parameters,
-    )
-
-
-async def _run_pipeline(
-    source: NotebookNode,
-    stages: list[StageSpec],
-    *,
-    inputs: list[str],
-    artifacts: list[str],
-    backend: SandboxBackend | None,
-    storage: S3Bucket | str | None,
-    cell_timeout_s: float | None,
-    parameters: dict[str, Any] | None = None,
-) -> PipelineResult:
-    run, flow_run = await new_run(source, stages, backend, storage, "a pipeline")
-    run.progress = ProgressArtifact(len(stages))
-    async with run.running(
-        flow_run,
-        inputs=inputs,
-        artifacts=artifacts,
-        summary=("pipeline-summary", "Pipeline summary"),
-        parameters=parameters,
-    ) as handle:
-        if handle is not None:
-            await run.execute(handle, cell_timeout_s)
-    return _ended(run, flow_run)
-
-
-def _ended(run: PipelineRun, flow_run: FlowRun) -> PipelineResult:
-    """The pipeline's end, from its run's outcome: its result (a Completed state naming the
-    warnings, when there are some), a Cancelled state, or `PipelineFailedError` (also on a
-    timeout: Prefect's scope turns it into its TimedOut state); an exception of another kind
-    that left the stages is raised as it is."""
-    outcome, result = run.outcome, run.result
-    assert result is not None, "running stores the result on every way out"
-    if outcome.cancelled:
-        message = (
-            f"flow run {flow_run.name!r} {result.error}; partial results in "
-            f"{run.store.output_dir}{warnings_note(result.warnings)}"
-        )
-        # Prefect makes a State the flow returns its final state; the caller gets CancelledRun.
-        return cast(PipelineResult, Cancelled(message=message))
-    if outcome.raised is not None and not isinstance(
-        outcome.raised, SandboxError | asyncio.CancelledError
-    ):
-        raise outcome.raised
-    if outcome.failure is not None or outcome.timed_out:
-        stopped = next((r for r in run.stage_results if r.status != "ok"), None)
-        failure = outcome.failure
-        raise PipelineFailedError(
-            f"{result.error or 'pipeline failed'}{warnings_note(result.warnings)}",
-            stage=getattr(failure, "stage", None) or (stopped.name if stopped else None),
-            cell_index=getattr(failure, "cell_index", None)
-            if failure
-            else stopped.failed_cell_index
-            if stopped
-            else None,
-            output_dir=run.store.output_dir,
-            sandbox_id=run.sandbox_id,
-            result=result,
-        ) from failure
-    if result.warnings:
-        # The state's message names each file not fetched; the caller still gets the result.
-        message = f"completed{warnings_note(result.warnings)}"
-        return cast(PipelineResult, Completed(message=message, data=result))
-    return result
 
 
 @flow(
@@ -228,27 +108,14 @@ async def arun_notebook(
             are).
     """
 
-    def make_source() -> NotebookNode:
-        original = read_notebook(Path(notebook))
-        source = inject_parameters(original, parameters or {})
-        unknown = undeclared_parameters(original, parameters or {})
-        if unknown:
-            get_run_logger().warning(
-                "Parameter(s) %s are not assigned in the notebook's cell tagged 'parameters' "
-                "(or it has none); injected anyway",
-                ", ".join(unknown),
-            )
-        return source
-
-    return await _checked_run(
+    return await run_notebook_flow(
         notebook,
-        make_source,
         inputs,
         artifacts,
+        parameters,
         backend,
         storage,
         cell_timeout_s,
-        parameters,
         stage_heading_level,
     )
 
@@ -299,7 +166,7 @@ async def amodeling_pipeline(
         NotebookError: a stage is empty or unnamed.
         PipelineFailedError, prefect.exceptions.CancelledRun: as `arun_notebook`.
     """
-    return await _checked_run(
+    return await checked_run(
         None,
         lambda: notebook_from_stages(stages),
         inputs,

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from uuid import UUID
 
 from nbformat import NotebookNode
@@ -31,7 +31,6 @@ from prefect.artifacts import (
 )
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import FlowRunContext
-from prefect_aws import S3Bucket
 
 from prefect_sandbox.blocks.base import SandboxBackend, create_refused
 from prefect_sandbox.flows.hooks import default_backend, kill_labelled_sandboxes
@@ -81,6 +80,9 @@ from prefect_sandbox.tasks.storage import (
     resolve_storage,
     store_artifacts,
 )
+
+if TYPE_CHECKING:
+    from prefect_aws import S3Bucket
 
 __all__ = [
     "EXECUTED_NOTEBOOK_NAME",

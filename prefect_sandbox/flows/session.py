@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import httpx
 import nbformat
@@ -34,7 +34,6 @@ from prefect.context import FlowRunContext
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Cancelled
 from prefect.utilities.annotations import quote
-from prefect_aws import S3Bucket
 from pydantic import BaseModel
 
 from prefect_sandbox.blocks.base import SandboxBackend
@@ -62,6 +61,9 @@ from prefect_sandbox.tasks.sandbox import (
     stage_progress,
 )
 from prefect_sandbox.tasks.scopes import shielded
+
+if TYPE_CHECKING:
+    from prefect_aws import S3Bucket
 
 __all__ = [
     "DEFAULT_FIX_ATTEMPTS",
