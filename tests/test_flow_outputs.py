@@ -264,7 +264,9 @@ async def test_a_progress_bars_200_updates_reach_the_run_log_at_a_bounded_rate(
 ) -> None:
     """tqdm-style ``\\r`` redraws: the run log gets the bar when it starts, at most once per
     `PROGRESS_LOG_INTERVAL_S` after, and its finished state; not one record per kernel flush
-    (about 5 a second, 10 or more here)."""
+    (about 5 a second, 10 or more here). The first record is the bar as the kernel's first
+    stream message left it: ``1/200`` on a quiet machine, a few redraws on under load, where
+    ipykernel's I/O thread sends several writes in one message."""
     from prefect_sandbox.tasks.sandbox import PROGRESS_LOG_INTERVAL_S
 
     source = _notebook(
@@ -286,7 +288,9 @@ async def test_a_progress_bars_200_updates_reach_the_run_log_at_a_bounded_rate(
     bar = [m for m in messages if "/200" in m]
     seconds = result.stages[0].duration_s
     assert 2 <= len(bar) <= 2 + int(seconds / PROGRESS_LOG_INTERVAL_S), (seconds, bar)
-    assert bar[0] == "[setup cell 0]   1/200 "
+    drawn = [int(m.removeprefix("[setup cell 0]").split("/")[0]) for m in bar]
+    assert drawn == sorted(set(drawn)) and drawn[0] < 100, bar
+    assert bar[0] == f"[setup cell 0] {drawn[0]:3d}/200 " + "#" * (drawn[0] // 10)
     assert bar[-1] == "[setup cell 0] 200/200 " + "#" * 20
     assert "[setup cell 0] after the bar" in messages
     assert messages[-1].startswith("[setup cell 0] ok in ")
