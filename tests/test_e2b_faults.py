@@ -6,6 +6,7 @@ Faults both vendors share are in tests/test_emulator_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -155,3 +156,36 @@ async def test_a_500_on_connect_is_retried_so_a_kill_still_reaches_the_sandbox(
         await sandbox.kill()
     assert len(_requests(e2b_emulator, "connect", start)) == 3
     assert e2b_emulator.sandbox_ids(labels) == []
+
+
+async def test_a_context_whose_sandbox_is_killed_as_its_kernel_starts_ends_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emulator's side of a kill that lands while a code context starts, once its kernel
+    answers (the kill comes as the context's first ``cd`` ends): the context is not kept in the
+    dead sandbox, and its kernel and connection end. A quiet suite run met such a connection's
+    zmq sockets freed unclosed (a ResourceWarning) in a later test."""
+    import psutil
+
+    from prefect_sandbox.sandbox.errors import SandboxDiedError
+    from prefect_sandbox.testing.e2b.state import EmulatedContext, EmulatedSandbox, World
+
+    world = World(tmp_path, interrupt_delay_s=0.1, dead_kernel_poll_s=60)
+    sandbox = world.create({}, None)
+    change_directory = World._change_directory
+    started: list[psutil.Process] = []
+
+    async def killed_meanwhile(box: EmulatedSandbox, context: EmulatedContext, cwd: str) -> None:
+        await change_directory(box, context, cwd)
+        assert context.kernel is not None
+        runtime_dir = Path(context.kernel.handle.connection["runtime_dir"])
+        started.append(psutil.Process(int((runtime_dir / "kernel.pid").read_text())))
+        await world.kill(box)
+
+    monkeypatch.setattr(World, "_change_directory", staticmethod(killed_meanwhile))
+    with pytest.raises(SandboxDiedError, match="killed as a context started"):
+        await world.create_context(sandbox, "python", None)
+    assert sandbox.contexts == {}
+    assert started
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert started[0].status() == psutil.STATUS_ZOMBIE

@@ -330,8 +330,7 @@ class World:
             id=str(uuid.uuid4()), language=self._checked(language), cwd=cwd or HOME
         )
         await self._start_kernel(sandbox, context)
-        sandbox.contexts[context.id] = context
-        return context
+        return await self._added(sandbox, context)
 
     async def default_context(
         self, sandbox: EmulatedSandbox, language: str | None = None
@@ -348,6 +347,20 @@ class World:
         context_id = f"default-{language}-{uuid.uuid4()}"
         context = EmulatedContext(id=context_id, language=language, cwd=HOME)
         await self._start_kernel(sandbox, context)
+        return await self._added(sandbox, context)
+
+    @staticmethod
+    async def _added(sandbox: EmulatedSandbox, context: EmulatedContext) -> EmulatedContext:
+        """Add a context whose kernel has started to its sandbox; one killed during the start is
+        gone with it: the context is stopped (its connection's sockets closed, its kernel ended)
+        rather than left in a sandbox no one will kill again.
+
+        Raises:
+            SandboxDiedError: the sandbox was killed while the kernel started.
+        """
+        if sandbox.killed.is_set():
+            await context.stop()
+            raise SandboxDiedError(f"sandbox {sandbox.sandbox_id} was killed as a context started")
         sandbox.contexts[context.id] = context
         return context
 
