@@ -158,6 +158,12 @@ class Cluster:
         self._register_stack_dumps()
         return self.client
 
+    def stalled_workers(self) -> list[str]:
+        """The workers whose last heartbeat reached the scheduler over `STALLED_AFTER_S` ago."""
+        workers = self.client.scheduler_info()["workers"]
+        now = time.time()
+        return [a for a, w in workers.items() if now - w["last_seen"] > STALLED_AFTER_S]
+
     def _running_workers(self) -> int:
         workers = self.client.scheduler_info()["workers"].values()
         return sum(worker["status"] == Status.running.name for worker in workers)
@@ -181,10 +187,16 @@ def cluster() -> Iterator[Cluster]:
     started.close()
 
 
+STALLED_AFTER_S = 30
+"""A worker whose heartbeat is older than this is stalled: its event loop is blocked (Dask's
+heartbeats are a second or so apart; the scheduler itself restarts one only after 300 s)."""
+
+
 @pytest.fixture
 def workers(cluster: Cluster) -> Iterator[Workers]:
     """The module's cluster, idle: a test that ends with tasks still on a single-thread worker
-    (one timed out, or a branch Dask cannot stop) has its workers restarted, or every later
+    (one timed out, or a branch Dask cannot stop), or with a stalled worker, has its workers'
+    stacks written to stderr (the test's report) and its workers restarted, or every later
     test's tasks would queue behind them. A worker an earlier test killed is back first (its
     nanny restarts it under a new address)."""
     client = cluster.ready()
@@ -193,7 +205,10 @@ def workers(cluster: Cluster) -> Iterator[Workers]:
     if gone := {address: pid for address, pid in pids.items() if not psutil.pid_exists(pid)}:
         # A worker that died unasked strands what was pinned to it; what Dask knows of why.
         print(f"workers gone: {gone}; Dask's events: {client.get_events()}", file=sys.stderr)
-    if any(client.processing().values()):
+    # A client that left (a CLI's sweep, stopped) takes its tasks with it: a worker stalled
+    # in one shows only by its heartbeat (a quiet run at 094d22f: one stopped for 503 s after
+    # a branch's fetch-artifacts, and the next test's set-up waited on it).
+    if any(client.processing().values()) or cluster.stalled_workers():
         # Where the left tasks stand, for the report of the test that left them: faulthandler
         # answers where the worker's event loop cannot (call_stack would wait on a stalled one).
         for pid in pids.values():
