@@ -5,8 +5,9 @@
 object named ``run-notebook`` over the same body whose ``storage`` is text (a folder, an
 ``s3://`` URI or ``s3-bucket/NAME``) rather than ``S3Bucket | str``: Prefect resolves a flow's
 parameter types as it is defined, so the public flow imports prefect-aws (and boto3), about 0.5 s,
-for its block selector in the UI; the CLI, which passes a block only with ``--aws-credentials``,
-runs this one and imports prefect-aws only for S3 storage or inputs. Manual: docs/concepts.md.
+for its block selector in the UI; the CLI, which passes a block only for an ``s3://`` ``--out``,
+runs this one otherwise and imports prefect-aws only for S3 storage or inputs. Manual:
+docs/concepts.md.
 """
 
 from __future__ import annotations
